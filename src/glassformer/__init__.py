@@ -1,0 +1,9 @@
+"""glassformer: a decoder-only transformer you can train, run, price and see inside."""
+
+__version__ = "0.1.0"
+
+from .config import PRESETS, ModelConfig  # noqa: E402
+from .kv_cache import KVCache  # noqa: E402
+from .model import Transformer  # noqa: E402
+
+__all__ = ["ModelConfig", "PRESETS", "Transformer", "KVCache", "__version__"]

@@ -1,0 +1,29 @@
+"""PyTorch's fused scaled_dot_product_attention: the fast default."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .mask import allowed
+
+# enable_gqa arrived in torch 2.5; before it, repeat the key/value heads.
+_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, start=None):
+    """Fused attention; the mask is only built when it is not plain causal."""
+    B, N, Tq, H = q.shape
+    K, Tk = k.shape[1], k.shape[2]
+    if N != K and not _HAS_GQA:
+        k = k.repeat_interleave(N // K, dim=1)  # (B, N, Tk, H)
+        v = v.repeat_interleave(N // K, dim=1)  # (B, N, Tk, H)
+    gqa = {"enable_gqa": True} if (N != k.shape[1] and _HAS_GQA) else {}
+    if key_mask is None and window is None and start == 0 and Tq == Tk:  # plain causal: no mask to build
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+    ok = allowed(q_pos, torch.arange(Tk, device=q.device), key_mask, window)  # (B, Tq, Tk)
+    any_ok = ok.any(-1, keepdim=True)  # (B, Tq, 1)
+    # Rows with no readable key: let them read everything (finite), then zero their output.
+    ok = (ok | ~any_ok)[:, None]  # (B, 1, Tq, Tk)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=ok, scale=scale, **gqa)  # (B, N, Tq, H)
+    return out * any_ok[:, None].to(out.dtype)

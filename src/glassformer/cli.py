@@ -1,0 +1,71 @@
+"""`glassformer <verb>`: one module per verb under glassformer/commands/.
+
+Each verb module defines HELP (one line), add_arguments(parser) and run(args) -> int, and
+imports anything heavy inside run(), so `glassformer --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from . import __version__
+from .errors import UserError
+
+# The order `glassformer --help` lists them in.
+VERBS = ["prepare", "tokenize", "train", "eval", "generate", "convert", "trace", "worked", "view", "cost", "demo"]
+
+
+def _verb_modules():
+    for verb in VERBS:
+        name = f"glassformer.commands.{verb.replace('-', '_')}"
+        if importlib.util.find_spec(name) is not None:
+            yield verb, importlib.import_module(name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="glassformer",
+        description="A decoder-only transformer you can train, run, price and see inside.",
+    )
+    parser.add_argument("--version", action="version", version=f"glassformer {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    sub = parser.add_subparsers(dest="verb", metavar="<verb>")
+    for verb, mod in _verb_modules():
+        p = sub.add_parser(verb, help=mod.HELP, description=mod.HELP,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the full traceback on errors")
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+class _ArgumentParserError(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verb is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        if getattr(args, "debug", False):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def console() -> None:
+    sys.exit(main())

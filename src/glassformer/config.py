@@ -1,0 +1,236 @@
+"""ModelConfig: every size and switch of the model in one dataclass, with named presets.
+
+Field names follow Meta's llama3 `ModelArgs` where one exists. Sizes that are left as
+None (`n_kv_heads`, `head_dim`, `ffn_dim`) are resolved in `__post_init__`, so after
+construction every size is a plain int.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+NORMS = ("rms", "layer")
+PLACEMENTS = ("pre", "post")
+FFNS = ("swiglu", "relu", "gelu", "gelu_tanh")
+POSITIONS = ("rope", "learned", "none")
+ATTENTIONS = ("sdpa", "naive", "tiled")
+ROPE_PAIRS = ("half", "interleaved")
+ROPE_SCALINGS = ("llama3", "linear")
+
+
+def _swiglu_width(dim: int) -> int:
+    """Llama's rule: 2/3 of 4·dim (so SwiGLU's three matrices cost what two would), rounded up to 32."""
+    return 32 * math.ceil(int(8 * dim / 3) / 32)
+
+
+@dataclass
+class ModelConfig:
+    """The shape and the switches of one glassformer model."""
+
+    vocab_size: int = 512
+    """V: number of token ids (follows the tokenizer)."""
+    dim: int = 64
+    """D: width of the residual stream."""
+    n_layers: int = 2
+    """L: number of blocks."""
+    n_heads: int = 4
+    """N: query heads per attention layer."""
+    n_kv_heads: int | None = None
+    """K: key/value heads (None = n_heads, MHA; 1 = MQA; between = GQA)."""
+    head_dim: int | None = None
+    """H: size of one head (None = dim // n_heads)."""
+    ffn_dim: int | None = None
+    """F: feed-forward width (None = 8·dim/3 rounded up to 32 for SwiGLU, 4·dim otherwise)."""
+    max_seq_len: int = 256
+    """Longest context the model accepts (positions 0 … max_seq_len-1)."""
+    rope_theta: float = 10000.0
+    """RoPE base: pair i turns theta^(-2i/H) radians per position."""
+    rope_scaling: dict | None = None
+    """None, or a Hugging Face rope_scaling dict ({'rope_type': 'llama3'|'linear', ...})."""
+    rope_pairs: str = "half"
+    """How RoPE pairs features: 'half' (i with i+H/2, Hugging Face) or 'interleaved' (2i with 2i+1, Meta)."""
+    norm_eps: float = 1e-5
+    """Epsilon inside the norms."""
+    norm: str = "rms"
+    """'rms' (RMSNorm) or 'layer' (LayerNorm)."""
+    norm_placement: str = "pre"
+    """'pre' (norm before each sublayer, Llama/GPT-2) or 'post' (after each addition, the 2017 Transformer)."""
+    ffn: str = "swiglu"
+    """'swiglu', 'relu', 'gelu' or 'gelu_tanh'."""
+    pos: str = "rope"
+    """'rope', 'learned' (absolute, GPT-2) or 'none'."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the LM head."""
+    bias: bool = False
+    """Biases in every linear layer and norm (GPT-2 style)."""
+    qkv_bias: bool = False
+    """Biases on the Q/K/V projections only (Qwen2 style)."""
+    sliding_window: int | None = None
+    """None, or how many most recent positions a query may see (Mistral)."""
+    dropout: float = 0.0
+    """Dropout on the embedding and on each sublayer's output, while training."""
+    attention: str = "sdpa"
+    """Attention kernel: 'sdpa' (PyTorch fused), 'naive' (full T×T grid) or 'tiled' (online softmax)."""
+    attention_tile: int = 64
+    """Tile size (queries and keys) for the 'tiled' kernel."""
+    init_std: float = 0.02
+    """Standard deviation of the initial weights (residual projections get std/sqrt(2L))."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "attention_tile"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}): "
+                f"choose n_kv_heads among {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}"
+            )
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(
+                    f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads}): "
+                    "change one of them, or set head_dim explicitly"
+                )
+            self.head_dim = self.dim // self.n_heads
+        if self.head_dim < 1:
+            raise ValueError(f"head_dim must be a positive integer, got {self.head_dim}")
+        for name, allowed in (
+            ("norm", NORMS),
+            ("norm_placement", PLACEMENTS),
+            ("ffn", FFNS),
+            ("pos", POSITIONS),
+            ("attention", ATTENTIONS),
+            ("rope_pairs", ROPE_PAIRS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"RoPE turns features in pairs, so head_dim must be even (got {self.head_dim}): "
+                "change dim/n_heads or head_dim, or use pos='learned' or 'none'"
+            )
+        if self.ffn_dim is None:
+            self.ffn_dim = _swiglu_width(self.dim) if self.ffn == "swiglu" else 4 * self.dim
+        if self.ffn_dim < 1:
+            raise ValueError(f"ffn_dim must be a positive integer, got {self.ffn_dim}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or a positive integer, got {self.sliding_window}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ROPE_SCALINGS:
+                raise ValueError(
+                    f"rope_scaling type {kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)} "
+                    "(or None for plain RoPE)"
+                )
+            if "factor" not in self.rope_scaling:
+                raise ValueError("rope_scaling needs a 'factor'")
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def n_rep(self) -> int:
+        """How many query heads share one key/value head (1 for MHA)."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def q_dim(self) -> int:
+        """N·H: width of all query heads together."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """K·H: width of all key (or value) heads together."""
+        return self.n_kv_heads * self.head_dim
+
+    # ---- (de)serialisation ---------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}; known fields: {sorted(known)}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+_LLAMA = dict(norm="rms", ffn="swiglu", pos="rope", norm_eps=1e-5)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # For tests: a few thousand weights, every feature on the default path.
+    "tiny": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, max_seq_len=128),
+    # The CPU demo model: sized so that two CPU minutes of training give the lowest held-out
+    # bits per byte on Shakespeare; its vocab_size is replaced by the prepared tokenizer's.
+    "small": dict(
+        vocab_size=2048, dim=192, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=512, max_seq_len=128,
+        tie_embeddings=True,
+    ),
+    # GPT-2 small (Radford et al., 2019; Hugging Face gpt2/config.json): LayerNorm, tanh GELU,
+    # learned positions, biases everywhere, tied embeddings.
+    "gpt2-124m": dict(
+        vocab_size=50257, dim=768, n_layers=12, n_heads=12, ffn_dim=3072, max_seq_len=1024,
+        norm="layer", ffn="gelu_tanh", pos="learned", bias=True, tie_embeddings=True,
+    ),
+    # SmolLM-135M (HuggingFaceTB/SmolLM-135M config.json).
+    "smollm-135m": dict(
+        vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536, max_seq_len=2048,
+        rope_theta=10000.0, tie_embeddings=True, **_LLAMA,
+    ),
+    # Llama 3.2 1B (meta-llama/Llama-3.2-1B config.json): llama3 rope scaling, tied embeddings.
+    "llama3.2-1b": dict(
+        vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
+        max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        **_LLAMA,
+    ),
+    # TinyLlama 1.1B (TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json).
+    "tinyllama-1.1b": dict(
+        vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, max_seq_len=2048,
+        rope_theta=10000.0, **_LLAMA,
+    ),
+    # Llama 3 8B (Meta, 2024; meta-llama/Meta-Llama-3-8B config.json): 8,030,261,248 weights.
+    "llama3-8b": dict(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=8192,
+        rope_theta=500000.0, **_LLAMA,
+    ),
+    # Mistral 7B v0.1 (Jiang et al., 2023; mistralai/Mistral-7B-v0.1 config.json): sliding window 4096.
+    "mistral-7b": dict(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=32768,
+        rope_theta=10000.0, sliding_window=4096, **_LLAMA,
+    ),
+}
+
+# The reference shape that the benchmarks compare against Hugging Face on (15.7M weights).
+REFERENCE_SHAPE = dict(
+    vocab_size=8192, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=2048,
+)

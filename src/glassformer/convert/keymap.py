@@ -1,0 +1,96 @@
+"""Declarative key map between Hugging Face Llama-family names and ours.
+
+Hugging Face's Llama keeps RoPE in the 'half' pair layout (rotate_half), which is ours by
+default, so weights copy across unchanged: no permutation of Q and K rows is needed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..config import ModelConfig
+
+# Ours  <->  Hugging Face LlamaForCausalLM ("{i}" is the layer index).
+LLAMA_KEYS: dict[str, str] = {
+    "embed.weight": "model.embed_tokens.weight",
+    "final_norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "blocks.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blocks.{i}.attn.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blocks.{i}.attn.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blocks.{i}.attn.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blocks.{i}.attn.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blocks.{i}.attn.wq.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blocks.{i}.attn.wk.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blocks.{i}.attn.wv.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blocks.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blocks.{i}.ffn.w_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blocks.{i}.ffn.w_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blocks.{i}.ffn.w_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+_FROM_HF = [(_pattern(hf), ours) for ours, hf in LLAMA_KEYS.items()]
+
+
+def hf_to_ours_key(key: str) -> str | None:
+    for pat, ours in _FROM_HF:
+        m = pat.match(key)
+        if m:
+            return ours.replace("{i}", m.group(1)) if m.groups() else ours
+    return None
+
+
+def hf_rope(hf: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from a config.json of either era: transformers < 5 writes
+    `rope_theta` and `rope_scaling`, transformers >= 5 one `rope_parameters` dict."""
+    params = dict(hf.get("rope_parameters") or {})
+    theta = float(hf.get("rope_theta", params.pop("rope_theta", 10000.0)))
+    params.pop("rope_theta", None)
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return theta, (dict(scaling) if scaling else None)
+
+
+def config_from_hf_llama(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from a Hugging Face Llama-family config.json dict."""
+    n_heads = hf["num_attention_heads"]
+    rope_theta, rope_scaling = hf_rope(hf)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        ffn_dim=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        sliding_window=hf.get("sliding_window"),
+    )
+
+
+def llama_state_from_hf(hf_state: dict, config: ModelConfig) -> dict:
+    """Rename a Hugging Face Llama state dict to ours; every key must be used, none missing."""
+    out, unused = {}, []
+    for key, tensor in hf_state.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer recomputed from the config
+        ours = hf_to_ours_key(key)
+        if ours is None:
+            unused.append(key)
+        else:
+            out[ours] = tensor
+    if unused:
+        raise ValueError(f"unexpected keys in the Hugging Face checkpoint: {unused[:5]}{' ...' if len(unused) > 5 else ''}")
+    if config.tie_embeddings:
+        out.pop("lm_head.weight", None)
+    return out

@@ -1,0 +1,309 @@
+"""The Transformer: embedding, L blocks of attention and feed-forward, final norm, LM head.
+
+Readable top to bottom; the math lives in small pure functions (`rope_angles`,
+`apply_rope`), the modules only hold weights. Imports torch alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import get_kernel
+from .attention.mask import allowed
+from .config import ModelConfig
+from .probes import tap, wants
+
+# ----------------------------------------------------------------------------- norms
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · γ (Zhang & Sennrich, 2019): LayerNorm without the mean."""
+
+    def __init__(self, dim: int, eps: float, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the input dtype: the mean of squares overflows fp16.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = cfg.dim if dim is None else dim
+    if cfg.norm == "rms":
+        return RMSNorm(dim, cfg.norm_eps, bias=cfg.bias)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Radians per position for each of the H/2 pairs: theta^(-2i/H), pair 0 turning 1 rad.
+
+    With Llama 3.1's 'llama3' scaling, slow (long-wavelength) pairs are slowed down by
+    `factor`, fast ones kept, and the band between blended (Meta's llama3 reference code).
+    """
+    H = cfg.head_dim
+    # fp32 throughout, as Meta and Hugging Face compute it, so the angles agree bit for bit.
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, H, 2, dtype=torch.int64).float() / H))  # (H/2,)
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    factor = float(sc["factor"])
+    if kind == "linear":
+        return inv / factor
+    low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+    old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(mid, blended, scaled)
+
+
+def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position · frequency, each (B, T, H/2), computed in fp32."""
+    angles = pos.float()[..., None] * inv_freq  # (B, T, H/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str = "half") -> torch.Tensor:
+    """Turn each feature pair (a, b) of x (B, T, heads, H) by its angle: (a cos − b sin, a sin + b cos).
+
+    pairs='half' pairs feature i with i + H/2 (Hugging Face layout); 'interleaved' pairs
+    2i with 2i+1 (Meta's layout). Same rotation, different feature order.
+    """
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, H/2)
+    xf = x.float()
+    if pairs == "half":
+        a, b = xf.chunk(2, dim=-1)  # (B, T, h, H/2) each
+        out = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)  # (B, T, h, H)
+    else:
+        a, b = xf[..., 0::2], xf[..., 1::2]  # (B, T, h, H/2) each
+        out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)  # (B, T, h, H)
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.name = f"blocks.{layer}.attn"
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.wq = nn.Linear(cfg.dim, cfg.q_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=cfg.bias)
+        self.kernel = get_kernel(cfg.attention, cfg.attention_tile)
+
+    def set_kernel(self, name: str) -> None:
+        self.kernel = get_kernel(name, self.cfg.attention_tile)
+
+    def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None):
+        cfg, n = self.cfg, self.name
+        B, T, _ = x.shape
+        q = tap(n + ".q", self.wq(x).view(B, T, cfg.n_heads, cfg.head_dim))  # (B, T, N, H)
+        k = tap(n + ".k", self.wk(x).view(B, T, cfg.n_kv_heads, cfg.head_dim))  # (B, T, K, H)
+        v = tap(n + ".v", self.wv(x).view(B, T, cfg.n_kv_heads, cfg.head_dim))  # (B, T, K, H)
+        if rope is not None:
+            q = tap(n + ".q_rot", apply_rope(q, *rope, cfg.rope_pairs))
+            k = tap(n + ".k_rot", apply_rope(k, *rope, cfg.rope_pairs))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, H)
+        if cache is not None:
+            k, v = cache.update(q_pos, k, v)  # (B, K, Tk, H): every position so far
+        if wants(n + ".scores") or wants(n + ".weights"):
+            self._show_scores(q, k, q_pos, key_mask)
+        z = self.kernel(q, k, v, q_pos=q_pos, key_mask=key_mask, window=cfg.sliding_window, start=start)  # (B, N, T, H)
+        z = tap(n + ".z", z.transpose(1, 2))  # (B, T, N, H)
+        return tap(n + ".out", self.wo(z.reshape(B, T, cfg.q_dim)))  # (B, T, D)
+
+    def _show_scores(self, q, k, q_pos, key_mask):
+        """Form the score grid for a recorder (the kernels may never materialise it)."""
+        cfg, n = self.cfg, self.name
+        B, N, T, H = q.shape
+        kr = k.repeat_interleave(cfg.n_rep, dim=1)  # (B, N, Tk, H)
+        scores = (q @ kr.transpose(-1, -2)) / math.sqrt(H)  # (B, N, T, Tk)
+        tap(n + ".scores", scores.transpose(1, 2))  # (B, T, N, Tk)
+        ok = allowed(q_pos, torch.arange(k.shape[2], device=q.device), key_mask, cfg.sliding_window)
+        masked = scores.masked_fill(~ok[:, None], float("-inf"))
+        any_ok = ok.any(-1, keepdim=True)[:, None]  # (B, 1, T, 1)
+        weights = torch.softmax(masked.masked_fill(~any_ok, 0.0), -1) * any_ok  # (B, N, T, Tk)
+        tap(n + ".weights", weights.transpose(1, 2))  # (B, T, N, Tk)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x)) (Shazeer, 2020); or down(act(up(x)))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.name = f"blocks.{layer}.ffn"
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.ffn == "swiglu" else None
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+
+    def forward(self, x):
+        n, kind = self.name, self.cfg.ffn
+        up = tap(n + ".up", self.w_up(x))  # (B, T, F)
+        if kind == "swiglu":
+            gate = tap(n + ".gate", self.w_gate(x))  # (B, T, F)
+            act = F.silu(gate) * up
+        elif kind == "relu":
+            act = F.relu(up)
+        elif kind == "gelu":
+            act = F.gelu(up)
+        else:
+            act = F.gelu(up, approximate="tanh")
+        act = tap(n + ".act", act)
+        return tap(n + ".down", self.w_down(act))  # (B, T, D)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.name = f"blocks.{layer}"
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg, layer)
+        self.ffn_norm = make_norm(cfg)
+        self.ffn = FeedForward(cfg, layer)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None):
+        n = self.name
+        if self.cfg.norm_placement == "pre":
+            # Pre-norm: each sublayer reads a normalised copy; the stream itself is never normalised.
+            a = self.attn(tap(n + ".attn_norm", self.attn_norm(x)), rope, q_pos, cache, key_mask, start)
+            h = tap(n + ".resid_mid", x + self.drop(a))
+            f = self.ffn(tap(n + ".ffn_norm", self.ffn_norm(h)))
+            return tap(n + ".resid_out", h + self.drop(f))
+        # Post-norm (Vaswani et al., 2017): normalise the stream after each addition.
+        h = tap(n + ".resid_mid", x + self.drop(self.attn(x, rope, q_pos, cache, key_mask, start)))
+        h = tap(n + ".attn_norm", self.attn_norm(h))
+        y = tap(n + ".resid_out", h + self.drop(self.ffn(h)))
+        return tap(n + ".ffn_norm", self.ffn_norm(y))
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def _fill_tied_head(module, state_dict, prefix, *args) -> None:
+    if prefix + "lm_head.weight" not in state_dict and prefix + "embed.weight" in state_dict:
+        state_dict[prefix + "lm_head.weight"] = state_dict[prefix + "embed.weight"]
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        cfg = self.config = config
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.pos == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.final_norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.pos == "rope":
+            self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+            # A tied matrix is stored once (as embed.weight); loading re-ties it.
+            self.register_load_state_dict_pre_hook(_fill_tied_head)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std); projections that write into the residual stream get std/√(2L)
+        so the stream's variance does not grow with depth (GPT-2, Radford et al., 2019)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.device.type == "meta":
+                continue
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w_down.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
+            else:
+                p.normal_(0.0, std)
+        if self.config.pos == "rope" and self.rope_inv_freq.device.type != "meta":
+            self.rope_inv_freq.copy_(rope_inv_freq(self.config))
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Weights counted once (tied matrices once). non_embedding drops token and position tables."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.embed.weight.numel()
+            if self.pos_embed is not None:
+                n -= self.pos_embed.weight.numel()
+        return n
+
+    def set_attention(self, name: str) -> None:
+        """Switch every layer to another kernel ('naive', 'tiled', 'sdpa'); weights unchanged."""
+        get_kernel(name)  # validates the name
+        self.config.attention = name
+        for b in self.blocks:
+            b.attn.set_kernel(name)
+
+    def forward(self, idx, targets=None, cache=None, pos=0, padding_mask=None):
+        """Logits (B, T, V) for every position, and the mean cross-entropy if targets are given.
+
+        idx: (B, T) token ids. pos: where idx starts, an int or a (B,) tensor (rows of a
+        batch may sit at different positions: prompts of different lengths, right-padded).
+        cache: a KVCache, to which this call's keys and values are added at their positions.
+        padding_mask: optional (B, Tk) bool, False for key positions that must not be read
+        (left padding), Tk = T without a cache, the cache length with one.
+        targets: (B, T) ids, -1 where no loss is wanted.
+        """
+        cfg = self.config
+        B, T = idx.shape
+        q_pos = self._positions(pos, B, T, idx.device)  # (B, T)
+        start = None if isinstance(pos, torch.Tensor) and pos.dim() > 0 else int(pos)
+        if cache is not None:
+            cache.prepare(pos, T)
+        x = self.embed(idx)  # (B, T, D)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(q_pos)  # (B, T, D)
+        x = tap("embed", self.drop(x))
+        rope = rope_angles(q_pos, self.rope_inv_freq) if cfg.pos == "rope" else None
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, q_pos, None if cache is None else cache.layer(i), padding_mask, start)
+        x = tap("final_norm", self.final_norm(x))
+        logits = tap("logits", self.lm_head(x))  # (B, T, V)
+        if wants("probs"):
+            tap("probs", torch.softmax(logits.float(), dim=-1))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def _positions(self, pos, B: int, T: int, device) -> torch.Tensor:
+        steps = torch.arange(T, device=device)  # (T,)
+        if isinstance(pos, torch.Tensor) and pos.dim() > 0:
+            if pos.shape != (B,):
+                raise ValueError(f"pos must be an int or a ({B},) tensor, got shape {tuple(pos.shape)}")
+            q_pos = pos.to(device)[:, None] + steps  # (B, T)
+        else:
+            q_pos = (int(pos) + steps).expand(B, T)  # (B, T)
+            if int(pos) + T > self.config.max_seq_len:
+                raise ValueError(
+                    f"positions {int(pos)}..{int(pos) + T - 1} exceed the model's context of "
+                    f"{self.config.max_seq_len} tokens: shorten the input or use a model with a longer max_seq_len"
+                )
+        return q_pos
