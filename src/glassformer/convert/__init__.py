@@ -3,3 +3,7 @@
 from .keymap import LLAMA_KEYS, config_from_hf_llama, llama_state_from_hf
 
 __all__ = ["LLAMA_KEYS", "config_from_hf_llama", "llama_state_from_hf"]
+
+from .heads import convert_kv_heads, pool_heads  # noqa: E402
+
+__all__ += ["convert_kv_heads", "pool_heads"]
