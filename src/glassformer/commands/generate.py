@@ -1,0 +1,155 @@
+"""`glassformer generate`: sample text from a checkpoint, streamed to the terminal as it comes."""
+
+from __future__ import annotations
+
+import sys
+
+HELP = "sample text from a checkpoint, streamed as tokens come (KV cache, batched prompts)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder, training run folder or Hugging Face folder")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the text to continue")
+    src.add_argument("--prompts-file", help="a text file with one prompt per line, generated as one batch")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample")
+    p.add_argument("--temperature", type=float, default=1.0, help="divide the logits by this; 0 means greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
+    p.add_argument("--top-p", type=float, default=None, help="sample among the smallest set of tokens whose probabilities reach p")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than min-p times the most likely one")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="CTRL penalty on tokens already in the text: positive logits / r, negative ones * r")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--seed", type=int, default=None, help="fix the random draws (same seed, same text)")
+    p.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="end a sample when this text appears (repeatable); the text itself is not printed")
+    p.add_argument("--attention", choices=["naive", "tiled", "sdpa"], default=None,
+                   help="attention kernel (default: the checkpoint's)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt, generated together as a batch")
+    p.add_argument("--context-policy", choices=["error", "slide"], default="error",
+                   help="when prompt + new tokens outgrow the context: stop with an error, or slide the window")
+    p.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights' dtype (default: as stored)")
+
+
+class TextStream:
+    """Turn token ids into text that is safe to print as they arrive.
+
+    A byte-level token may end in the middle of a UTF-8 character: its decoded text then
+    ends in U+FFFD, and that tail is held back until the next tokens complete it. Text that
+    could be the start of a stop string is held back too, so a stop string is never printed.
+    """
+
+    def __init__(self, decode, stops=()):
+        self.decode, self.stops = decode, [s for s in stops if s]
+        self.ids: list[int] = []
+        self.base, self.base_text = 0, ""  # ids[:base] decode cleanly to base_text
+        self.text, self.shown, self.done = "", 0, False
+
+    def push(self, token: int) -> str:
+        """Add one token; return the text that became printable (maybe empty)."""
+        if self.done:
+            return ""
+        self.ids.append(token)
+        tail = self.decode(self.ids[self.base:])
+        self.text = self.base_text + tail
+        if not tail.endswith("\ufffd"):  # a clean boundary: decoding can restart here
+            self.base, self.base_text = len(self.ids), self.text
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """The rest of the text at the end of generation (up to a stop string, if one came)."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        text = self.text
+        hits = [i for i in (text.find(s, max(0, self.shown - len(s))) for s in self.stops) if i >= 0]
+        if hits:
+            self.done, end = True, min(hits)
+        elif final or self.done:
+            end = len(text)
+        else:
+            end = len(text.rstrip("\ufffd"))  # an unfinished character waits for its next bytes
+            hold = 0
+            for s in self.stops:  # hold back a tail that may grow into a stop string
+                hold = max([hold] + [k for k in range(1, min(len(s) - 1, end) + 1) if text[end - k:end] == s[:k]])
+            end -= hold
+        end = max(end, self.shown)
+        out, self.shown = text[self.shown:end], end
+        return out
+
+
+def run(args) -> int:
+    import time
+
+    import torch
+
+    from ..checkpoint import load
+    from ..errors import UserError
+    from ..generate import Session, check_sampling
+
+    check_sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty)
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.num_samples < 1:
+        raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.prompts_file is not None:
+        try:
+            lines = open(args.prompts_file, encoding="utf-8").read().splitlines()
+        except OSError as e:
+            raise UserError(f"cannot read --prompts-file {args.prompts_file}: {e.strerror}") from None
+        prompts = [ln for ln in lines if ln.strip()]
+        if not prompts:
+            raise UserError(f"--prompts-file {args.prompts_file} holds no prompt (one prompt per line)")
+    else:
+        prompts = [args.prompt]
+    if any(not p for p in prompts):
+        raise UserError("the prompt is empty: give some text to continue")
+
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    model, tok = load(args.checkpoint, device=args.device, dtype=dtype)
+    if tok is None:
+        raise UserError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
+    if args.attention:
+        model.set_attention(args.attention)
+    rows = [tok.encode(p) for p in prompts for _ in range(args.num_samples)]
+    if any(not r for r in rows):
+        raise UserError("a prompt encodes to no tokens: give some text to continue")
+    eot = getattr(tok, "eot_id", None)
+    session = Session(model, len(rows), context_policy=args.context_policy, compile=args.compile)
+    steps = session.send(rows if len(rows) > 1 else rows[0], max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                         repetition_penalty=args.repetition_penalty, greedy=args.greedy, seed=args.seed,
+                         stop=None if eot is None else [eot])
+    streams = [TextStream(tok.decode, args.stop) for _ in rows]
+    out, made, t0 = sys.stdout, 0, time.perf_counter()
+    if len(rows) == 1:
+        out.write(prompts[0])
+        out.flush()
+    for step in steps:
+        step = [step] if len(rows) == 1 else step
+        for b, t in enumerate(step):
+            if t is None or t == eot:
+                continue
+            made += 1
+            piece = streams[b].push(t)
+            if streams[b].done:
+                session.finish(b)
+            if len(rows) == 1 and piece:
+                out.write(piece)
+                out.flush()
+        if len(rows) == 1 and streams[0].done:
+            break
+    if len(rows) == 1:
+        out.write(streams[0].flush() + "\n")
+    else:
+        for b, s in enumerate(streams):
+            p, k = divmod(b, args.num_samples)
+            out.write(f"=== prompt {p + 1}" + (f", sample {k + 1}" if args.num_samples > 1 else "") + " ===\n")
+            out.write(prompts[p] + s.text[:s.shown] + s.flush() + "\n")
+    out.flush()
+    dt = time.perf_counter() - t0
+    print(f"{made} tokens in {dt:.2f} s ({made / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return 0

@@ -1,0 +1,303 @@
+"""Generation with a KV cache: logits -> probabilities -> a token; prefill; decode; sessions.
+
+The pieces are small free functions (gpt-fast's layout):
+
+    logits_to_probs(logits, temperature, top_k, top_p, min_p)   the sampling filters
+    sample(logits, ...)                                          one token per row
+    prefill(model, ids, cache, ...)                              the whole prompt in one forward
+    decode_step(model, tok, cache, pos)                          one token in one forward
+
+A `Session` owns one preallocated cache and the tokens in it, so a conversation goes on
+without recomputing earlier tokens; `generate` is a session used once. Prompts of
+different lengths share a batch by right padding: row b's tokens sit at positions
+0..len_b-1, the padding after them writes junk into cache slots that are rewritten
+before any query may read them (a query at position p reads only slots <= p, and slot p is
+written in the very forward that asks), so a batch gives what each prompt gives alone.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+
+from .errors import UserError
+from .kv_cache import KVCache
+
+POLICIES = ("error", "slide")
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def check_sampling(temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
+    """Raise UserError for sampling parameters outside their ranges."""
+    if not temperature >= 0:
+        raise UserError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and (int(top_k) != top_k or top_k < 1):
+        raise UserError(f"top-k must be an integer >= 1 (or unset), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UserError(f"top-p must be in (0, 1] (1 keeps everything), got {top_p}")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise UserError(f"min-p must be in [0, 1], got {min_p}")
+    if not repetition_penalty > 0:
+        raise UserError(f"repetition penalty must be > 0 (1 means none), got {repetition_penalty}")
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's penalty (Keskar et al., 2019, as Hugging Face applies it): for every token already in
+    the text, a positive logit is divided by `penalty` and a negative one multiplied by it, so
+    penalty > 1 always makes a seen token less likely. logits (B, V), seen (B, V) bool.
+
+    >>> apply_repetition_penalty(torch.tensor([[2., -2., 2.]]), torch.tensor([[True, True, False]]), 2.0)
+    tensor([[ 1., -4.,  2.]])
+    """
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # (B, V)
+    return torch.where(seen, penalised, logits)
+
+
+def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """Probabilities (B, V) to sample from, in Hugging Face's order of filters:
+
+    1. temperature: softmax(logits / temperature) (temperature > 0);
+    2. top_k: keep exactly the k most likely tokens (ties broken by index, never more than k);
+    3. top_p (nucleus, Holtzman et al., 2020): keep the smallest set of most likely tokens whose
+       probabilities sum to at least p: a token stays when the tokens more likely than it
+       sum to less than p (so the most likely token always stays);
+    4. min_p (Nguyen et al., 2024): keep tokens whose probability is at least min_p times the
+       most likely token's;
+    each filter renormalises what it keeps. Example: probabilities (0.5, 0.3, 0.2) with
+    top_p=0.7 keep (0.5, 0.3) -> (0.625, 0.375); with min_p=0.5 keep (0.5, 0.3) as well.
+    """
+    logits = logits.float() / temperature  # (B, V)
+    V = logits.shape[-1]
+    if top_k is not None and top_k < V:
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(int(top_k), -1).indices, True)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # (B, V)
+    if top_p is not None and top_p < 1:
+        p_sorted, order = probs.sort(-1, descending=True)  # (B, V) each
+        before = p_sorted.cumsum(-1) - p_sorted  # mass of the strictly more likely tokens
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, before < top_p)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    if min_p is not None and min_p > 0:
+        probs = probs * (probs >= min_p * probs.amax(-1, keepdim=True))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None, greedy=False, generator=None) -> torch.Tensor:
+    """One token id per row (B,) from logits (B, V): the argmax when greedy or temperature == 0.
+
+    Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) independent
+    picks i with probability p_i (the smallest of E_i / p_i, each Exp(p_i), is i's with
+    chance p_i / Σp), with no device sync and one random draw per token.
+    """
+    if greedy or temperature == 0:
+        return logits.argmax(-1)
+    probs = logits_to_probs(logits, temperature, top_k, top_p, min_p)  # (B, V)
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)  # (B, V)
+    return (probs / race).argmax(-1)
+
+
+# ----------------------------------------------------------------------------- forward passes
+
+
+def prefill(model, ids: torch.Tensor, cache: KVCache, pos=0, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Run ids (B, T) in one forward, writing their keys and values into the cache from `pos`.
+
+    Returns the logits (B, V) of each row's last real token: index T-1, or lengths[b]-1
+    for right-padded rows.
+    """
+    logits, _ = model(ids, cache=cache, pos=pos)  # (B, T, V)
+    if lengths is None:
+        return logits[:, -1]  # (B, V)
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    return logits[rows, lengths.to(ids.device) - 1]  # (B, V)
+
+
+def decode_step(model, tok: torch.Tensor, cache: KVCache, pos) -> torch.Tensor:
+    """One token per row, tok (B, 1) at position pos (int, or (B,) per row): logits (B, V)."""
+    logits, _ = model(tok, cache=cache, pos=pos)  # (B, 1, V)
+    return logits[:, -1]
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def _as_rows(ids) -> tuple[list[list[int]], bool]:
+    """(rows of ids, single): a 1-D tensor or flat list is one prompt, else a batch."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() not in (1, 2):
+            raise UserError(f"ids must be 1-D (one prompt) or 2-D (a batch), got shape {tuple(ids.shape)}")
+        return (ids.tolist(), False) if ids.dim() == 2 else ([ids.tolist()], True)
+    ids = list(ids)
+    if ids and all(isinstance(x, (list, tuple, torch.Tensor)) for x in ids):
+        return [list(x.tolist() if isinstance(x, torch.Tensor) else x) for x in ids], False
+    return [ids], True
+
+
+def _stops(stop) -> list[tuple[int, ...]]:
+    """stop as a list of id sequences: None, an id, or a collection of ids and/or id sequences."""
+    if stop is None:
+        return []
+    if isinstance(stop, int):
+        return [(stop,)]
+    return [tuple(s) if isinstance(s, (list, tuple)) else (int(s),) for s in stop]
+
+
+class Session:
+    """A KV cache and the tokens it holds, for `batch_size` rows: each `send` continues every
+    row's text from where the last one stopped, feeding only the tokens not yet cached.
+
+    Every row keeps its whole text; its window (what the cache holds) starts at
+    `starts[b]`. The last token of each row is always pending (not yet cached), since
+    the next forward needs its logits. context_policy 'error' refuses a send whose text
+    would outgrow the cache; 'slide' cuts a row that outgrows it to its latest
+    `slide_keep` tokens (default half the cache) and re-prefills, RoPE making the cut
+    window look like a fresh text at positions 0....
+    """
+
+    def __init__(self, model, batch_size: int = 1, *, max_len: int | None = None,
+                 context_policy: str = "error", slide_keep: int | None = None, compile: bool = False):
+        if context_policy not in POLICIES:
+            raise UserError(f"context policy must be one of {', '.join(POLICIES)}, got {context_policy!r}")
+        S = model.config.max_seq_len
+        self.max_len = S if max_len is None else int(max_len)
+        if not 1 <= self.max_len <= S:
+            raise UserError(f"the cache length must be in 1..{S} (the model's context), got {self.max_len}")
+        self.keep = max(1, self.max_len // 2) if slide_keep is None else int(slide_keep)
+        if not 1 <= self.keep <= self.max_len:
+            raise UserError(f"slide_keep must be in 1..{self.max_len}, got {self.keep}")
+        self.model, self.B, self.policy = model, batch_size, context_policy
+        self.cache = KVCache.for_model(model, batch_size, self.max_len)
+        self.device = next(model.parameters()).device
+        self.texts: list[list[int]] = [[] for _ in range(batch_size)]
+        self.starts = [0] * batch_size  # where each row's window begins in its text
+        self.cached = [0] * batch_size  # how many tokens of each window are in the cache
+        self.active = [True] * batch_size  # False once a row has stopped (within a send)
+        self.seen: torch.Tensor | None = None  # (B, V) bool, built when a penalty asks for it
+        self.generator: torch.Generator | None = None
+        self.forward = torch.compile(model, dynamic=False) if compile else model
+        self.slides = 0  # how many times a window was cut (for reports and tests)
+
+    # ---- bookkeeping on the host -------------------------------------------------------
+    def _append(self, b: int, ids: Sequence[int]) -> None:
+        self.texts[b].extend(ids)
+        if self.seen is not None and ids:
+            self.seen[b, torch.tensor(list(ids), device=self.device)] = True
+
+    def _window(self, b: int) -> int:
+        return len(self.texts[b]) - self.starts[b]
+
+    def finish(self, b: int) -> None:
+        """Stop row b for the rest of this send (a caller's stop rule, e.g. a stop string)."""
+        self.active[b] = False
+
+    # ---- one forward over whatever is pending --------------------------------------------
+    def _forward(self) -> torch.Tensor:
+        """Feed every row's uncached tokens; logits (B, V) of each row's last token."""
+        if any(self._window(b) > self.max_len for b in range(self.B)):
+            assert self.policy == "slide"  # 'error' refused the send up front
+            for b in range(self.B):
+                if self._window(b) > self.max_len:
+                    self.starts[b] = len(self.texts[b]) - self.keep
+            self.cached = [0] * self.B  # one shared cache: re-prefill every row
+            self.slides += 1
+        pending = [self.texts[b][self.starts[b] + self.cached[b]:] for b in range(self.B)]
+        n = [len(p) for p in pending]
+        assert min(n) >= 1, "every row has its last token pending"
+        T = max(n)
+        if len(set(self.cached)) > 1 and max(self.cached) + T > self.max_len:
+            self.cached = [0] * self.B  # ragged rows would overrun the cache: re-prefill them together
+            return self._forward()
+        ids = torch.tensor([p + [0] * (T - len(p)) for p in pending], device=self.device)  # (B, T) right-padded
+        pos = self.cached[0] if len(set(self.cached)) == 1 else torch.tensor(self.cached, device=self.device)
+        lengths = None if len(set(n)) == 1 else torch.tensor(n, device=self.device)
+        logits = prefill(self.forward, ids, self.cache, pos, lengths) if T > 1 else decode_step(self.forward, ids, self.cache, pos)
+        # A stopped row re-feeds its last token at the same slot (same keys and values) and
+        # stays put, so the batch keeps one shape and the row's cache stays exact.
+        self.cached = [c + (k if a else k - 1) for c, k, a in zip(self.cached, n, self.active)]
+        return logits
+
+    # ---- the public step -------------------------------------------------------------------
+    def send(self, ids=None, *, max_new_tokens: int, temperature=1.0, top_k=None, top_p=None, min_p=None,
+             repetition_penalty=1.0, greedy=False, seed=None, stop=None) -> Iterator:
+        """Append ids (one prompt, or one per row) to the text and generate up to max_new_tokens.
+
+        Yields a token id per step for a 1-row session, else a list with one id per row
+        (None for rows that have stopped). A row stops after yielding a stop sequence (an
+        id, or a sequence of ids, from `stop`). Checks run now, generation when iterated.
+        """
+        check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
+        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
+            raise UserError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens}")
+        rows, single = _as_rows([] if ids is None else ids)
+        if single and self.B > 1:
+            rows = rows * self.B  # one prompt for every row (several samples of it)
+        if len(rows) != self.B:
+            raise UserError(f"this session has {self.B} rows; got {len(rows)} prompts")
+        V = self.model.config.vocab_size
+        for b, r in enumerate(rows):
+            if not r and not self.texts[b]:
+                raise UserError("the prompt is empty: give at least one token")
+            bad = [t for t in r if not (isinstance(t, int) and 0 <= t < V)]
+            if bad:
+                raise UserError(f"token id {bad[0]!r} is outside the vocabulary 0..{V - 1}")
+            if self.policy == "error" and self._window(b) + len(r) + max_new_tokens > self.max_len:
+                raise UserError(
+                    f"prompt ({self._window(b) + len(r)} tokens) + {max_new_tokens} new tokens exceed the context of "
+                    f"{self.max_len} tokens: shorten the prompt, ask for fewer tokens, or use --context-policy slide"
+                )
+        for b, r in enumerate(rows):
+            self._append(b, r)
+        if seed is not None:
+            self.generator = torch.Generator(self.device).manual_seed(int(seed))
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, greedy=greedy)
+        return self._run(int(max_new_tokens), sampling, float(repetition_penalty), _stops(stop), single and self.B == 1)
+
+    def _run(self, max_new_tokens, sampling, penalty, stops, single) -> Iterator:
+        self.active = [True] * self.B
+        if penalty != 1.0 and self.seen is None:
+            V = self.model.config.vocab_size
+            self.seen = torch.zeros(self.B, V, dtype=torch.bool, device=self.device)
+            for b, t in enumerate(self.texts):
+                self.seen[b, torch.tensor(t, dtype=torch.long, device=self.device)] = True
+        made = [[] for _ in range(self.B)]
+        for _ in range(max_new_tokens):
+            with torch.inference_mode():
+                logits = self._forward()  # (B, V)
+                if penalty != 1.0:
+                    logits = apply_repetition_penalty(logits, self.seen, penalty)
+                toks = sample(logits, generator=self.generator, **sampling).tolist()
+            out = []
+            for b, t in enumerate(toks):
+                if not self.active[b]:
+                    out.append(None)
+                    continue
+                self._append(b, [t])
+                made[b].append(t)
+                out.append(t)
+                if any(len(made[b]) >= len(s) and tuple(made[b][-len(s):]) == s for s in stops):
+                    self.active[b] = False
+            yield out[0] if single else out
+            if not any(self.active):
+                return
+
+
+def generate(model, ids, *, max_new_tokens: int, temperature=1.0, top_k=None, top_p=None, min_p=None,
+             repetition_penalty=1.0, greedy=False, seed=None, stop=None, context_policy: str = "error",
+             slide_keep: int | None = None) -> Iterator:
+    """Generate from one prompt (a list of ids or a 1-D tensor: yields one id per step) or a
+    batch (a list of id lists of any lengths, or a 2-D tensor: yields a list per step, None
+    for rows that have stopped). greedy=True or temperature=0 takes the argmax; `seed` fixes
+    the random draws; `stop` is an id or a collection of ids / id sequences (the stop
+    tokens are yielded, then that row ends). See `Session` for the context policies.
+    """
+    rows, _ = _as_rows(ids)
+    need = max(len(r) for r in rows) + int(max(max_new_tokens, 0))
+    S = model.config.max_seq_len
+    max_len = S if context_policy == "slide" else min(S, max(need, 1))  # sized once, to what this call needs
+    session = Session(model, len(rows), max_len=max_len, context_policy=context_policy, slide_keep=slide_keep)
+    return session.send(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        min_p=min_p, repetition_penalty=repetition_penalty, greedy=greedy, seed=seed, stop=stop)

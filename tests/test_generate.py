@@ -1,0 +1,225 @@
+"""Generation with a KV cache against full forwards, each prompt alone, and the sampling formulas."""
+
+import math
+
+import pytest
+import torch
+
+from glassformer import generate
+from glassformer.errors import UserError
+from glassformer.generate import Session, apply_repetition_penalty, logits_to_probs, sample
+
+from .helpers import tiny_model
+
+
+@torch.no_grad()
+def greedy_by_full_forward(model, prompt: list[int], steps: int, keep: int | None = None) -> list[int]:
+    """The reference: run the whole text (no cache) and take the argmax, one token at a time.
+
+    With keep, the text the model sees is cut to its latest `keep` tokens whenever it would
+    outgrow the context (the slide policy's rule, written out independently).
+    """
+    text, start, out = list(prompt), 0, []
+    S = model.config.max_seq_len
+    for _ in range(steps):
+        if keep is not None and len(text) - start > S:
+            start = len(text) - keep
+        logits, _ = model(torch.tensor([text[start:]]))
+        out.append(int(logits[0, -1].argmax()))
+        text.append(out[-1])
+    return out
+
+
+HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+
+
+@pytest.mark.parametrize("kernel", ["naive", "tiled", "sdpa"])
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_greedy_equals_argmax_of_full_forward(kernel, heads):
+    model = tiny_model(n_kv_heads=HEADS[heads], attention=kernel, attention_tile=8)
+    prompt = torch.randint(0, 512, (13,)).tolist()
+    ref = greedy_by_full_forward(model, prompt, 24)
+    assert list(generate(model, prompt, max_new_tokens=24, greedy=True)) == ref
+    assert list(generate(model, prompt, max_new_tokens=24, temperature=0)) == ref
+
+
+@pytest.mark.parametrize("kernel", ["naive", "sdpa"])
+def test_batch_of_different_lengths_equals_each_alone(kernel):
+    model = tiny_model(attention=kernel)
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (3, 17, 1, 9)]
+    alone = [list(generate(model, p, max_new_tokens=15, greedy=True)) for p in prompts]
+    steps = list(generate(model, prompts, max_new_tokens=15, greedy=True))
+    assert [[s[b] for s in steps] for b in range(len(prompts))] == alone
+    assert len({tuple(a) for a in alone}) == len(alone)  # the rows really differ
+
+
+def test_batched_rows_stop_on_their_own_and_stay_exact():
+    model = tiny_model()
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (5, 11)]
+    alone = [list(generate(model, p, max_new_tokens=20, greedy=True)) for p in prompts]
+    stop_id = alone[0][4]  # row 0 stops after its 5th token (if it came no earlier)
+    cut = alone[0].index(stop_id) + 1
+    session = Session(model, 2)
+    steps = list(session.send(prompts, max_new_tokens=20, greedy=True, stop=[stop_id]))
+    row0 = [s[0] for s in steps if s[0] is not None]
+    row1 = [s[1] for s in steps if s[1] is not None]
+    assert row0 == alone[0][:cut]
+    assert all(s[0] is None for s in steps[cut:])
+    if stop_id in alone[1]:
+        assert row1 == alone[1][:alone[1].index(stop_id) + 1]
+    else:
+        assert row1 == alone[1]
+    # The stopped row's cache stayed exact: continuing it equals a fresh run on its whole text.
+    more = list(session.send([[7], [8]], max_new_tokens=6, greedy=True))
+    for b in range(2):
+        assert [s[b] for s in more] == greedy_by_full_forward(model, session.texts[b][:-6], 6)
+
+
+def test_session_continuation_equals_one_shot():
+    model = tiny_model()
+    first, second = torch.randint(0, 512, (7,)).tolist(), torch.randint(0, 512, (4,)).tolist()
+    s = Session(model)
+    a = list(s.send(first, max_new_tokens=10, greedy=True))
+    b = list(s.send(second, max_new_tokens=10, greedy=True))
+    assert a == greedy_by_full_forward(model, first, 10)
+    assert b == greedy_by_full_forward(model, first + a + second, 10)
+    c = list(s.send(max_new_tokens=5, greedy=True))  # go on with no new text
+    assert c == greedy_by_full_forward(model, first + a + second + b, 5)
+    assert s.texts[0] == first + a + second + b + c
+
+
+def test_slide_policy_keeps_the_latest_window():
+    model = tiny_model(max_seq_len=24)
+    prompt = torch.randint(0, 512, (10,)).tolist()
+    with pytest.raises(UserError, match="context"):
+        generate(model, prompt, max_new_tokens=40, greedy=True)
+    got = list(generate(model, prompt, max_new_tokens=40, greedy=True, context_policy="slide", slide_keep=10))
+    assert got == greedy_by_full_forward(model, prompt, 40, keep=10)
+    # Batched rows slide on their own schedules and still match each alone.
+    prompts = [prompt, prompt[:3]]
+    steps = list(generate(model, prompts, max_new_tokens=40, greedy=True, context_policy="slide", slide_keep=10))
+    assert [s[1] for s in steps] == greedy_by_full_forward(model, prompts[1], 40, keep=10)
+
+
+def test_same_seed_same_tokens():
+    model = tiny_model()
+    prompt = [1, 2, 3]
+    kw = dict(max_new_tokens=30, temperature=1.5, top_k=50, top_p=0.95)
+    a = list(generate(model, prompt, seed=123, **kw))
+    assert a == list(generate(model, prompt, seed=123, **kw))
+    assert a != list(generate(model, prompt, seed=124, **kw))
+
+
+def test_stop_sequence_ends_after_it():
+    model = tiny_model()
+    prompt = [5, 6, 7]
+    full = list(generate(model, prompt, max_new_tokens=20, greedy=True))
+    seq = full[6:8]
+    got = list(generate(model, prompt, max_new_tokens=20, greedy=True, stop=[tuple(seq)]))
+    first = next(i for i in range(len(full) - 1) if full[i:i + 2] == seq)
+    assert got == full[:first + 2]
+
+
+# ----------------------------------------------------------------------------- filters
+
+
+def test_top_k_keeps_exactly_k_even_with_ties():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, 2.0]])
+    p = logits_to_probs(logits, top_k=2)
+    assert int((p > 0).sum()) == 2
+    assert set(p[0].nonzero().flatten().tolist()) <= {1, 2, 3}
+    assert torch.allclose(p.sum(), torch.tensor(1.0))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.1, 0.5, 0.2, 0.15, 0.05]])
+    logits = probs.log()
+    for p, kept in [(0.5, {1}), (0.6, {1, 2}), (0.7, {1, 2}), (0.71, {1, 2, 3}), (0.86, {1, 2, 3, 0}), (1.0, {0, 1, 2, 3, 4})]:
+        got = logits_to_probs(logits, top_p=p)[0]
+        assert set(got.nonzero().flatten().tolist()) == kept, p
+        want = torch.zeros(5)
+        want[list(kept)] = probs[0, list(kept)] / probs[0, list(kept)].sum()
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_min_p_and_temperature():
+    probs = torch.tensor([[0.4, 0.3, 0.19, 0.11]])
+    got = logits_to_probs(probs.log(), min_p=0.5)[0]  # threshold 0.2: keeps 0.4 and 0.3
+    assert torch.allclose(got, torch.tensor([4 / 7, 3 / 7, 0, 0]), atol=1e-6)
+    hot = logits_to_probs(probs.log(), temperature=2.0)[0]  # p^(1/2), renormalised
+    assert torch.allclose(hot, probs[0].sqrt() / probs[0].sqrt().sum(), atol=1e-6)
+
+
+def test_repetition_penalty_is_ctrl():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -1.0, 0.0]])
+    seen = torch.tensor([[True, True, False, False, True]])
+    out = apply_repetition_penalty(logits, seen, 1.3)
+    assert torch.allclose(out, torch.tensor([[2.0 / 1.3, -2.0 * 1.3, 2.0, -1.0, 0.0]]))
+
+
+def test_filters_match_hugging_face_processors():
+    tr = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=g)
+    ids = torch.randint(0, 300, (4, 40), generator=g)
+    seen = torch.zeros(4, 300, dtype=torch.bool).scatter_(1, ids, True)
+    procs = tr.LogitsProcessorList([
+        tr.RepetitionPenaltyLogitsProcessor(1.2), tr.TemperatureLogitsWarper(0.7), tr.TopKLogitsWarper(60),
+        tr.TopPLogitsWarper(0.8), tr.MinPLogitsWarper(0.05),
+    ])
+    ref = torch.softmax(procs(ids, logits.clone()), -1)
+    got = logits_to_probs(apply_repetition_penalty(logits, seen, 1.2), temperature=0.7, top_k=60, top_p=0.8, min_p=0.05)
+    assert ((got > 0) == (ref > 0)).all()
+    assert torch.allclose(got, ref, atol=1e-6)
+    assert 1 < int((got[0] > 0).sum()) < 60  # the filters really cut
+
+
+def test_seeded_sampling_matches_the_distribution():
+    """Chi-square goodness of fit at a fixed seed: 40000 draws of the filtered distribution."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    target = logits_to_probs(logits[None], temperature=0.8, top_k=6, top_p=0.97)[0]
+    assert int((target > 0).sum()) == 6 - (target[5] == 0).int()  # top-k cut 2, top-p maybe one more
+    n = 40000
+    draws = sample(logits.expand(n, -1), temperature=0.8, top_k=6, top_p=0.97, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=8).double()
+    assert counts[target == 0].sum() == 0  # filtered tokens are never drawn
+    keep = target > 0
+    expected = n * target[keep].double()
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    df = int(keep.sum()) - 1
+    # Critical value at p = 0.001 by Wilson–Hilferty: a real bias of a percent gives chi2 in the hundreds.
+    z = 3.09
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    assert chi2 < crit, (chi2, crit)
+    # The same test catches a sampler that ignores the temperature.
+    wrong = n * logits_to_probs(logits[None], top_k=6, top_p=0.97)[0][keep].double()
+    assert float(((counts[keep] - wrong) ** 2 / wrong).sum()) > crit
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top-p"),
+    (dict(top_p=1.2), "top-p"),
+    (dict(top_k=0), "top-k"),
+    (dict(min_p=1.5), "min-p"),
+    (dict(repetition_penalty=0.0), "penalty"),
+])
+def test_bad_sampling_parameters(kw, match):
+    model = tiny_model()
+    with pytest.raises(UserError, match=match):
+        generate(model, [1, 2], max_new_tokens=3, **kw)
+
+
+def test_bad_prompts():
+    model = tiny_model()
+    with pytest.raises(UserError, match="empty"):
+        generate(model, [], max_new_tokens=3)
+    with pytest.raises(UserError, match="vocabulary"):
+        generate(model, [1, 512], max_new_tokens=3)
+    with pytest.raises(UserError, match="vocabulary"):
+        generate(model, [[1], [-1, 2]], max_new_tokens=3)
+    with pytest.raises(UserError, match="context policy"):
+        generate(model, [1], max_new_tokens=3, context_policy="wrap")
