@@ -37,15 +37,20 @@ def add_arguments(p) -> None:
 class TextStream:
     """Turn token ids into text that is safe to print as they arrive.
 
-    A byte-level token may end in the middle of a UTF-8 character: its decoded text then
-    ends in U+FFFD, and that tail is held back until the next tokens complete it. Text that
-    could be the start of a stop string is held back too, so a stop string is never printed.
+    A byte-level token may end in the middle of a UTF-8 character: its bytes go through an
+    incremental UTF-8 decoder, which keeps an unfinished character until the next tokens
+    complete it (tokenizers without `id_to_bytes` are decoded whole and an unfinished
+    U+FFFD tail held back). Text that could be the start of a stop string is held back
+    too, so a stop string is never printed.
     """
 
-    def __init__(self, decode, stops=()):
-        self.decode, self.stops = decode, [s for s in stops if s]
+    def __init__(self, tokenizer, stops=()):
+        import codecs
+
+        self.tok, self.stops = tokenizer, [s for s in stops if s]
+        self.bytes_of = getattr(tokenizer, "id_to_bytes", None)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.ids: list[int] = []
-        self.base, self.base_text = 0, ""  # ids[:base] decode cleanly to base_text
         self.text, self.shown, self.done = "", 0, False
 
     def push(self, token: int) -> str:
@@ -53,14 +58,16 @@ class TextStream:
         if self.done:
             return ""
         self.ids.append(token)
-        tail = self.decode(self.ids[self.base:])
-        self.text = self.base_text + tail
-        if not tail.endswith("\ufffd"):  # a clean boundary: decoding can restart here
-            self.base, self.base_text = len(self.ids), self.text
+        if self.bytes_of is not None:
+            self.text += self.utf8.decode(self.bytes_of(token))
+        else:
+            self.text = self.tok.decode(self.ids)
         return self._release(final=False)
 
     def flush(self) -> str:
         """The rest of the text at the end of generation (up to a stop string, if one came)."""
+        if self.bytes_of is not None and not self.done:
+            self.text += self.utf8.decode(b"", final=True)
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
@@ -71,7 +78,7 @@ class TextStream:
         elif final or self.done:
             end = len(text)
         else:
-            end = len(text.rstrip("\ufffd"))  # an unfinished character waits for its next bytes
+            end = len(text) if self.bytes_of is not None else len(text.rstrip("\ufffd"))
             hold = 0
             for s in self.stops:  # hold back a tail that may grow into a stop string
                 hold = max([hold] + [k for k in range(1, min(len(s) - 1, end) + 1) if text[end - k:end] == s[:k]])
@@ -123,7 +130,7 @@ def run(args) -> int:
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                          repetition_penalty=args.repetition_penalty, greedy=args.greedy, seed=args.seed,
                          stop=None if eot is None else [eot])
-    streams = [TextStream(tok.decode, args.stop) for _ in rows]
+    streams = [TextStream(tok, args.stop) for _ in rows]
     out, made, t0 = sys.stdout, 0, time.perf_counter()
     if len(rows) == 1:
         out.write(prompts[0])
