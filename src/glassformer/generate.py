@@ -17,12 +17,15 @@ written in the very forward that asks), so a batch gives what each prompt gives 
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator, Sequence
 
 import torch
 
+from . import probes
 from .errors import UserError
 from .kv_cache import KVCache
+from .packed import packed_forward
 
 POLICIES = ("error", "slide")
 
@@ -125,6 +128,10 @@ def decode_step(model, tok: torch.Tensor, cache: KVCache, pos) -> torch.Tensor:
 # ----------------------------------------------------------------------------- sessions
 
 
+def _packed_call(model, idx, cache=None, pos=0):
+    return packed_forward(model, idx, cache, pos), None
+
+
 def _as_rows(ids) -> tuple[list[list[int]], bool]:
     """(rows of ids, single): a 1-D tensor or flat list is one prompt, else a batch."""
     if isinstance(ids, torch.Tensor):
@@ -159,7 +166,8 @@ class Session:
     """
 
     def __init__(self, model, batch_size: int = 1, *, max_len: int | None = None,
-                 context_policy: str = "error", slide_keep: int | None = None, compile: bool = False):
+                 context_policy: str = "error", slide_keep: int | None = None, packed: bool = True,
+                 compile: bool = False):
         if context_policy not in POLICIES:
             raise UserError(f"context policy must be one of {', '.join(POLICIES)}, got {context_policy!r}")
         S = model.config.max_seq_len
@@ -178,7 +186,8 @@ class Session:
         self.active = [True] * batch_size  # False once a row has stopped (within a send)
         self.seen: torch.Tensor | None = None  # (B, V) bool, built when a penalty asks for it
         self.generator: torch.Generator | None = None
-        self.forward = torch.compile(model, dynamic=False) if compile else model
+        self.packed = packed
+        self.compile = compile
         self.slides = 0  # how many times a window was cut (for reports and tests)
 
     # ---- bookkeeping on the host -------------------------------------------------------
@@ -193,6 +202,13 @@ class Session:
     def finish(self, b: int) -> None:
         """Stop row b for the rest of this send (a caller's stop rule, e.g. a stop string)."""
         self.active[b] = False
+
+    def _model(self):
+        """The forward to run: the packed one (see packed.py) unless probes are listening or
+        the model trains (dropout), where only the model itself does the right thing."""
+        if not self.packed or self.model.training or probes.active():
+            return self.model
+        return functools.partial(_packed_call, self.model)
 
     # ---- one forward over whatever is pending --------------------------------------------
     def _forward(self) -> torch.Tensor:
@@ -214,7 +230,8 @@ class Session:
         ids = torch.tensor([p + [0] * (T - len(p)) for p in pending], device=self.device)  # (B, T) right-padded
         pos = self.cached[0] if len(set(self.cached)) == 1 else torch.tensor(self.cached, device=self.device)
         lengths = None if len(set(n)) == 1 else torch.tensor(n, device=self.device)
-        logits = prefill(self.forward, ids, self.cache, pos, lengths) if T > 1 else decode_step(self.forward, ids, self.cache, pos)
+        fwd = self._model()
+        logits = prefill(fwd, ids, self.cache, pos, lengths) if T > 1 else decode_step(fwd, ids, self.cache, pos)
         # A stopped row re-feeds its last token at the same slot (same keys and values) and
         # stays put, so the batch keeps one shape and the row's cache stays exact.
         self.cached = [c + (k if a else k - 1) for c, k, a in zip(self.cached, n, self.active)]

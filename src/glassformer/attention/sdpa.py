@@ -21,6 +21,9 @@ def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, st
     gqa = {"enable_gqa": True} if (N != k.shape[1] and _HAS_GQA) else {}
     if key_mask is None and window is None and start == 0 and Tq == Tk:  # plain causal: no mask to build
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+    if key_mask is None and window is None and Tq == 1 and start is not None and Tk == start + 1:
+        # One decode step over a cache filled up to it: the query may read every key, no mask.
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa)
     ok = allowed(q_pos, torch.arange(Tk, device=q.device), key_mask, window)  # (B, Tq, Tk)
     any_ok = ok.any(-1, keepdim=True)  # (B, Tq, 1)
     # Rows with no readable key: let them read everything (finite), then zero their output.

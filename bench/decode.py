@@ -1,0 +1,195 @@
+"""Batch-1 greedy decoding on the reference shape: glassformer's KV-cache generate against
+Hugging Face LlamaForCausalLM.generate (with its cache) on the same weights, in one run.
+
+Reports tokens/s of both and their ratio (tokens must be identical), the fraction of the
+memory-bandwidth roofline (bytes of weights + cache read per token / bandwidth measured
+here by streaming a large tensor), prefill tokens/s, and decode latency at context 128 vs
+2048. Rounds alternate between the two implementations and the best round counts, so a
+busy machine penalises both alike.
+
+    python bench/decode.py [--new-tokens 128] [--rounds 3] [--threads 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from glassformer import ModelConfig, Transformer, generate  # noqa: E402
+from glassformer.config import REFERENCE_SHAPE  # noqa: E402
+from glassformer.convert.keymap import LLAMA_KEYS  # noqa: E402
+from glassformer.generate import Session  # noqa: E402
+
+
+def hf_twin(model: Transformer):
+    """LlamaForCausalLM holding exactly our weights (the key map read backwards)."""
+    import transformers
+
+    c = model.config
+    hc = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
+        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_embeddings, attn_implementation="sdpa",
+    )
+    hf = transformers.LlamaForCausalLM(hc).eval()
+    state = {}
+    for key, t in model.state_dict().items():
+        for ours, theirs in LLAMA_KEYS.items():
+            m = re.fullmatch(re.escape(ours).replace(r"\{i\}", r"(\d+)"), key)
+            if m:
+                state[theirs.replace("{i}", m.group(1)) if m.groups() else theirs] = t
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    return hf
+
+
+def bandwidth(n_bytes: int = 512 * 2**20, rounds: int = 5) -> dict:
+    """Memory bandwidth in bytes/s: reading a big tensor (a sum) and copying it (read + write)."""
+    a = torch.ones(n_bytes // 4)
+    b = torch.empty_like(a)
+    read, copy = [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        a.sum()
+        read.append(n_bytes / (time.perf_counter() - t))
+        t = time.perf_counter()
+        b.copy_(a)
+        copy.append(2 * n_bytes / (time.perf_counter() - t))
+    return {"read": max(read), "copy": max(copy)}
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds (a smoke run)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.new_tokens, args.rounds = 32, 1
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = ModelConfig(**REFERENCE_SHAPE)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # larger weights than the init, so argmax margins are not all near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.05)
+    hf = hf_twin(model)
+    n_weights = model.num_params()
+    prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt_tokens))
+    N = args.new_tokens
+
+    def ours():
+        return list(generate(model, prompt[0], max_new_tokens=N, greedy=True))
+
+    def theirs():
+        with torch.inference_mode():
+            out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=N, min_new_tokens=N,
+                              do_sample=False, pad_token_id=0)
+        return out[0, prompt.shape[1]:].tolist()
+
+    ours(), theirs()  # warm up both
+    t_ours, t_hf = [], []
+    for _ in range(args.rounds):
+        dt, a = timed(ours)
+        t_ours.append(dt)
+        dt, b = timed(theirs)
+        t_hf.append(dt)
+    same = a == b
+    bw = bandwidth()
+
+    # Roofline: each decoded token reads every weight once and the cache up to its position.
+    bpn = next(model.parameters()).element_size()
+    kv_per_pos = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * bpn
+    mean_ctx = args.prompt_tokens + N / 2
+    bytes_per_token = n_weights * bpn + kv_per_pos * mean_ctx
+    tok_s, hf_tok_s = N / min(t_ours), N / min(t_hf)
+    roof = bw["read"] / bytes_per_token
+
+    # Prefill: one forward over a long prompt into the cache.
+    prefill = {}
+    for T in (512, 2048) if not args.quick else (512,):
+        ids = torch.randint(0, cfg.vocab_size, (1, T))
+        best_o, best_h = float("inf"), float("inf")
+        for _ in range(max(1, args.rounds - 1)):
+            s = Session(model, max_len=T + 1)
+            with torch.inference_mode():
+                dt, _ = timed(lambda: model(ids, cache=s.cache, pos=0))
+            best_o = min(best_o, dt)
+            with torch.inference_mode():
+                dt, _ = timed(lambda: hf(ids, use_cache=True))
+            best_h = min(best_h, dt)
+        prefill[T] = {"ours_tokens_per_s": T / best_o, "hf_tokens_per_s": T / best_h}
+
+    # Decode latency against context length: median step time after prefilling `ctx` tokens.
+    latency = {}
+    for ctx in (128, cfg.max_seq_len - 48) if not args.quick else (128,):
+        ids = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
+        steps = []
+        s = Session(model, max_len=cfg.max_seq_len)
+        it = s.send(ids, max_new_tokens=48, greedy=True)
+        next(it)  # the prefill
+        t = time.perf_counter()
+        for _ in it:
+            now = time.perf_counter()
+            steps.append(now - t)
+            t = now
+        latency[ctx] = statistics.median(steps)
+    growth = latency[max(latency)] / latency[128] if len(latency) > 1 else None
+
+    res = {
+        "shape": {**REFERENCE_SHAPE, "weights": n_weights, "dtype": "float32"},
+        "machine": {"cpu": platform.processor() or platform.machine(), "torch_threads": args.threads,
+                    "cores": os.cpu_count(), "torch": torch.__version__},
+        "decode": {"new_tokens": N, "prompt_tokens": args.prompt_tokens, "ours_tokens_per_s": tok_s,
+                   "hf_tokens_per_s": hf_tok_s, "speedup": tok_s / hf_tok_s, "identical_tokens": same,
+                   "rounds_ours_s": t_ours, "rounds_hf_s": t_hf},
+        "roofline": {"read_bandwidth_GBps": bw["read"] / 1e9, "copy_bandwidth_GBps": bw["copy"] / 1e9,
+                     "bytes_per_token": bytes_per_token, "roofline_tokens_per_s": roof,
+                     "ours_fraction": tok_s / roof, "hf_fraction": hf_tok_s / roof},
+        "prefill": prefill,
+        "decode_latency_ms": {str(k): v * 1e3 for k, v in latency.items()},
+        "latency_growth_long_vs_128": growth,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+
+    print(f"reference shape: {n_weights / 1e6:.1f}M weights, fp32, {args.threads} threads, batch 1, greedy")
+    print(f"{'':32}{'glassformer':>14}{'HF generate':>14}{'ratio':>8}")
+    print(f"{'decode tokens/s':32}{tok_s:14.1f}{hf_tok_s:14.1f}{tok_s / hf_tok_s:8.2f}x   identical tokens: {same}")
+    print(f"{'fraction of roofline':32}{tok_s / roof:14.1%}{hf_tok_s / roof:14.1%}"
+          f"   ({bytes_per_token / 1e6:.1f} MB/token, read bandwidth {bw['read'] / 1e9:.1f} GB/s, "
+          f"copy {bw['copy'] / 1e9:.1f} GB/s, roofline {roof:.0f} tokens/s)")
+    for T, r in prefill.items():
+        print(f"{f'prefill {T} tokens, tokens/s':32}{r['ours_tokens_per_s']:14.0f}{r['hf_tokens_per_s']:14.0f}"
+              f"{r['ours_tokens_per_s'] / r['hf_tokens_per_s']:8.2f}x")
+    for ctx, v in latency.items():
+        print(f"{f'decode step at context {ctx}, ms':32}{v * 1e3:14.2f}")
+    if growth is not None:
+        print(f"{f'latency growth {max(latency)} / 128':32}{growth:14.2f}x")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
