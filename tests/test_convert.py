@@ -368,3 +368,34 @@ def test_cli_argument_errors(converted, tmp_path, capsys):
     assert "divisor" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: two modes at once
         main(["convert", "--from-hf", str(src), "--to-hf", str(dst), "--out", str(tmp_path / "x")])
+
+
+def test_tied_head_stored_anyway_must_equal_the_embedding(converted, tmp_path, capsys):
+    _, src, dst = converted("qwen2-tied")
+    for name, head in (("same", None), ("differs", torch.zeros(V, 64))):
+        folder = tmp_path / name
+        shutil.copytree(src, folder)
+        _edit_weights(folder, lambda sd: sd.update({"lm_head.weight": sd["model.embed_tokens.weight"].clone() if head is None else head}))
+        rc = main(["convert", "--from-hf", str(folder), "--out", str(tmp_path / f"{name}-out")])
+        if head is None:
+            assert rc == 0
+            a, b = load_file(str(dst / "model.safetensors")), load_file(str(tmp_path / "same-out" / "model.safetensors"))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        else:
+            assert rc == 2 and "lm_head.weight differs" in capsys.readouterr().err
+
+
+def test_config_of_either_transformers_era_reads_the_same(converted, tmp_path):
+    """transformers >= 5 writes rope_parameters; < 5 wrote rope_theta and rope_scaling."""
+    from glassformer.convert import config_from_hf
+
+    _, src, _ = converted("llama3.1-scaling")
+    new = json.loads((src / "config.json").read_text())
+    old = dict(new)
+    params = dict(old.pop("rope_parameters"))
+    old["rope_theta"] = params.pop("rope_theta")
+    old["rope_scaling"] = params
+    a, b = config_from_hf(new), config_from_hf(old)
+    assert a == b and a.rope_theta == 500000.0 and a.rope_scaling["rope_type"] == "llama3"
+    plain = dict(old, rope_scaling={"rope_type": "default"})
+    assert config_from_hf(plain).rope_scaling is None
