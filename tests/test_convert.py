@@ -244,6 +244,12 @@ def test_to_hf_dtype(tmp_path):
     assert torch.equal(sd["model.layers.0.self_attn.q_proj.bias"], ours.blocks[0].attn.wq.bias.detach().bfloat16())
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
+    # Without --dtype the stored dtype is kept, both ways and through --kv-heads.
+    save_model(tmp_path / "half", ours.to(torch.float16))
+    assert main(["convert", "--to-hf", str(tmp_path / "half"), "--out", str(tmp_path / "hf16")]) == 0
+    assert {t.dtype for t in load_file(str(tmp_path / "hf16" / "model.safetensors")).values()} == {torch.float16}
+    assert main(["convert", "--kv-heads", "1", "--checkpoint", str(tmp_path / "half"), "--out", str(tmp_path / "mqa")]) == 0
+    assert {t.dtype for t in load_file(str(tmp_path / "mqa" / "model.safetensors")).values()} == {torch.float16}
 
 
 @pytest.mark.parametrize("overrides, named", [
