@@ -151,17 +151,22 @@ def test_half_precision_weights_keep_or_change_dtype(stored, converted, tmp_path
     assert torch.equal(f32.blocks[0].attn.wk.weight, ref["model.layers.0.self_attn.k_proj.weight"].float())
 
 
-def test_tokenizer_json_is_carried_along(converted, tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def test_tokenizer_json_is_carried_along_every_way(tmp_path):
+    from glassformer.tokenizer import Tokenizer
 
-    _, src, _ = converted("gpt2")
-    folder = tmp_path / "hf"
-    shutil.copytree(src, folder)
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    assert main(["convert", "--from-hf", str(folder), "--out", str(tmp_path / "ours")]) == 0
-    assert (tmp_path / "ours" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    tok = Tokenizer.train(["to be or not to be, that is the question"] * 20, vocab_size=300)
+    save_model(tmp_path / "ours", tiny_model(), tok)
+    original = (tmp_path / "ours" / "tokenizer.json").read_bytes()
+    assert main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == original
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["eos_token_id"] == tok.eot_id is not None and cfg["bos_token_id"] is None
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    assert main(["convert", "--kv-heads", "1", "--checkpoint", str(tmp_path / "back"), "--out", str(tmp_path / "mqa")]) == 0
+    for folder in ("hf", "back", "mqa"):
+        assert (tmp_path / folder / "tokenizer.json").read_bytes() == original
+        _, loaded = load(tmp_path / folder)
+        assert loaded.eot_id == tok.eot_id and loaded.encode("to be or not") == tok.encode("to be or not")
 
 
 def test_gpt2_hub_layout_without_prefix_and_with_mask_buffers(converted, tmp_path):
@@ -203,7 +208,8 @@ OUR_CASES = {
     "llama-tied-scaled": (dict(tie_embeddings=True, rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32}), "llama"),
-    "llama-interleaved-rope": (dict(rope_pairs="interleaved"), "llama"),  # Q/K rows permuted on the way out
+    "llama-interleaved-rope": (dict(rope_pairs="interleaved"), "llama"),
+    "llama-linear-old-spelling": (dict(rope_scaling={"type": "linear", "factor": 4.0}), "llama"),  # Q/K rows permuted on the way out
     "mistral": (dict(sliding_window=8), "mistral"),
     "qwen2": (dict(qkv_bias=True, tie_embeddings=True), "qwen2"),
     "qwen2-window": (dict(qkv_bias=True, sliding_window=8), "qwen2"),

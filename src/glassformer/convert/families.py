@@ -265,9 +265,12 @@ def _qwen2_from_hf(hf: dict) -> ModelConfig:
 def _rope_fields(cfg: ModelConfig) -> dict:
     """Both spellings: transformers < 5 reads rope_theta/rope_scaling, >= 5 reads rope_parameters
     (and converts the old spelling too); an older reader ignores the newer key."""
-    params = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": float(cfg.rope_theta)}
-    params.pop("type", None)
-    return {"rope_theta": float(cfg.rope_theta), "rope_scaling": cfg.rope_scaling, "rope_parameters": params}
+    scaling = None
+    if cfg.rope_scaling is not None:
+        scaling = {k: v for k, v in cfg.rope_scaling.items() if k != "type"}
+        scaling["rope_type"] = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))  # old configs say "type"
+    params = {"rope_type": "default", **(scaling or {}), "rope_theta": float(cfg.rope_theta)}
+    return {"rope_theta": float(cfg.rope_theta), "rope_scaling": scaling, "rope_parameters": params}
 
 
 def _llama_like_to_hf(cfg: ModelConfig, model_type: str, arch: str) -> dict:
