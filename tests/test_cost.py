@@ -288,6 +288,15 @@ def test_training_memory_parts_and_largest_batch():
     assert max_train_batch(ModelConfig.from_preset("llama3-8b"), 8192, parse_bytes("80GB"), "bf16") == 0
 
 
+def test_docstring_examples():
+    import doctest
+    import importlib
+
+    for name in ("params", "flops"):
+        result = doctest.testmod(importlib.import_module(f"glassformer.cost.{name}"))
+        assert result.attempted > 0 and result.failed == 0
+
+
 def test_parse_bytes():
     assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("512 MB") == 512 * 10**6 and parse_bytes("1e9") == 10**9
@@ -375,6 +384,7 @@ def test_cli_cpu_hardware_is_measured(capsys):
     (["--preset", "nope"], "unknown preset"),
     (["--config", "missing.json"], "does not exist"),
     (["--preset", "tiny", "--mfu", "2"], "mfu must be in"),
+    (["--preset", "tiny", "--tokens", "1e6", "--steps", "3"], "not both"),
 ])
 def test_cli_bad_input_is_one_error_line(capsys, argv, msg):
     assert main(["cost", *argv]) == 2

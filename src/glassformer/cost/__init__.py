@@ -23,7 +23,7 @@ from .memory import (
 )
 from .plot import plot_costs
 from .report import estimate, format_table
-from .weights import layer_weights, num_weights, weights
+from .params import layer_weights, num_weights, weights
 
 __all__ = [
     "estimate", "format_table", "plot_costs", "weights", "layer_weights", "num_weights", "forward_flops", "train_step_flops",

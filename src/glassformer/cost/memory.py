@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from .flops import tiled_pairs
-from .weights import num_weights
+from .params import num_weights
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per weight (AdamW: m and v)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from . import flops as fl
 from . import memory as mem
-from .weights import num_weights
+from .params import num_weights
 
 
 def seq_grid(cfg: ModelConfig, lo: int = 16) -> list[int]:
