@@ -254,6 +254,16 @@ def test_activations_match_what_autograd_saves(kernel, cfg, B, T):
 
 
 @pytest.mark.parametrize("kernel", ["naive", "sdpa", "tiled"])
+def test_activations_with_dropout(kernel):
+    cfg = ModelConfig.from_preset("tiny", attention=kernel, attention_tile=16, dropout=0.1)
+    elements, nbytes = saved_for_backward(Transformer(cfg).train(), 2, 64)
+    a = activations(cfg, 2, 64)
+    assert a["dropout"] == (2 * cfg.n_layers + 1) * 2 * 64 * cfg.dim
+    assert a["total"] == pytest.approx(elements, rel=0.15) and activation_bytes(cfg, 2, 64) == pytest.approx(nbytes, rel=0.15)
+    assert a["total"] - a["dropout"] == activations(cfg.replace(dropout=0.0), 2, 64)["total"]
+
+
+@pytest.mark.parametrize("kernel", ["naive", "sdpa", "tiled"])
 def test_activation_bytes_in_bf16(kernel):
     cfg = ModelConfig.from_preset("tiny", attention=kernel, attention_tile=16)
     model = Transformer(cfg).to(torch.bfloat16)
