@@ -200,6 +200,14 @@ def test_tiled_kernel_flops_and_skipped_tiles(cfg, B, T):
     assert sum(not e["skipped"] for e in log) == tp["tiles"]
 
 
+def test_cpu_sdpa_has_no_flop_formula():
+    # Why flops_forward is defined on the naive kernel: on the CPU, FlopCounterMode counts
+    # nothing for the fused kernel, so it sees exactly the products with weights.
+    cfg = ModelConfig.from_preset("tiny", attention="sdpa")
+    r = estimate(cfg, batch=2, seq=64)
+    assert counted_flops(Transformer(cfg), 2, 64) == r["flops_forward_no_scores"] < r["flops_forward"]
+
+
 def test_walkthrough_flash_tiles():
     # Four tokens in tiles of 2: the tile where "I" and "like" would read "cats" and "too" is skipped.
     assert "never computed" in WORKED["flash_attention_tiles_of_2_row_cats"]["skipped_tiles"]
