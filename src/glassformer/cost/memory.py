@@ -105,8 +105,8 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
         "logits": BT * V,
         "rope": BT * cfg.head_dim if cfg.pos == "rope" else 0,
     }
-    parts = {k: parts_act.get(k, 0) + parts_32.get(k, 0) for k in {**parts_act, **parts_32}}
-    parts = {k: parts[k] for k in ("norms", "linear_in", "attn_z", "attn_kernel", "ffn", "dropout", "logits", "rope")}
+    order = ("norms", "linear_in", "attn_z", "attn_kernel", "ffn", "dropout", "logits", "rope")
+    parts = {k: parts_act.get(k, 0) + parts_32.get(k, 0) for k in order}
     parts["total"] = sum(parts.values())
     parts["fp32"] = sum(parts_32.values())
     parts["mask_bytes"] = L * k_mask
