@@ -191,3 +191,38 @@ def test_size_of_a_100m_weight_model_trace_stays_under_50_mb():
     text = t.to_json(digits=6)
     _strict(text)
     assert len(text.encode()) < 50e6
+
+
+def test_cli_trace_writes_a_strict_trace_file(tmp_path, capsys):
+    tokenizer = pytest.importorskip("glassformer.tokenizer")
+    from glassformer.checkpoint import save_model
+    from glassformer.cli import main
+
+    tok = tokenizer.Tokenizer.train(["the cat saw the hat and the cat sat on the mat"] * 20, 300)
+    m = tiny_model(vocab_size=tok.vocab_size)
+    save_model(tmp_path / "ckpt", m, tok)
+    out = tmp_path / "t.json"
+    text = "the cat saw the hat"
+    assert main(["trace", "--checkpoint", str(tmp_path / "ckpt"), "--text", text, "--out", str(out),
+                 "--with-weights", "--attention", "tiled", "--tile", "2", "--top-k", "5", "--layers", "1"]) == 0
+    d = _strict(out.read_text())
+    ids = tok.encode(text)
+    assert d["ids"] == ids and "".join(d["tokens"]) == text
+    assert d["layers"] == [1] and d["top_k"] == 5 and d["config"]["attention"] == "tiled"
+    assert "blocks.1.attn.tiles" in d["probes"] and "blocks.1.attn.wq.weight" in d["weights"]
+    assert set(d["analysis"]) >= {"norm_rms", "head_summary", "logit_lens", "decode_step", "flash_walkthrough"}
+    t = trace(m, ids, layers=[1])
+    assert torch.allclose(Trace.from_dict(d)["blocks.1.ffn.act"], t["blocks.1.ffn.act"], rtol=1e-6, atol=1e-9)
+    assert glassformer.explain(d, "blocks.1.attn.q", [2, 1, 3]).result == pytest.approx(
+        t.value("blocks.1.attn.q", [2, 1, 3]), abs=1e-5)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_trace_bad_input_is_one_error_line(tmp_path, capsys):
+    from glassformer.cli import main
+
+    assert main(["trace", "--checkpoint", str(tmp_path / "missing"), "--text", "x", "--out", str(tmp_path / "t.json")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert main(["trace", "--text", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
