@@ -226,3 +226,16 @@ def test_cli_trace_bad_input_is_one_error_line(tmp_path, capsys):
     assert main(["trace", "--text", "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_weights_of_kept_heads_only():
+    m = tiny_model()
+    t = trace(m, IDS, heads=[3], with_weights=True)
+    H = m.config.head_dim
+    wq, wk, wo = (t.weights[f"blocks.0.attn.{n}.weight"] for n in ("wq", "wk", "wo"))
+    assert wq.index == {"out": list(range(3 * H, 4 * H))} and wk.index == {"out": list(range(H, 2 * H))}
+    assert wo.index == {"in": list(range(3 * H, 4 * H))} and wo.data.shape == (H, m.config.dim)
+    full = m.blocks[0].attn.wq.weight.t()
+    assert t.weight_value("blocks.0.attn.wq.weight", [5, 3 * H + 2]) == float(full[5, 3 * H + 2])
+    e = glassformer.explain(t, "blocks.0.attn.q", [4, 3, 2])
+    assert e.result == pytest.approx(t.value("blocks.0.attn.q", [4, 3, 2]), abs=1e-6)
