@@ -235,7 +235,7 @@ def test_weights_of_kept_heads_only():
     wq, wk, wo = (t.weights[f"blocks.0.attn.{n}.weight"] for n in ("wq", "wk", "wo"))
     assert wq.index == {"out": list(range(3 * H, 4 * H))} and wk.index == {"out": list(range(H, 2 * H))}
     assert wo.index == {"in": list(range(3 * H, 4 * H))} and wo.data.shape == (H, m.config.dim)
-    full = m.blocks[0].attn.wq.weight.t()
+    full = m.blocks[0].attn.wq.weight.detach().t()
     assert t.weight_value("blocks.0.attn.wq.weight", [5, 3 * H + 2]) == float(full[5, 3 * H + 2])
     e = glassformer.explain(t, "blocks.0.attn.q", [4, 3, 2])
     assert e.result == pytest.approx(t.value("blocks.0.attn.q", [4, 3, 2]), abs=1e-6)
