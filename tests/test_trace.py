@@ -194,11 +194,11 @@ def test_size_of_a_100m_weight_model_trace_stays_under_50_mb():
 
 
 def test_cli_trace_writes_a_strict_trace_file(tmp_path, capsys):
-    tokenizer = pytest.importorskip("glassformer.tokenizer")
     from glassformer.checkpoint import save_model
     from glassformer.cli import main
+    from glassformer.tokenizer import Tokenizer
 
-    tok = tokenizer.Tokenizer.train(["the cat saw the hat and the cat sat on the mat"] * 20, 300)
+    tok = Tokenizer.train(["the cat saw the hat and the cat sat on the mat"] * 20, 300)
     m = tiny_model(vocab_size=tok.vocab_size)
     save_model(tmp_path / "ckpt", m, tok)
     out = tmp_path / "t.json"
@@ -239,3 +239,24 @@ def test_weights_of_kept_heads_only():
     assert t.weight_value("blocks.0.attn.wq.weight", [5, 3 * H + 2]) == float(full[5, 3 * H + 2])
     e = glassformer.explain(t, "blocks.0.attn.q", [4, 3, 2])
     assert e.result == pytest.approx(t.value("blocks.0.attn.q", [4, 3, 2]), abs=1e-6)
+
+
+def test_cli_trace_of_the_walkthroughs_toy_model_shows_its_figures(tmp_path):
+    from pathlib import Path
+
+    from glassformer.cli import main
+
+    fig = json.loads((Path(__file__).parent / "data" / "worked_example.json").read_text())["head0"]
+    out = tmp_path / "w.json"
+    assert main(["trace", "--worked", "--out", str(out), "--attention", "tiled", "--tile", "2"]) == 0
+    d = _strict(out.read_text())
+    assert d["tokens"] == ["I", "like", "cats", "too"] and "blocks.0.attn.wq.weight" in d["weights"]
+    p = d["probes"]
+    assert p["blocks.0.attn.q"]["data"][2][0] == pytest.approx(fig["query"]["cats"], abs=5e-6)
+    assert p["blocks.0.attn.q_rot"]["data"][2][0] == pytest.approx(fig["rotated_query"]["cats"], abs=5e-4)
+    assert p["blocks.0.attn.scores"]["data"][2][0] == pytest.approx(fig["scores_row_cats_scaled"], abs=5e-4)
+    w = p["blocks.0.attn.weights"]["data"][2][0]
+    assert w[:3] == pytest.approx(fig["attention_weights_row_cats"][:3], abs=5e-4) and w[3] is None
+    e = glassformer.explain(d, "blocks.0.attn.q", [2, 0, 0])
+    assert e.text == "q[cats][0] = Σ_i x[i]·W_Q[i,0] = 1·0 + 1·0 + (−1)·0 + (−1)·(−1) = 1"
+    assert main(["trace", "--worked", "--text", "I like birds", "--out", str(out)]) == 2
