@@ -113,6 +113,8 @@ def decode_step(model, ids, new_id: int | None = None, layers=None) -> dict:
     cfg = model.config
     ids = [int(i) for i in ids]
     T = len(ids)
+    if T == 0 or any(not 0 <= i < cfg.vocab_size for i in ids + ([] if new_id is None else [int(new_id)])):
+        raise UserError(f"decode step: give at least one token, every id in 0..{cfg.vocab_size - 1}")
     if T + 1 > cfg.max_seq_len:
         raise UserError(f"a decode step after {T} tokens needs {T + 1} positions; the model has {cfg.max_seq_len}")
     layers = list(range(cfg.n_layers)) if layers is None else list(layers)
