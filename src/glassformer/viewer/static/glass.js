@@ -2,8 +2,8 @@
 //
 // Safety rule for this file: every text that comes from the data (tokens, the sentence,
 // pieces, explain text, error messages) reaches the page through textContent or a text
-// node, never through innerHTML, so a sentence such as <img src=x onerror=...> is shown
-// as text and runs nothing.
+// node, never through innerHTML, so a sentence that is itself HTML (an img tag with an
+// onerror handler, say) is shown as text and runs nothing.
 'use strict';
 (function () {
   const SVGNS = 'http://www.w3.org/2000/svg';
