@@ -224,7 +224,8 @@
       g.dataset.token = String(t);
       const col = tokColor(t);
       const full = tokenLabel(t), short = full.length > 11 ? full.slice(0, 10) + '…' : full;
-      g.append(svg('text', { x: left - 24, y: y + 4, 'text-anchor': 'end', class: 'lane-label', fill: col, text: short }, svg('title', { text: full })));
+      g.append(svg('title', { text: full }));
+      g.append(svg('text', { x: left - 24, y: y + 4, 'text-anchor': 'end', class: 'lane-label', fill: col, text: short }));
       // The stream itself: a line from join to join; branches leave it and come back at the +.
       let prevX = left, prevR = R[0][t];
       steps.forEach((s, c) => {
