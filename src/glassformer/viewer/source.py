@@ -200,3 +200,48 @@ def write_worked_page(path, text: str | None = None):
 
     parts = worked_parts()
     return write_page(path, parts.pop("model"), parts.pop("tokenizer"), text or worked.SENTENCE, **parts)
+
+
+# ----------------------------------------------------------------------------- trace files
+
+
+def write_trace_page(trace, path, model=None, tokenizer=None, sentence: str | None = None):
+    """The page of an existing trace (a Trace, its dict or a trace file's path), as one file.
+
+    With `model`, every shown number's calculation is stored and the pre-norm/post-norm
+    comparison is computed; without it, calculations come from the trace's own weights
+    (`--with-weights`) where it has them, and the comparison shows this model's placement.
+    """
+    import json
+    from pathlib import Path
+
+    from ..config import ModelConfig
+    from ..explain import explain
+    from ..trace_format import as_trace
+    from .render import norm_comparison, write_html
+
+    if isinstance(trace, (str, Path)):
+        trace = json.loads(Path(trace).read_text(encoding="utf-8"))
+    tr = as_trace(trace)  # parsed once: explain then reads tensors, not lists
+    d = trace if isinstance(trace, dict) else tr.to_dict()
+    cfg = ModelConfig.from_dict(d["config"])
+    complete = set(tr.layers) == set(range(cfg.n_layers))
+    if model is not None and complete:
+        norm = norm_view(norm_models(model), tr.ids, tr.tokens)
+    elif complete:
+        norm = norm_comparison({cfg.norm_placement: d}, about=f"this model's placement ({cfg.norm_placement}-norm) only: "
+                                                             "open the page from a model to compare with the other")
+    else:
+        norm = None
+    if tokenizer is not None:
+        pieces = functools.partial(_piece, tokenizer)
+    else:
+        known = dict(zip(tr.ids, tr.tokens))
+        pieces = lambda i: known.get(i, f"#{i}")  # noqa: E731
+    tiles = [p for n, p in d["probes"].items() if n.endswith(".tiles")]
+    return write_html(
+        path, d, sentence=sentence, model_name=cfg.to_dict().get("name") or "traced model", pieces=pieces,
+        explain=lambda probe, index: explain(tr, probe, index, model=model), norm=norm,
+        costs=costs_view(cfg, len(tr.ids)), focus_token=tr.query,
+        flash_tile=tiles[0].get("tile_size") if tiles else None,
+    )
