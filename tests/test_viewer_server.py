@@ -161,3 +161,61 @@ def test_json_for_html_cannot_close_the_block():
     text = render.json_for_html(nasty)
     assert "<" not in text and ">" not in text and "&" not in text and "\u2028" not in text
     assert json.loads(text) == nasty
+
+
+# ----------------------------------------------------------------------------- the toy model, end to end
+
+FIGURES = json.loads((__import__("pathlib").Path(__file__).parent / "data" / "worked_example.json").read_text())
+
+
+def page_data(path) -> dict:
+    page = path.read_text(encoding="utf-8")
+    return json.loads(re.search(r'<script type="application/json" id="glass-data">(.*?)</script>', page, re.S).group(1))
+
+
+def test_worked_server_explains_and_refuses_unknown_words():
+    from glassformer.commands.view import build_explorer
+
+    server = make_server(build_explorer(build_parser().parse_args(["view", "--worked"])), port=0)
+    serve_in_thread(server)
+    try:
+        status, _, body = request(server, "GET", "/")
+        assert status == 200 and "I like cats too" in body.decode()
+        status, _, body = post_json(server, "/api/explain",
+                                    {"text": "I like cats too", "probe": "blocks.0.attn.weights", "index": [2, 0, 0]})
+        assert status == 200
+        calc = json.loads(body)
+        assert calc["value"] == pytest.approx(FIGURES["head0"]["attention_weights_row_cats"][0], abs=5e-4)
+        assert calc["steps"][-1]["op"] == "softmax"
+        status, _, body = post_json(server, "/api/trace", {"text": "I like birds"})
+        assert status == 400 and "birds" in json.loads(body)["error"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_html_options_write_self_contained_pages(tmp_path):
+    from glassformer.cli import main
+
+    worked = tmp_path / "worked.html"
+    assert main(["worked", "--html", str(worked)]) == 0
+    data = page_data(worked)
+    assert data["trace"]["tokens"] == ["I", "like", "cats", "too"]
+    q = data["explain"]["blocks.0.attn.q|2,0,0"]
+    assert q["value"] == pytest.approx(FIGURES["head0"]["query"]["cats"][0], abs=1e-6)
+    # The pre-norm vs post-norm view holds the walkthrough's two-block RMS trajectory of cats.
+    assert data["norm"]["rms"]["pre"][2] == pytest.approx(FIGURES["two_blocks_prenorm_rms_cats"], abs=5e-3)
+    assert data["norm"]["rms"]["post"][2][1:] == pytest.approx([1.0] * 4, abs=1e-4)
+    page = worked.read_text()
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page
+
+    traced = tmp_path / "trace.html"
+    assert main(["trace", "--worked", "--attention", "tiled", "--tile", "2", "--query", "2",
+                 "--html", str(traced)]) == 0
+    data = page_data(traced)
+    tiles = data["trace"]["probes"]["blocks.0.attn.tiles"]
+    assert [t["skipped"] for t in tiles["data"]] == [False, False]
+    flash = FIGURES["flash_attention_tiles_of_2_row_cats"]
+    assert tiles["data"][0]["m"][0] == pytest.approx(flash["tile0"]["m"], abs=5e-4)
+    assert tiles["data"][1]["alpha"][0] == pytest.approx(flash["tile1"]["alpha"], abs=5e-4)
+    assert main(["trace", "--worked", "--html", str(tmp_path / "page.txt")]) == 2
