@@ -240,11 +240,14 @@ def build_payload(
     focus_token: int | None = None,
     flash_tile: int | None = None,
     notes: list[str] | None = None,
+    slim: bool = False,
 ) -> dict:
     """Everything the page draws, as one JSON-ready dict.
 
     mode: 'static' (a saved file: calculations are precomputed for the numbers shown) or
     'server' (the page asks /api/explain for any number).
+    slim: keep only the first FEATURE_CAP features of the feed-forward's wide probes (the page
+    shows no more of them; their calculations come from the server).
     explain: `explain(probe, index)` for this trace; norm: output of `norm_comparison`; costs: a
     cost report (see `cost_rows`).
     """
@@ -271,15 +274,20 @@ def build_payload(
     shown = {k: v for k, v in trace.items() if k not in ("weights", "analysis")}
     shown["probes"] = {k: v for k, v in trace["probes"].items()
                        if not (k in ("logits", "probs") and v["data"] and len(v["data"][0]) > BIG_VOCAB)}
+    if slim:
+        for name, entry in list(shown["probes"].items()):
+            if name.endswith((".ffn.up", ".ffn.gate", ".ffn.act")) and entry["shape"][-1] > FEATURE_CAP:
+                shown["probes"][name] = {**entry, "data": [row[:FEATURE_CAP] for row in entry["data"]], "cut": True}
     if not shown.get("positions"):
         shown["positions"] = list(range(T))
-    return _finite({
+    # Trace files hold no NaN (masked cells are null); the rest is small, so cleaning it is cheap.
+    return {"trace": shown, **_finite({
         "format": "glassformer-explorer", "version": 1, "mode": mode,
         "sentence": sentence if sentence is not None else " ".join(map(str, trace["tokens"])),
-        "model_name": model_name, "trace": shown, "next": nxt, "explain": explained,
+        "model_name": model_name, "next": nxt, "explain": explained,
         "costs": None if costs is None else (costs if "rows" in costs else cost_rows(costs)),
         "norm": norm, "vocab": vocab, "focus_token": focus, "flash_tile": flash_tile, "notes": notes,
-    })
+    })}
 
 
 # ----------------------------------------------------------------------------- the page
@@ -288,7 +296,10 @@ def build_payload(
 def json_for_html(data: Any) -> str:
     """JSON that is safe inside <script type="application/json">: no `<`, `>`, `&` or line
     separators appear literally, so no string in the data can end the block."""
-    text = json.dumps(_finite(data), separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    try:
+        text = json.dumps(data, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    except ValueError:  # a NaN somewhere: JSON has no spelling for it
+        text = json.dumps(_finite(data), separators=(",", ":"), allow_nan=False, ensure_ascii=False)
     for ch, esc in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
         text = text.replace(ch, esc)
     return text

@@ -47,16 +47,19 @@ class Explorer:
     encode(text) -> (ids, tokens), raising UserError for text the model cannot read.
     trace(ids, tokens) -> a trace (a glassformer.trace.Trace, or its dict form).
     explain(trace, probe, index) -> the calculation of one number (optional).
-    extras(ids, tokens, trace) -> more build_payload arguments: norm, costs, ... (optional).
+    as_dict(trace, digits) -> the trace's dict form (optional: trace() may return a dict).
+    extras(ids, tokens, trace_dict, trace) -> more build_payload arguments: norm, costs, ... (optional).
     """
 
     encode: Callable[[str], tuple[list[int], list[str]]]
     trace: Callable[[list[int], list[str]], dict]
     default_text: str
-    explain: Callable[[dict, str, list[int]], Any] | None = None
-    extras: Callable[[list[int], list[str], dict], dict] | None = None
+    explain: Callable[[Any, str, list[int]], Any] | None = None
+    as_dict: Callable[[Any, int], dict] | None = None
+    extras: Callable[[list[int], list[str], dict, Any], dict] | None = None
     payload_args: dict = field(default_factory=dict)
     cache_size: int = 8
+    digits: int = 6  # decimals (or significant digits, as as_dict reads it) of the numbers sent
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -74,10 +77,12 @@ class Explorer:
             if not ids:
                 raise UserError("the sentence is empty: type a few words")
             tr = self.trace(ids, tokens)
+            shown = self.as_dict(tr, self.digits) if self.as_dict else tr
             args = dict(self.payload_args)
             if self.extras is not None:
-                args.update(self.extras(ids, tokens, tr))
-            payload = render.build_payload(tr, mode="server", sentence=text, **args)
+                args.update(self.extras(ids, tokens, shown, tr))
+            # The live page asks the server for calculations, so it needs only what it draws.
+            payload = render.build_payload(shown, mode="server", sentence=text, slim=True, **args)
             self._cache[text] = (tr, payload)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
@@ -133,7 +138,11 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _json(self, status: int, obj: Any) -> None:
-        body = json.dumps(render._finite(obj), separators=(",", ":"), allow_nan=False).encode("utf-8")
+        try:
+            text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
+        except ValueError:  # a NaN somewhere: JSON has no spelling for it
+            text = json.dumps(render._finite(obj), separators=(",", ":"), allow_nan=False)
+        body = text.encode("utf-8")
         self._send(status, body, "application/json; charset=utf-8")
 
     def _error(self, status: int, message: str) -> None:

@@ -55,6 +55,43 @@ def trace_for_page(model, ids: list[int], tokens: list[str], focus: int | None =
         cfg.attention_tile = old_tile
 
 
+def _rounded(t, decimals: int):
+    """Nested lists of `t` rounded to `decimals` places, NaN/±inf as None (vectorised: the
+    server's answer must be quick, and short numbers keep it small; the page shows 3)."""
+    import torch
+
+    x = torch.round(t.detach().double(), decimals=decimals)
+    finite = torch.isfinite(x)
+    if bool(finite.all()):
+        return x.tolist()
+
+    def fix(a, ok):  # masked attention cells: null, as in the trace file
+        return [fix(u, v) for u, v in zip(a, ok)] if isinstance(a, list) else (a if ok else None)
+
+    return fix(x.tolist(), finite.tolist())
+
+
+def page_dict(tr, decimals: int = 6) -> dict:
+    """A Trace as the dict its file holds (docs/trace-format.md), built straight from the
+    tensors for the server's answers; weights are left out (the page never draws them)."""
+    from ..trace_format import FORMAT, FORMAT_VERSION, _plain, _tiles_json
+
+    probes = {}
+    for name, p in tr.probes.items():
+        entry = {"shape": list(p.data.shape), "axes": p.axes}
+        if p.index:
+            entry["index"] = p.index
+        entry.update(_plain(p.extra))
+        entry["data"] = _rounded(p.data, decimals)
+        probes[name] = entry
+    for i, t in tr.tiles.items():
+        probes[f"blocks.{i}.attn.tiles"] = _plain(_tiles_json(t))
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "tokens": tr.tokens, "ids": tr.ids,
+            "positions": tr.positions, "config": tr.config, "rope_inv_freq": tr.rope_inv_freq, "layers": tr.layers,
+            "heads": tr.heads, "top_k": tr.top_k, "query": tr.query, "probes": probes,
+            **({"analysis": _plain(tr.analysis)} if tr.analysis else {})}
+
+
 def other_placement(model):
     """The same weights with the norms moved: pre-norm <-> post-norm (for the comparison view)."""
     twin = copy.deepcopy(model)
@@ -69,14 +106,21 @@ def norm_models(model) -> dict:
     return {model.config.norm_placement: model, twin.config.norm_placement: twin}
 
 
-def norm_view(models: dict, ids: list[int], tokens: list[str]) -> dict:
-    """RMS of the stream after every addition for the same text, pre-norm and post-norm."""
+def norm_view(models: dict, ids: list[int], tokens: list[str], model=None, traced=None) -> dict:
+    """RMS of the stream after every addition for the same text, pre-norm and post-norm
+    (glassformer.analysis.norm_rms of each). `traced`, the Trace of `model` itself, is
+    reused when `model` is one of the pair."""
+    from ..analysis import norm_rms
     from ..trace import trace
-    from .render import norm_comparison
 
-    traces = {k: trace(models[k], ids, tokens=tokens, top_k=1).to_dict() for k in ("pre", "post")}
-    return norm_comparison(traces, about="the same weights with the norms before each sublayer (pre) "
-                                         "or after each addition (post)")
+    out: dict[str, Any] = {"rms": {}, "about": "the same weights with the norms before each sublayer (pre) "
+                                              "or after each addition (post)"}
+    for kind in ("pre", "post"):
+        tr = traced if (traced is not None and models[kind] is model) else trace(models[kind], ids, tokens=tokens, top_k=1)
+        r = norm_rms(tr)
+        out["rms"][kind] = [list(row) for row in zip(*r["rms"])]  # [token][step]
+        out["steps"], out["tokens"] = [lab.replace(": + ", " +").replace("attention", "attn") for lab in r["labels"]], list(tokens)
+    return out
 
 
 COST_ROWS = [
@@ -122,7 +166,7 @@ def page_args(model, tokenizer, text: str, *, model_name: str, mode: str = "stat
     tr = trace_for_page(model, ids, tokens, focus)
     args: dict[str, Any] = dict(
         sentence=text, model_name=model_name, pieces=functools.partial(_piece, tokenizer),
-        norm=norm_view(norm or norm_models(model), ids, tokens), costs=costs_view(model.config, len(ids)),
+        norm=norm_view(norm or norm_models(model), ids, tokens, model, tr), costs=costs_view(model.config, len(ids)),
         vocab=vocab, focus_token=focus, flash_tile=flash_tile(len(ids)),
     )
     if mode == "static":
@@ -159,13 +203,13 @@ def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict
     def trace_fn(ids, tokens):
         return trace_for_page(model, ids, tokens, focus if focus is not None and focus < len(ids) else None)
 
-    def extras(ids, tokens, tr):
+    def extras(ids, tokens, tr, traced):
         return dict(model_name=model_name, pieces=functools.partial(_piece, tokenizer),
-                    norm=norm_view(norm, ids, tokens), costs=costs_view(model.config, len(ids)),
+                    norm=norm_view(norm, ids, tokens, model, traced), costs=costs_view(model.config, len(ids)),
                     vocab=vocab, focus_token=focus if focus is not None and focus < len(ids) else None,
                     flash_tile=flash_tile(len(ids)))
 
-    return Explorer(encode=enc, trace=trace_fn, default_text=default_text,
+    return Explorer(encode=enc, trace=trace_fn, default_text=default_text, as_dict=page_dict,
                     explain=lambda tr, probe, index: explain(tr, probe, index, model=model), extras=extras)
 
 

@@ -131,8 +131,10 @@
     const box = el('span', { class: 'vec' });
     const cap = (opts && opts.cap) || FEATURE_CAP;
     const n = Math.min(values.length, cap);
+    // A slimmed probe keeps only the first features; its shape still tells the full width.
+    const p = TR().probes[probeName], full = p && p.cut ? p.shape[p.shape.length - 1] : values.length;
     for (let f = 0; f < n; f++) box.append(num(values[f], probeName, prefix.concat([f])));
-    if (values.length > n) box.append(el('span', { class: 'more', text: `… +${values.length - n} more` }));
+    if (full > n) box.append(el('span', { class: 'more', text: `… +${full - n} more` }));
     return box;
   }
   function fillSelect(sel, n, label, value, onChange) {
