@@ -176,27 +176,40 @@ _BLOCK = ["attn_norm", "attn.q", "attn.k", "attn.v", "attn.q_rot", "attn.k_rot",
           "ffn_norm", "ffn.up", "ffn.gate", "ffn.act", "ffn.down", "resid_out"]
 
 
+def _model_index(entry: dict, idx: list[int]) -> list[int]:
+    """A stored index as the model's index: axes kept in part (--heads) list their ids in `index`."""
+    sub = entry.get("index") or {}
+    out = []
+    for axis, i in zip(entry.get("axes", []), idx):
+        ids = sub.get(axis)
+        if ids and isinstance(ids[0], list):  # one list per token (top-k vocab)
+            ids = ids[idx[0]]
+        out.append(ids[i] if ids else i)
+    return out
+
+
 def shown_numbers(trace: dict, focus: int, nxt: list[list[dict]]) -> Iterator[tuple[str, list[int]]]:
-    """The (probe, index) of every clickable number the page draws, the focus token's first."""
+    """The (probe, model index) of every clickable number the page draws, the focus token's first."""
     T = len(trace["tokens"])
-    L = trace["config"]["n_layers"]
+    layers = trace.get("layers") or range(trace["config"]["n_layers"])
     order = [focus] + [t for t in range(T) if t != focus]
-    names = ["embed"] + [f"blocks.{i}.{leaf}" for i in range(L) for leaf in _BLOCK] + ["final_norm"]
+    names = ["embed"] + [f"blocks.{i}.{leaf}" for i in layers for leaf in _BLOCK] + ["final_norm"]
+    probes = trace["probes"]
     for t in order:
         for name in names:
-            d = _probe(trace, name)
-            if d is not None:
-                yield from ((name, idx) for idx in _vector_indices(d[t], [t]))
-        for i in range(L):
-            w = _probe(trace, f"blocks.{i}.attn.weights")
-            if w is None:
+            if name in probes:
+                e = probes[name]
+                yield from ((name, _model_index(e, idx)) for idx in _vector_indices(e["data"][t], [t]))
+        for i in layers:
+            e = probes.get(f"blocks.{i}.attn.weights")
+            if e is None:
                 continue
-            for h, row in enumerate(w[t]):
+            for h, row in enumerate(e["data"][t]):
                 for j, x in enumerate(row):
                     if x is not None:
-                        yield f"blocks.{i}.attn.weights", [t, h, j]
+                        yield f"blocks.{i}.attn.weights", _model_index(e, [t, h, j])
                         if t == T - 1:
-                            yield f"blocks.{i}.attn.scores", [t, h, j]
+                            yield f"blocks.{i}.attn.scores", _model_index(e, [t, h, j])
         if t < len(nxt):
             for c in nxt[t]:
                 yield "probs", [t, c["id"]]

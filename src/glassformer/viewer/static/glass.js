@@ -88,6 +88,19 @@
   function hasProbe(name) { return Object.prototype.hasOwnProperty.call(TR().probes, name); }
   function axesOf(name) { const p = TR().probes[name]; return p ? (p.axes || []) : []; }
   function nLayers() { return CFG().n_layers || 0; }
+  // A trace may keep some layers and heads only (--layers, --heads): `layers` lists the
+  // traced blocks, and a probe's `index[axis]` the model's ids of its stored entries.
+  function layerIds() { return TR().layers || range(nLayers()); }
+  function axisIds(name, axis, n) {
+    const p = TR().probes[name], ix = p && p.index && p.index[axis];
+    return ix && !Array.isArray(ix[0]) ? ix : range(n);
+  }
+  function headIds(layer) { return axisIds(`blocks.${layer}.attn.weights`, 'head', CFG().n_heads); }
+  function kvPos(layer, name, head) {
+    // Stored position, in a key/value probe, of the KV head that query head `head` reads.
+    const kv = Math.floor(head / (CFG().n_heads / CFG().n_kv_heads));
+    return axisIds(name, 'kv_head', CFG().n_kv_heads).indexOf(kv);
+  }
   function tokenLabel(i) { const t = TR().tokens[i]; return t === undefined ? `#${i}` : String(t); }
   function postNorm() { return CFG().norm_placement === 'post'; }
   // The residual stream after each addition: pre-norm reads resid_*, post-norm normalises
@@ -137,11 +150,15 @@
     if (full > n) box.append(el('span', { class: 'more', text: `… +${full - n} more` }));
     return box;
   }
-  function fillSelect(sel, n, label, value, onChange) {
+  function fillSelect(sel, ids, label, value, onChange) {
+    // ids: the values to offer (a count n means 0..n-1); returns the value selected.
+    if (typeof ids === 'number') ids = range(ids);
     clear(sel);
-    for (let i = 0; i < n; i++) sel.append(el('option', { value: String(i), text: label(i) }));
-    sel.value = String(Math.min(value, Math.max(0, n - 1)));
+    for (const i of ids) sel.append(el('option', { value: String(i), text: label(i) }));
+    const v = ids.includes(value) ? value : ids[0];
+    sel.value = String(v);
     sel.onchange = () => onChange(Number(sel.value));
+    return v;
   }
   function message(text) {
     const m = $('message');
@@ -182,7 +199,7 @@
   // ------------------------------------------------------------------ 1 lanes
   function streamSteps() {
     const steps = [{ label: 'embed', probe: 'embed', kind: 'stream' }];
-    for (let i = 0; i < nLayers(); i++) {
+    for (const i of layerIds()) {
       steps.push({ label: `L${i} attention`, probe: `blocks.${i}.attn.out`, kind: 'attn', layer: i });
       steps.push({ label: `L${i} +`, probe: streamAfter(i, 'attn'), kind: 'stream', layer: i });
       steps.push({ label: `L${i} feed-forward`, probe: `blocks.${i}.ffn.down`, kind: 'ffn', layer: i });
@@ -274,20 +291,21 @@
     return n ? { prev: prev / n, first: first / n, self: self / n } : null;
   }
   function drawAttention() {
-    const L = nLayers();
-    fillSelect($('attn-layer'), L, (i) => `${i}`, state.layer, (v) => { state.layer = v; drawAttention(); drawNumbers(); });
+    state.layer = fillSelect($('attn-layer'), layerIds(), (i) => `${i}`, state.layer, (v) => { state.layer = v; drawAttention(); drawNumbers(); });
     const box = clear($('heatmaps'));
     const wName = `blocks.${state.layer}.attn.weights`, sName = `blocks.${state.layer}.attn.scores`;
     const W = probe(wName), S = probe(sName);
     if (!W) { box.append(el('p', { class: 'muted', text: 'This trace holds no attention weights for this layer.' })); return; }
     const nT = W.length, nH = W[0].length, nK = W[0][0].length;
     const cell = Math.max(11, Math.min(46, Math.floor(300 / nK)));
+    const heads = headIds(state.layer);
     const showText = cell >= 34;
     const tip = $('tooltip');
     for (let h = 0; h < nH; h++) {
+      const head = heads[h];
       const card = el('div', { class: 'heatmap-card' });
-      card.dataset.head = String(h);
-      card.append(el('h3', { text: `layer ${state.layer} · head ${h}` + (CFG().n_kv_heads < CFG().n_heads ? ` (KV head ${Math.floor(h / (CFG().n_heads / CFG().n_kv_heads))})` : '') }));
+      card.dataset.head = String(head);
+      card.append(el('h3', { text: `layer ${state.layer} · head ${head}` + (CFG().n_kv_heads < CFG().n_heads ? ` (KV head ${Math.floor(head / (CFG().n_heads / CFG().n_kv_heads))})` : '') }));
       const grid = el('div', { class: 'heatmap', style: { gridTemplateColumns: `auto repeat(${nK}, ${cell}px)` } });
       grid.append(el('div'));
       for (let j = 0; j < nK; j++) grid.append(el('div', { class: 'hdr khdr', text: tokenLabel(j), title: tokenLabel(j) }));
@@ -305,7 +323,7 @@
             c.style.background = `rgba(47, 111, 214, ${0.06 + 0.94 * w})`;
             if (w > 0.55) c.style.color = '#fff';
             if (showText) c.textContent = fmt(w);
-            c.addEventListener('click', () => explain(wName, [i, h, j], true));
+            c.addEventListener('click', () => explain(wName, [i, head, j], true));
           }
           c.addEventListener('mouseenter', (ev) => {
             tip.hidden = false;
@@ -348,7 +366,7 @@
   ];
   function drawNumbers() {
     const L = nLayers();
-    fillSelect($('num-layer'), L, (i) => `${i}`, state.layer, (v) => { state.layer = v; drawNumbers(); drawAttention(); });
+    state.layer = fillSelect($('num-layer'), layerIds(), (i) => `${i}`, state.layer, (v) => { state.layer = v; drawNumbers(); drawAttention(); });
     $('num-token').textContent = `token ${state.token}: ${tokenLabel(state.token)}`;
     const box = clear($('numbers'));
     const table = el('table', { class: 'grid' });
@@ -364,7 +382,9 @@
       const v = d[t];
       const cellBox = el('td');
       if (Array.isArray(v) && Array.isArray(v[0])) {
-        v.forEach((hv, h) => { cellBox.append(el('div', { class: 'head-row' }, [el('span', { class: 'head-tag', text: `h${h}` }), vector(hv, name, [t, h])])); });
+        const axis = axesOf(name)[1] || 'head';
+        const ids = axisIds(name, axis, v.length);
+        v.forEach((hv, h) => { cellBox.append(el('div', { class: 'head-row' }, [el('span', { class: 'head-tag', text: `${axis === 'kv_head' ? 'kv' : 'h'}${ids[h]}` }), vector(hv, name, [t, ids[h]])])); });
       } else if (Array.isArray(v)) {
         cellBox.append(vector(v, name, [t]));
       }
@@ -403,7 +423,10 @@
     const steps = nm.steps, t = Math.min(state.token, nm.tokens.length - 1);
     const W = 560, H = 220, padL = 46, padB = 34, padT = 14;
     let maxV = 0; for (const k of kinds) for (const row of nm.rms[k]) for (const v of row) maxV = Math.max(maxV, v);
-    maxV = Math.max(1.2, maxV * 1.1);
+    // Round the axis up to a nice step (1, 2, 2.5 or 5 times a power of ten).
+    const raw = Math.max(1.2, maxV * 1.05) / 4, pow = Math.pow(10, Math.floor(Math.log10(raw)));
+    const step = [1, 2, 2.5, 5, 10].map((m) => m * pow).find((v) => v >= raw);
+    maxV = step * 4;
     const xs = (i) => padL + (W - padL - 20) * (steps.length > 1 ? i / (steps.length - 1) : 0.5);
     const ys = (v) => padT + (H - padT - padB) * (1 - v / maxV);
     const root = svg('svg', { width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: 'img', 'aria-label': 'RMS across blocks' });
@@ -434,8 +457,9 @@
     // scores and values: per key tile, m_new = max(m, max s); alpha = exp(m - m_new);
     // l = alpha·l + Σ exp(s - m_new); o = alpha·o + Σ exp(s - m_new)·v.
     const S = probe(`blocks.${layer}.attn.scores`), Wt = probe(`blocks.${layer}.attn.weights`), V = probe(`blocks.${layer}.attn.v`);
-    const nK = S[row][head].length, rep = CFG().n_heads / CFG().n_kv_heads, kvh = Math.floor(head / rep);
-    const Hd = V[0][kvh].length;
+    const hp = headIds(layer).indexOf(head), vp = kvPos(layer, `blocks.${layer}.attn.v`, head);
+    const rep = CFG().n_heads / CFG().n_kv_heads, kvh = Math.floor(head / rep);
+    const nK = S[row][hp].length, Hd = V[0][vp].length;
     const qTile = Math.floor(row / tile), qHi = Math.min((qTile + 1) * tile, T()) - 1;
     const steps = [];
     let m = -Infinity, l = 0, o = new Array(Hd).fill(0);
@@ -443,13 +467,13 @@
       const k1 = Math.min(k0 + tile, nK);
       if (k0 > qHi) { steps.push({ k0, k1, skipped: true }); continue; }
       const s = [], keep = [];
-      for (let j = k0; j < k1; j++) { const ok = Wt[row][head][j] !== null; keep.push(ok); s.push(ok ? S[row][head][j] : null); }
+      for (let j = k0; j < k1; j++) { const ok = Wt[row][hp][j] !== null; keep.push(ok); s.push(ok ? S[row][hp][j] : null); }
       const tmax = Math.max(...s.filter((x) => x !== null), -Infinity);
       const mNew = Math.max(m, tmax);
       const mRef = isFinite(mNew) ? mNew : 0;
       const alpha = Math.exp(m - mRef);
       let add = 0; const oAdd = new Array(Hd).fill(0);
-      s.forEach((x, q) => { if (x === null) return; const p = Math.exp(x - mRef); add += p; for (let d = 0; d < Hd; d++) oAdd[d] += p * V[k0 + q][kvh][d]; });
+      s.forEach((x, q) => { if (x === null) return; const p = Math.exp(x - mRef); add += p; for (let d = 0; d < Hd; d++) oAdd[d] += p * V[k0 + q][vp][d]; });
       l = alpha * l + add; o = o.map((x, d) => alpha * x + oAdd[d]); m = mNew;
       steps.push({ k0, k1, skipped: false, scores: s, m, l, alpha, o: o.slice(), rowMasked: keep.some((x) => !x) });
     }
@@ -460,23 +484,22 @@
     // for this query row with this tile size.
     const t = TR().probes[`blocks.${layer}.attn.tiles`];
     if (!t || t.query !== row || t.tile_size !== tile || !t.heads || !t.heads.includes(head)) return null;
-    const hi = t.heads.indexOf(head), S = probe(`blocks.${layer}.attn.scores`);
+    const hi = t.heads.indexOf(head), S = probe(`blocks.${layer}.attn.scores`), hp = headIds(layer).indexOf(head);
     const rep = CFG().n_heads / CFG().n_kv_heads;
     const steps = t.data.map((st) => (st.skipped ? { k0: st.k[0], k1: st.k[1], skipped: true }
       : { k0: st.k[0], k1: st.k[1], skipped: false, scores: st.scores[hi], m: st.m[hi], l: st.l[hi], alpha: st.alpha[hi], o: st.o[hi] }));
     const live = steps.filter((x) => !x.skipped);
     const last = live[live.length - 1];
     const out = last ? last.o.map((x) => (last.l > 0 ? x / last.l : 0)) : [];
-    return { steps, out, nK: S ? S[row][head].length : T(), qTile: Math.floor(row / tile), kvh: Math.floor(head / rep), fromKernel: true };
+    return { steps, out, nK: S ? S[row][hp].length : T(), qTile: Math.floor(row / tile), kvh: Math.floor(head / rep), fromKernel: true };
   }
   function drawFlash() {
     const box = clear($('flash'));
-    const L = nLayers();
+    state.flashLayer = fillSelect($('flash-layer'), layerIds(), (i) => `${i}`, state.flashLayer, (v) => { state.flashLayer = v; state.flashStep = 0; drawFlash(); });
     if (!probe(`blocks.${state.flashLayer}.attn.scores`) || !probe(`blocks.${state.flashLayer}.attn.v`)) {
       box.append(el('p', { class: 'muted', text: 'This trace holds no scores and values to walk through.' })); return;
     }
-    fillSelect($('flash-layer'), L, (i) => `${i}`, state.flashLayer, (v) => { state.flashLayer = v; state.flashStep = 0; drawFlash(); });
-    fillSelect($('flash-head'), CFG().n_heads, (i) => `${i}`, state.flashHead, (v) => { state.flashHead = v; state.flashStep = 0; drawFlash(); });
+    state.flashHead = fillSelect($('flash-head'), headIds(state.flashLayer), (i) => `${i}`, state.flashHead, (v) => { state.flashHead = v; state.flashStep = 0; drawFlash(); });
     const tiles = [1, 2, 4, 8, 16, 32, 64].filter((x) => x <= Math.max(1, T()));
     const ts = $('flash-tile'); clear(ts);
     for (const x of tiles) ts.append(el('option', { value: String(x), text: String(x) }));
@@ -535,7 +558,8 @@
     box.append(table);
     if (state.flashStep === live.length - 1) {
       const z = probe(`blocks.${layer}.attn.z`);
-      const zt = z ? z[row][head] : null;
+      const zp = axisIds(`blocks.${layer}.attn.z`, 'head', CFG().n_heads).indexOf(head);
+      const zt = z && zp >= 0 ? z[row][zp] : null;
       const same = zt && zt.every((x, d) => Math.abs(x - run.out[d]) <= 1e-4 * (1 + Math.abs(x)));
       const p = el('p', {}, [`Result o / l = [${run.out.slice(0, FEATURE_CAP).map(fmt).join(', ')}]`]);
       if (zt) { p.append(' · traced z = ', vector(zt, `blocks.${layer}.attn.z`, [row, head]), ' ', el('span', { class: same ? 'ok' : 'bad', text: same ? '✓ the same' : '✗ differs' })); }
@@ -547,39 +571,41 @@
   // ------------------------------------------------------------------ 7 decode
   function drawDecode() {
     const box = clear($('decode'));
-    const L = nLayers(), layer = state.decLayer, head = state.decHead;
-    fillSelect($('dec-layer'), L, (i) => `${i}`, layer, (v) => { state.decLayer = v; drawDecode(); });
-    fillSelect($('dec-head'), CFG().n_heads, (i) => `${i}`, head, (v) => { state.decHead = v; drawDecode(); });
+    const layer = state.decLayer = fillSelect($('dec-layer'), layerIds(), (i) => `${i}`, state.decLayer, (v) => { state.decLayer = v; drawDecode(); });
+    const head = state.decHead = fillSelect($('dec-head'), headIds(layer), (i) => `${i}`, state.decHead, (v) => { state.decHead = v; drawDecode(); });
     const kName = hasProbe(`blocks.${layer}.attn.k_rot`) ? `blocks.${layer}.attn.k_rot` : `blocks.${layer}.attn.k`;
     const vName = `blocks.${layer}.attn.v`, sName = `blocks.${layer}.attn.scores`, wName = `blocks.${layer}.attn.weights`;
     const qName = hasProbe(`blocks.${layer}.attn.q_rot`) ? `blocks.${layer}.attn.q_rot` : `blocks.${layer}.attn.q`;
     const K = probe(kName), V = probe(vName), S = probe(sName), Wt = probe(wName), Q = probe(qName);
     if (!K || !V || !S || !Wt) { box.append(el('p', { class: 'muted', text: 'This trace holds no keys, values and scores for this layer.' })); return; }
     const nT = T(), last = nT - 1, rep = CFG().n_heads / CFG().n_kv_heads, kvh = Math.floor(head / rep);
-    box.append(el('p', { class: 'note', text: `The newest token “${tokenLabel(last)}” (position ${last}) is decoded with the cache of the ${last} before it. Query head ${head} reads KV head ${kvh}; the cache holds 2 × ${CFG().n_layers} layers × ${CFG().n_kv_heads} KV heads × ${CFG().head_dim} = ${2 * CFG().n_layers * CFG().n_kv_heads * CFG().head_dim} numbers per token.` }));
+    const hp = headIds(layer).indexOf(head), kp = kvPos(layer, kName, head), vp = kvPos(layer, vName, head);
+    const qp = axisIds(qName, 'head', CFG().n_heads).indexOf(head);
+    const perToken = 2 * CFG().n_layers * CFG().n_kv_heads * CFG().head_dim;
+    box.append(el('p', { class: 'note', text: `The newest token “${tokenLabel(last)}” (position ${last}) is decoded with the cache of the ${last} before it. Query head ${head} reads KV head ${kvh}; the cache holds 2 × ${CFG().n_layers} layers × ${CFG().n_kv_heads} KV heads × ${CFG().head_dim} = ${perToken} numbers per token.` }));
     const left = el('div'), right = el('div');
     const table = el('table', { class: 'grid' });
     table.append(el('tr', {}, ['pos', 'token', `key (${kName.split('.').pop()})`, 'value'].map((h) => el('th', { text: h }))));
     for (let j = 0; j < nT; j++) {
       const tr = el('tr', { class: j === last ? 'hl' : '' }, [
-        el('td', { text: String(j) }), el('td', { text: tokenLabel(j) + (j === last ? '  ← written now' : '') }),
-        el('td', {}, vector(K[j][kvh], kName, [j, kvh])), el('td', {}, vector(V[j][kvh], vName, [j, kvh])),
+        el('td', { text: String(j) }), el('td', { text: tokenLabel(j) + (j === last ? '  ← new' : '') }),
+        el('td', {}, vector(K[j][kp], kName, [j, kvh])), el('td', {}, vector(V[j][vp], vName, [j, kvh])),
       ]);
       table.append(tr);
     }
     left.append(el('h3', { class: 'muted', style: { fontSize: '13px' }, text: `KV cache, layer ${layer}, KV head ${kvh}` }), table);
     right.append(el('h3', { class: 'muted', style: { fontSize: '13px' }, text: 'The new row' }));
-    if (Q) right.append(el('p', {}, ['query ', vector(Q[last][head], qName, [last, head])]));
+    if (Q && qp >= 0) right.append(el('p', {}, ['query ', vector(Q[last][qp], qName, [last, head])]));
     const rt = el('table', { class: 'grid' });
     rt.append(el('tr', {}, ['key', 'scaled score', 'weight'].map((h) => el('th', { text: h }))));
-    for (let j = 0; j < S[last][head].length; j++) {
-      rt.append(el('tr', {}, [el('td', { text: tokenLabel(j) }), el('td', {}, num(S[last][head][j], sName, [last, head, j])),
-        el('td', {}, Wt[last][head][j] === null ? el('span', { class: 'muted', text: 'masked' }) : num(Wt[last][head][j], wName, [last, head, j]))]));
+    for (let j = 0; j < S[last][hp].length; j++) {
+      rt.append(el('tr', {}, [el('td', { text: tokenLabel(j) }), el('td', {}, num(S[last][hp][j], sName, [last, head, j])),
+        el('td', {}, Wt[last][hp][j] === null ? el('span', { class: 'muted', text: 'masked' }) : num(Wt[last][hp][j], wName, [last, head, j]))]));
     }
     right.append(rt);
     if (last > 0) {
       const prev = last - 1;
-      right.append(el('p', { class: 'note', text: `Earlier rows are not recomputed: “${tokenLabel(prev)}” still puts ${fmt(Wt[prev][head][prev])} of its weight on itself, as before the new token arrived.` }));
+      right.append(el('p', { class: 'note', text: `Earlier rows are not recomputed: “${tokenLabel(prev)}” still puts ${fmt(Wt[prev][hp][prev])} of its weight on itself, as before the new token arrived.` }));
     }
     box.append(el('div', { class: 'split' }, [left, right]));
   }
@@ -743,12 +769,10 @@
     return typeof f === 'number' && f >= 0 && f < T() ? f : T() - 1;
   }
   function drawAll() {
-    const L = nLayers();
-    state.layer = Math.min(state.layer, L - 1); state.flashLayer = Math.min(state.flashLayer, L - 1); state.decLayer = Math.min(state.decLayer, L - 1);
-    state.flashHead = Math.min(state.flashHead, CFG().n_heads - 1); state.decHead = Math.min(state.decHead, CFG().n_heads - 1);
-    const kt = TR().probes['blocks.0.attn.tiles'];
+    // Layer and head choices are checked against the new trace by fillSelect as each view draws.
+    const kt = Object.entries(TR().probes).find(([n]) => n.endsWith('.attn.tiles'));
     if (P().flash_tile) state.flashTile = P().flash_tile;
-    else if (kt && kt.tile_size) state.flashTile = kt.tile_size;
+    else if (kt && kt[1].tile_size) state.flashTile = kt[1].tile_size;
     const sections = [drawHeader, drawTokens, drawLanes, drawAttention, drawNumbers, drawNext, drawNorm, drawFlash, drawDecode, drawCosts];
     for (const f of sections) {
       try { f(); } catch (e) { console.error(e); message(`could not draw part of the page: ${e}`); }
