@@ -140,6 +140,8 @@ def test_worked_page_live(browser, worked_server):
     assert "query cats" in tip and "key   I" in tip and "score 0.817" in tip and "weight 0.412" in tip
 
     ARTIFACTS.mkdir(exist_ok=True)
+    page.mouse.move(0, 0)
+    page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(ARTIFACTS / "viewer-worked.png"), full_page=True)
 
     # A new sentence: the lanes and heatmaps redraw for it.

@@ -218,7 +218,7 @@ def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict
 WORKED_FOCUS = 2  # 'cats', the walkthrough's running example
 
 
-WORKED_NAME = "the walkthrough's toy model (1 block, 1 head of size 2, width 4)"
+WORKED_NAME = "the walkthrough's toy model"
 
 
 def worked_parts() -> dict:

@@ -224,7 +224,7 @@
     if (!steps.length) { box.append(el('p', { class: 'muted', text: 'The trace holds no residual-stream probes.' })); return; }
     const nT = T(), laneH = nT > 16 ? 30 : 44, left = 110, top = 34;
     const avail = Math.max(600, box.clientWidth || 900);
-    const colW = Math.max(58, Math.min(120, Math.floor((avail - left - 60) / Math.max(1, steps.length - 1))));
+    const colW = Math.max(58, Math.min(150, Math.floor((avail - left - 60) / Math.max(1, steps.length - 1))));
     const W = left + colW * (steps.length - 1) + 70, H = top + laneH * nT + 10;
     const all = [];
     const R = steps.map((s) => probe(s.probe).map((v) => { const r = rms(v); all.push(r); return r; }));
@@ -403,6 +403,7 @@
     nx.forEach((entry, t) => {
       const card = el('div', { class: 'next-card' });
       card.append(el('h3', { text: `after “${TR().tokens.slice(0, t + 1).join(' ')}”`, title: TR().tokens.slice(0, t + 1).join(' ') }));
+      card.append(el('div', { class: 'cand head' }, [el('span', { text: 'next' }), el('span', { text: '' }), el('span', { text: 'prob' }), el('span', { text: 'logit' })]));
       for (const c of entry) {
         const bar = el('div', { class: 'bar' }, el('span', { style: { width: `${(100 * c.prob).toFixed(1)}%`, background: tokColor(t) } }));
         card.append(el('div', { class: 'cand' }, [
@@ -425,7 +426,7 @@
     let maxV = 0; for (const k of kinds) for (const row of nm.rms[k]) for (const v of row) maxV = Math.max(maxV, v);
     // Round the axis up to a nice step (1, 2, 2.5 or 5 times a power of ten).
     const raw = Math.max(1.2, maxV * 1.05) / 4, pow = Math.pow(10, Math.floor(Math.log10(raw)));
-    const step = [1, 2, 2.5, 5, 10].map((m) => m * pow).find((v) => v >= raw);
+    const step = [1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10].map((m) => m * pow).find((v) => v >= raw);
     maxV = step * 4;
     const xs = (i) => padL + (W - padL - 20) * (steps.length > 1 ? i / (steps.length - 1) : 0.5);
     const ys = (v) => padT + (H - padT - padB) * (1 - v / maxV);
@@ -442,7 +443,8 @@
       const [col, dash] = styles[k] || [tokColor(ki + 3), ''];
       root.append(svg('polyline', { points: row.map((v, i) => `${xs(i)},${ys(v)}`).join(' '), fill: 'none', stroke: col, 'stroke-width': 2.2, 'stroke-dasharray': dash }));
       row.forEach((v, i) => root.append(svg('circle', { cx: xs(i), cy: ys(v), r: 3.5, fill: col })));
-      root.append(svg('text', { x: W - 150, y: 22 + 16 * ki, fill: col, 'font-size': 12, 'font-weight': 600, text: `${k}-norm` }));
+      root.append(svg('line', { x1: padL + 12, x2: padL + 34, y1: 18 + 16 * ki, y2: 18 + 16 * ki, stroke: col, 'stroke-width': 2.2, 'stroke-dasharray': dash }));
+      root.append(svg('text', { x: padL + 40, y: 22 + 16 * ki, fill: col, 'font-size': 12, 'font-weight': 600, text: `${k}-norm` }));
     });
     box.append(el('p', { class: 'note', text: `Token “${nm.tokens[t]}”${nm.about ? ' · ' + nm.about : ''}` }), root);
     const table = el('table', { class: 'grid' });
@@ -510,7 +512,10 @@
     const run = kernelTiles(layer, head, row, tile) || onlineSoftmaxSteps(layer, head, row, tile);
     const live = run.steps.filter((s) => !s.skipped);
     state.flashStep = Math.max(0, Math.min(state.flashStep, live.length - 1));
-    $('flash-step').textContent = `tile ${state.flashStep + 1} of ${live.length} computed, ${run.steps.length - live.length} skipped`;
+    const nqT = Math.ceil(T() / tile), nkT = Math.ceil(run.nK / tile);
+    let gridSkipped = 0;
+    for (let a = 0; a < nqT; a++) for (let b = 0; b < nkT; b++) if (b * tile > Math.min((a + 1) * tile, T()) - 1) gridSkipped++;
+    $('flash-step').textContent = `step ${state.flashStep + 1} of ${live.length} on this row · ${gridSkipped} of ${nqT * nkT} tiles skipped`;
     $('flash-prev').onclick = () => { state.flashStep = Math.max(0, state.flashStep - 1); drawFlash(); };
     $('flash-next').onclick = () => { state.flashStep = Math.min(live.length - 1, state.flashStep + 1); drawFlash(); };
     const cur = live[state.flashStep];
