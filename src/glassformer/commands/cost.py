@@ -84,6 +84,8 @@ def run(args) -> int:
         raise UserError(f"--batch must be at least 1, got {args.batch}")
     if args.seq is not None and not 1 <= args.seq <= cfg.max_seq_len:
         raise UserError(f"--seq must be in 1..{cfg.max_seq_len} (the model's context), got {args.seq}")
+    if (args.tokens is not None and args.tokens < 1) or (args.steps is not None and args.steps < 1):
+        raise UserError("--tokens and --steps must be at least 1")
     report = estimate(
         cfg, batch=args.batch, seq=args.seq, dtype=args.dtype, hardware=args.hardware, mfu=args.mfu,
         tokens=None if args.tokens is None else int(args.tokens), steps=args.steps, memory=args.memory,
@@ -91,6 +93,10 @@ def run(args) -> int:
         master_weights=False if args.no_master_weights else None,
     )
     if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plot needs matplotlib: pip install 'glassformer[plot]'") from None
         from ..cost.plot import plot_costs
 
         plot_costs(cfg, args.plot, batch=args.batch, dtype=report["inputs"]["dtype"],

@@ -21,11 +21,12 @@ from .memory import (
     max_train_batch,
     train_memory,
 )
+from .plot import plot_costs
 from .report import estimate, format_table
-from .weights import layer_weights, num_weights, weights
+from .params import layer_weights, num_weights, weights
 
 __all__ = [
-    "estimate", "format_table", "weights", "layer_weights", "num_weights", "forward_flops", "train_step_flops",
+    "estimate", "format_table", "plot_costs", "weights", "layer_weights", "num_weights", "forward_flops", "train_step_flops",
     "decode_flops", "score_pairs", "causal_pairs", "tiled_pairs", "crossover_seq", "activations",
     "activation_bytes", "train_memory", "kv_cache_bytes_per_token", "kv_cache_bytes", "max_train_batch",
     "max_inference_batch", "HARDWARE", "Hardware", "get_hardware", "parse_bytes",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from ..config import ModelConfig
-from .weights import ffn_matrices
+from .params import ffn_matrices
 
 KERNELS = ("naive", "tiled", "sdpa")
 

@@ -62,11 +62,13 @@ def _ram_bytes() -> int:
         return 16 * 2**30
 
 
-def measure_cpu(n: int = 1024, repeats: int = 5) -> Hardware:
-    """This machine's CPU: best of a few n×n matmuls per dtype, a 256 MB copy for bandwidth.
+def measure_cpu(n: int = 1024, repeats: int = 3, budget_s: float = 0.2) -> Hardware:
+    """This machine's CPU: best of a few square matmuls per dtype, a 64 MB copy for bandwidth.
 
-    A measured peak, not a datasheet one: it is what PyTorch reaches on this machine with
-    its current thread count, which is the right ceiling for an MFU on this machine.
+    A measured peak, not a datasheet one: what PyTorch reaches here with its current thread
+    count, the right ceiling for an MFU on this machine. Each dtype's matrix size is cut
+    (from n) so that one product takes about budget_s: some CPUs have no fast fp16 path and
+    multiply fp16 a hundred times slower than fp32.
     """
     global _cpu_cache
     if _cpu_cache is not None:
@@ -84,18 +86,26 @@ def measure_cpu(n: int = 1024, repeats: int = 5) -> Hardware:
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    peaks = {}
+    def rate(size: int, dt) -> float:
+        a, b = torch.randn(size, size, dtype=dt), torch.randn(size, size, dtype=dt)
+        return 2 * size**3 / best(lambda: a @ b)
+
+    peaks, sizes = {}, {}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
         try:
-            peaks[name] = 2 * n**3 / best(lambda: a @ b)
+            rough = rate(256, dt)
         except RuntimeError:  # a dtype this CPU build cannot multiply
             peaks[name] = peaks["fp32"]
-    src = torch.empty(2**26, dtype=torch.float32)  # 256 MB
+            continue
+        size = int(min(n, max(256, (rough * budget_s / 2) ** (1 / 3))) // 64 * 64)
+        sizes[name] = size
+        peaks[name] = max(rough, rate(size, dt))
+    src = torch.empty(2**24, dtype=torch.float32)  # 64 MB, far beyond the caches
     dst = torch.empty_like(src)
     bw = 2 * src.numel() * 4 / best(lambda: dst.copy_(src))  # read + write
     _cpu_cache = Hardware("cpu", peaks, _ram_bytes(), bw,
-                          f"measured on this machine ({torch.get_num_threads()} threads, {n}x{n} matmul, 256 MB copy)")
+                          f"measured on this machine ({torch.get_num_threads()} threads; square matmuls of "
+                          f"{', '.join(f'{k} {v}' for k, v in sizes.items())}; a 64 MB copy)")
     return _cpu_cache
 
 

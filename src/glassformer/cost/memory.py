@@ -22,7 +22,8 @@ in round numbers; here, per layer and kernel:
   ffn          SwiGLU: gate, up, silu(gate), their product (4·BTF); GELU: input and
                output (2·BTF); ReLU: output only (BTF)
 and once: the final norm, the LM head's input (BTD), the log-softmax of the loss in fp32
-(BTV) and RoPE's cos and sin (B·T·H, fp32).
+(BTV) and RoPE's cos and sin (B·T·H, fp32). With dropout > 0, each of its 2L + 1 sites
+keeps its noise (BTD).
 
 Bytes: most tensors are in the training dtype, but RMSNorm's input copy and 1/rms, RoPE's
 angles, softmax statistics and the loss's log-probabilities are fp32 whatever the dtype.
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from .flops import tiled_pairs
-from .weights import num_weights
+from .params import num_weights
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per weight (AdamW: m and v)
@@ -94,6 +95,9 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
         "attn_z": L * BT * cfg.q_dim,
         "attn_kernel": L * k_act,
         "ffn": L * ffn_saved * BT * F,
+        # Dropout keeps its noise per site (the embedding and both sublayers of every block):
+        # a float tensor on the CPU; CUDA's fused dropout keeps a bool mask instead (1 byte).
+        "dropout": (2 * L + 1) * BT * D if cfg.dropout > 0 else 0,
     }
     parts_32 = {  # fp32 whatever the dtype
         "norms": (2 * L + 1) * n_32,
@@ -101,12 +105,11 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
         "logits": BT * V,
         "rope": BT * cfg.head_dim if cfg.pos == "rope" else 0,
     }
-    parts = {k: parts_act.get(k, 0) + parts_32.get(k, 0) for k in {**parts_act, **parts_32}}
-    parts = {k: parts[k] for k in ("norms", "linear_in", "attn_z", "attn_kernel", "ffn", "logits", "rope")}
+    order = ("norms", "linear_in", "attn_z", "attn_kernel", "ffn", "dropout", "logits", "rope")
+    parts = {k: parts_act.get(k, 0) + parts_32.get(k, 0) for k in order}
     parts["total"] = sum(parts.values())
     parts["fp32"] = sum(parts_32.values())
-    # Dropout keeps a bool mask per site: the embedding and both sublayers of every block.
-    parts["mask_bytes"] = L * k_mask + ((2 * L + 1) * BT * D if cfg.dropout > 0 else 0)
+    parts["mask_bytes"] = L * k_mask
     return parts
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from . import flops as fl
 from . import memory as mem
-from .weights import num_weights
+from .params import num_weights
 
 
 def seq_grid(cfg: ModelConfig, lo: int = 16) -> list[int]:
@@ -40,7 +40,8 @@ def plot_costs(cfg: ModelConfig, path, batch: int = 1, dtype: str = "bf16", memo
     cross = fl.crossover_seq(cfg, "naive")
     if cross <= Ts[-1]:
         ax1.axvline(cross, color="C3", alpha=0.3)
-        ax1.annotate(f"scores = FFN\nT={cross:,}", (cross, ffn[0]), fontsize=8, color="C3")
+        ax1.text(cross * 0.9, ffn[0] * 0.25, f"full-grid scores\npass the FFN\nat T={cross:,}", fontsize=8,
+                 color="C3", ha="right", bbox=dict(fc="white", ec="none", alpha=0.8))
     ax1.set(xscale="log", yscale="log", xlabel="context length T (tokens)", ylabel="forward FLOPs per token",
             title="FLOPs per token")
     ax1.legend(fontsize=8)

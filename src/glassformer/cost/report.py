@@ -8,7 +8,7 @@ from ..config import ModelConfig
 from . import flops as fl
 from . import memory as mem
 from .hardware import get_hardware, parse_bytes
-from .weights import weights
+from .params import weights
 
 CHINCHILLA_TOKENS_PER_WEIGHT = 20  # Hoffmann et al., 2022: compute-optimal training data
 
