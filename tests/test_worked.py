@@ -136,6 +136,24 @@ def test_word_tokenizer():
         tok.encode("   ")
 
 
+def test_saved_tokenizer_json_encodes_like_the_word_tokenizer(tmp_path):
+    from tokenizers import Tokenizer
+
+    worked.TOKENIZER.save(tmp_path / "tokenizer.json")
+    tk = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    text = "I like cats too you dogs"
+    assert tk.encode(text).ids == worked.encode(text)
+    assert tk.decode(worked.encode(text)) == text
+    assert tk.get_vocab_size() == worked.TOKENIZER.vocab_size
+
+
+def test_load_worked():
+    model, tok = worked.load_worked("gqa")
+    assert model.config.n_kv_heads == 2 and tok is worked.TOKENIZER
+    with pytest.raises(UserError, match="one_head"):
+        worked.load_worked("huge")
+
+
 def test_other_sentences_run_through_every_toy_model():
     ids = worked.encode("you like dogs too I")
     for name, build in worked.MODELS.items():

@@ -77,6 +77,19 @@ class WordTokenizer:
     def decode(self, ids: list[int]) -> str:
         return " ".join(self.VOCAB[i] for i in ids)
 
+    def save(self, path: str) -> None:
+        """Write a `tokenizers` WordLevel tokenizer.json (so a toy checkpoint folder is complete).
+
+        The file matches words exactly (case-sensitive) and has no unknown-word token, so the
+        `tokenizers` library refuses other words, as this class does.
+        """
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(self.VOCAB)}, unk_token="<unk>"))
+        tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+        tk.save(str(path))
+
 
 TOKENIZER = WordTokenizer()
 
@@ -191,6 +204,13 @@ def build_mqa() -> Transformer:
     return convert_kv_heads(build_four_heads(), 1)
 
 
+def load_worked(variant: str = "one_head") -> tuple[Transformer, WordTokenizer]:
+    """(model, tokenizer) of one toy model, like checkpoint.load: for `trace --worked`, `view --worked`."""
+    if variant not in MODELS:
+        raise UserError(f"unknown toy model {variant!r}; choose one of: {', '.join(MODELS)}")
+    return MODELS[variant](), TOKENIZER
+
+
 MODELS = {"one_head": build_one_head, "two_blocks_pre": build_two_blocks,
           "two_blocks_post": lambda: build_two_blocks("post"), "mha": build_four_heads,
           "gqa": build_gqa, "mqa": build_mqa}
@@ -278,6 +298,6 @@ def walkthrough(fig: dict | None = None) -> str:
 
 __all__ = [
     "SENTENCE", "WordTokenizer", "TOKENIZER", "encode", "config", "build_one_head", "build_two_blocks",
-    "build_four_heads", "build_gqa", "build_mqa", "MODELS", "run", "rms", "stream_rms", "kv_numbers_per_token",
+    "build_four_heads", "build_gqa", "build_mqa", "MODELS", "load_worked", "run", "rms", "stream_rms", "kv_numbers_per_token",
     "tile_walk", "figures", "walkthrough",
 ]
