@@ -14,7 +14,7 @@ import torch
 
 from .errors import UserError
 from .trace import TraceRecorder, recording, trace
-from .trace_format import Trace, _plain
+from .trace_format import Trace, json_ready
 
 
 def _rms(x: torch.Tensor) -> list[float]:
@@ -96,7 +96,7 @@ def flash_walkthrough(tr: Trace, layer: int, head: int) -> dict:
         steps.append(step)
     output = [v / l for v in o] if l else None
     z = tr[f"blocks.{layer}.attn.z"][t["query"], tr.heads.index(head)].tolist() if head in tr.heads else None
-    return _plain({"layer": layer, "head": head, "query": t["query"], "position": t["position"],
+    return json_ready({"layer": layer, "head": head, "query": t["query"], "position": t["position"],
                    "tile_size": t["tile_size"], "steps": steps, "output": output, "z": z})
 
 
@@ -138,7 +138,7 @@ def decode_step(model, ids, new_id: int | None = None, layers=None) -> dict:
     p = rec.seen["probs"][0, 0]
     out["next_probs_top"] = {"ids": p.topk(min(5, p.numel())).indices.tolist(), "probs": p.topk(min(5, p.numel())).values.tolist()}
     out["cache_numbers"] = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (T + 1)
-    return _plain(out)
+    return json_ready(out)
 
 
 def analysis_for(model, tr: Trace, lens_top: int = 5, tokenizer=None) -> dict:
@@ -151,7 +151,7 @@ def analysis_for(model, tr: Trace, lens_top: int = 5, tokenizer=None) -> dict:
         out["flash_walkthrough"] = [flash_walkthrough(tr, i, h) for i in tr.tiles for h in tr.heads]
     if tr.positions[0] == 0 and tr.T < model.config.max_seq_len:
         out["decode_step"] = decode_step(model, tr.ids, layers=tr.layers)
-    return _plain(out)
+    return json_ready(out)
 
 
 __all__ = ["norm_rms", "norm_placement", "head_summary", "flash_walkthrough", "decode_step", "analysis_for"]

@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from .errors import UserError
-from .explain import Steps, operand
+from .explain import Steps, fmt, operand
 
 _SYMBOL = {"attn.out": "attn_out", "attn.scores": "s", "attn.weights": "w", "logits": "logit", "probs": "p",
            "ffn.up": "up", "ffn.gate": "gate", "ffn.act": "act", "ffn.down": "down"}
@@ -143,7 +143,7 @@ def norm(ctx: Context, probe: str, idx, x_probe: str, wname: str):
     gamma = ctx.w(wname + ".weight", [j], f"γ[{j}]")
     bname = wname + ".bias"
     beta = [[ctx.w(bname, [j], f"β[{j}]")]] if ctx.has(bname) else []
-    row = ctx.names[t]
+    row = ctx.lab(x_probe, [t])  # e.g. resid_mid[cats]: whose RMS
     if ctx.cfg["norm"] == "rms":
         r = s.sum(f"RMS({row})", "√(Σ_i x[i]²/D + ε)", [[x, x, inv_d] for x in xs], post="sqrt", fixed=[[eps_op]])
         s.sum(ctx.lab(probe, idx), f"x[{j}] / RMS · γ[{j}]" + (" + β" if beta else ""),
@@ -210,7 +210,7 @@ def rule_rope(ctx, probe, idx):
               [[a, cos], [b, sin, operand("−1", -1.0)]], wide=False)
     else:
         s.sum(ctx.lab(probe, idx), f"{sym}[{ia}]·sin θ + {sym}[{ib}]·cos θ", [[a, sin], [b, cos]], wide=False)
-    s.steps[th]["text"] += f" rad (cos θ = {cos['value']:.4g}, sin θ = {sin['value']:.4g})"
+    s.steps[th]["text"] += f" rad (cos θ = {fmt(cos['value'])}, sin θ = {fmt(sin['value'])})"
 
 
 def _qk(ctx, i):
@@ -250,7 +250,7 @@ def rule_weights(ctx, probe, idx):
     s = ctx.steps
     m = s.max(f"m[{ctx.names[t]}]", over)
     hidden = len(ctx.tr.probe(sp).data[0, 0]) - len(ok)
-    note = f"  ({hidden} masked keys get weight 0)" if hidden else ""
+    note = f"  ({hidden} masked key{'s get' if hidden > 1 else ' gets'} weight 0)" if hidden else ""
     s.softmax(ctx.lab(probe, idx), over[ok.index(j)], over, s.steps[m]["value"],
               "exp(s[j] − m) / Σ_k exp(s[k] − m)", note=note)
 

@@ -244,7 +244,7 @@ def trace(
 
     weights = {}
     if with_weights:
-        weights = _weights(model, layers, ids, list(range(pos, pos + T)), found, top_k)
+        weights = _weights(model, layers, ids, list(range(pos, pos + T)), found, top_k, heads)
     rope = model.rope_inv_freq.float().cpu().tolist() if cfg.pos == "rope" else None
     return Trace(
         tokens=list(tokens) if tokens is not None else [f"#{i}" for i in ids],
@@ -279,8 +279,22 @@ def tile_walk(log: list[dict], row: int, heads: list[int], n_heads: int, positio
     return {"query": row, "position": position, "tile_size": tile, "heads": list(heads), "steps": steps}
 
 
-def _weights(model, layers, ids, positions, found, top_k) -> dict[str, Probe]:
+def _head_cols(heads: list[int], H: int) -> list[int]:
+    """Columns h·H … h·H + H−1 of each head h: where a head's features sit in a projection."""
+    return [h * H + j for h in heads for j in range(H)]
+
+
+def _weights(model, layers, ids, positions, found, top_k, heads) -> dict[str, Probe]:
     out: dict[str, Probe] = {}
+    cfg = model.config
+    # With --heads, the attention matrices keep only the kept heads' columns (W_Q, W_K, W_V)
+    # and rows (W_O), so the weights shrink with the probes.
+    sub = {}
+    if len(heads) < cfg.n_heads:
+        q_cols = _head_cols(heads, cfg.head_dim)
+        kv_cols = _head_cols(sorted({h // cfg.n_rep for h in heads}), cfg.head_dim)
+        sub = {"wq.weight": (1, q_cols), "wq.bias": (0, q_cols), "wk.weight": (1, kv_cols), "wk.bias": (0, kv_cols),
+               "wv.weight": (1, kv_cols), "wv.bias": (0, kv_cols), "wo.weight": (0, q_cols)}
 
     def put(name, w, index=None):
         axes = ["in", "out"] if w.dim() == 2 else (["out"] if name.endswith(".bias") and "norm" not in name else ["feature"])
@@ -288,7 +302,14 @@ def _weights(model, layers, ids, positions, found, top_k) -> dict[str, Probe]:
 
     for i in layers:
         for name in layer_weight_names(model, i):
-            put(name, weight_matrix(model, name))
+            w = weight_matrix(model, name)
+            cut = sub.get(name.split(".attn.")[-1]) if ".attn." in name else None
+            if cut is None:
+                put(name, w)
+            else:
+                dim, keep = cut
+                axis = ("in", "out")[dim] if w.dim() == 2 else "out"
+                put(name, w.index_select(dim, torch.tensor(keep)), {axis: keep})
     for name in ("final_norm.weight", "final_norm.bias"):
         if name in model.state_dict():
             put(name, weight_matrix(model, name))

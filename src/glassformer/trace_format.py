@@ -234,7 +234,7 @@ def _entry_from_json(e: dict) -> Probe:
     return Probe(data, list(e["axes"]), dict(e.get("index", {})), extra)
 
 
-def _plain(v):
+def json_ready(v):
     """JSON-ready Python objects: tensors to lists, non-finite floats to None."""
     if isinstance(v, torch.Tensor):
         v = v.detach().cpu().double().tolist()
@@ -245,14 +245,14 @@ def _plain(v):
     if isinstance(v, float):
         return v if math.isfinite(v) else None
     if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
+        return {str(k): json_ready(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+        return [json_ready(x) for x in v]
     return v
 
 
 def _strict_dumps(v) -> str:
-    return json.dumps(_plain(v), ensure_ascii=False, allow_nan=False)
+    return json.dumps(json_ready(v), ensure_ascii=False, allow_nan=False)
 
 
 def _tiles_json(t: dict) -> dict:

@@ -27,6 +27,8 @@ def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", metavar="CKPT", help="checkpoint, training run or Hugging Face folder")
     src.add_argument("--worked", action="store_true", help="the walkthrough's toy model (glassformer worked)")
+    p.add_argument("--variant", default="one_head",
+                   help="which toy model with --worked: one_head, two_blocks_pre, two_blocks_post, mha, gqa, mqa")
     p.add_argument("--text", help="the text to trace (default for --worked: the walkthrough's sentence)")
     p.add_argument("--out", metavar="FILE.json", help="write the trace file here (docs/trace-format.md)")
     p.add_argument("--html", metavar="FILE.html", help="write the explorer page for this trace (one self-contained file)")
@@ -49,13 +51,10 @@ def _load(args):
     from ..errors import UserError
 
     if args.worked:
-        try:
-            from .. import worked
-        except ImportError:
-            raise UserError("--worked needs glassformer.worked, which this build does not have; use --checkpoint") from None
-        if not hasattr(worked, "build_one_head"):
-            raise UserError("glassformer.worked has no build_one_head(); use --checkpoint")
-        return worked.build_one_head(), worked.TOKENIZER, getattr(worked, "SENTENCE", None)
+        from .. import worked
+
+        model, tok = worked.load_worked(args.variant)
+        return model, tok, worked.SENTENCE
     if not args.checkpoint:
         raise UserError("say which model to trace: --checkpoint CKPT or --worked")
     from ..checkpoint import load

@@ -1,0 +1,250 @@
+"""Token files and batches.
+
+A prepared data folder (`glassformer prepare --out DIR`) holds
+
+    tokenizer.json   the tokenizer that made the ids
+    train.bin        raw little-endian token ids, uint16 when the vocabulary fits, else uint32
+    val.bin          the held-out split, same format
+    meta.json        {"dtype", "vocab_size", "eot_id", "train_tokens", "val_tokens",
+                      "train_bytes", "val_bytes", "corpus", "val_works" or "val_fraction", ...}
+    COMPLETE         written last (the folder is written under a temporary name and renamed)
+
+Documents are joined with the end-of-text token, which stands for zero bytes of text:
+`val_bytes` is the UTF-8 size of the validation text itself, so a model's bits per byte is
+    bpb = (sum of per-token losses in nats over val.bin) / (ln 2 * val_bytes).
+
+Batches (design.md, Determinism): `get_batch(tokens, B, T, seed, step, rank, world_size)`
+draws the start of every row of the global batch from a generator seeded by (seed, step),
+then returns rank `rank`'s rows, so N ranks together see exactly what one process would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The narrowest token dtype that holds ids 0 … vocab_size-1."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+class TokenFile:
+    """A read-only memory map of a token file: len(), slicing, and .array (numpy)."""
+
+    def __init__(self, path: str | Path, dtype: str | np.dtype = "uint16"):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"token file {self.path} does not exist: run `glassformer prepare --out DIR` first")
+        self.dtype = np.dtype(DTYPES.get(str(dtype), dtype)).newbyteorder("<")
+        size = self.path.stat().st_size
+        if size % self.dtype.itemsize:
+            raise UserError(f"{self.path} is {size} bytes, not a whole number of {self.dtype.name} ids: it is damaged; prepare it again")
+        # np.memmap cannot map an empty file; an empty split is a plain empty array.
+        self.array = np.memmap(self.path, dtype=self.dtype, mode="r") if size else np.zeros(0, self.dtype)
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, idx):
+        return self.array[idx]
+
+    def __repr__(self) -> str:
+        return f"TokenFile({str(self.path)!r}, {self.dtype.name}, {len(self)} tokens)"
+
+
+def read_meta(folder: str | Path) -> dict:
+    """meta.json of a prepared data folder, with a clear error if the folder is not one."""
+    folder = Path(folder)
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        raise UserError(f"{folder} is not a prepared data folder (no meta.json): run `glassformer prepare --out {folder}`")
+    try:
+        return json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{meta_path} is not valid JSON ({e}); prepare the folder again") from None
+
+
+def load_split(folder: str | Path, split: str) -> TokenFile:
+    """TokenFile of a prepared folder's `train` or `val` split."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+    meta = read_meta(folder)
+    return TokenFile(Path(folder) / f"{split}.bin", meta["dtype"])
+
+
+def batch_generator(seed: int, step: int) -> torch.Generator:
+    """A CPU generator seeded by (seed, step) alone, so a batch never depends on earlier draws
+    (resuming at step s gives the batch an uninterrupted run would have had).
+
+    The two numbers are mixed with a splitmix64 step so neighbouring (seed, step) pairs do
+    not give related streams.
+    """
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(step) + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    return torch.Generator().manual_seed(x & 0x7FFFFFFFFFFFFFFF)
+
+
+def batch_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
+    """Start offsets (B,) of the global batch's windows of T+1 tokens in a file of n_tokens."""
+    if n_tokens < seq_len + 1:
+        raise UserError(f"the token file has {n_tokens} tokens, too few for one window of {seq_len}+1: "
+                        f"use a longer corpus or a shorter context")
+    return torch.randint(0, n_tokens - seq_len, (batch_size,), generator=batch_generator(seed, step))  # (B,)
+
+
+def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
+              rank: int = 0, world_size: int = 1, device: str | torch.device | None = None):
+    """(x, y): this rank's rows of the global batch drawn from (seed, step).
+
+    tokens: a TokenFile, numpy array or 1-D tensor of ids. batch_size is the GLOBAL batch B
+    (divisible by world_size); each rank gets B / world_size rows, rank r the rows
+    r*B/W … (r+1)*B/W - 1, so concatenating the ranks' x in rank order gives world_size=1's x.
+    x, y: int64 tensors (B/W, T); y is x shifted left by one token (the next-token targets).
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0 … world_size-1 (world_size {world_size})")
+    if batch_size % world_size:
+        raise UserError(f"global batch size {batch_size} is not divisible by {world_size} ranks: choose a multiple of {world_size}")
+    arr = tokens.array if isinstance(tokens, TokenFile) else tokens
+    starts = batch_starts(len(arr), batch_size, seq_len, seed, step)  # (B,)
+    per = batch_size // world_size
+    mine = starts[rank * per:(rank + 1) * per].tolist()  # (B/W,) only this rank's windows are read
+    if isinstance(arr, torch.Tensor):
+        rows = torch.stack([arr[s:s + seq_len + 1].long() for s in mine])  # (B/W, T+1)
+    else:
+        rows = torch.from_numpy(np.stack([np.asarray(arr[s:s + seq_len + 1], dtype=np.int64) for s in mine]))  # (B/W, T+1)
+    x, y = rows[:, :-1], rows[:, 1:]  # (B/W, T) each
+    if device is not None:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    return x.contiguous(), y.contiguous()
+
+
+# -- prepare: corpus -> tokenizer + token files -------------------------------------------
+BATCH_CHUNKS = 16  # text chunks encoded together (tokenizers spreads a batch over its threads)
+
+
+def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) -> tuple[int, int]:
+    """Encode docs into a token file, each document followed by eot_id; (tokens, bytes).
+
+    Streams: at most BATCH_CHUNKS chunks of text (a few MB) and their ids are in memory.
+    bytes counts the UTF-8 bytes of the text that was encoded (after any U+FFFD
+    replacement), i.e. what bits per byte divides by; the eot separators count no bytes.
+    """
+    from .corpus import iter_text
+
+    np_dtype = np.dtype(DTYPES[dtype]).newbyteorder("<")
+    eot = [] if tok.eot_id is None else [tok.eot_id]
+    n_tokens = n_bytes = 0
+    pending: list[tuple[str, bool]] = []  # (text chunk, whether it ends its document)
+
+    def flush(f) -> int:
+        ids = tok.encode_batch([t for t, _ in pending])
+        flat: list[int] = []
+        for (_, ends), chunk_ids in zip(pending, ids):
+            flat += chunk_ids
+            if ends:
+                flat += eot
+        np.asarray(flat, dtype=np_dtype).tofile(f)
+        pending.clear()
+        return len(flat)
+
+    with open(path, "wb") as f:
+        for doc in docs:
+            prev = None
+            for chunk in iter_text(doc, stats):
+                if prev is not None:
+                    pending.append((prev, False))
+                prev = chunk
+                nb = len(chunk.encode("utf-8"))
+                n_bytes += nb
+                if progress is not None:
+                    progress.update(nb)
+                if len(pending) >= BATCH_CHUNKS:
+                    n_tokens += flush(f)
+            if prev is not None:
+                pending.append((prev, True))
+            if len(pending) >= BATCH_CHUNKS:
+                n_tokens += flush(f)
+        if pending:
+            n_tokens += flush(f)
+    return n_tokens, n_bytes
+
+
+def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer=None,
+            context: int = 256, show_progress: bool | None = None) -> dict:
+    """Write a prepared data folder at `out` (atomically) and return its meta.json.
+
+    corpus: a glassformer.corpus.Corpus. tokenizer: a Tokenizer to reuse; if None, byte-level
+    BPE is trained on the training split alone, to vocab_size (default 2048).
+    context: the longest window a model will draw; both splits must hold context+1 tokens.
+    """
+    import sys
+
+    from tqdm import tqdm
+
+    from .checkpoint import atomic_folder
+    from .corpus import DecodeStats, iter_text
+    from .tokenizer import Tokenizer, check_vocab_size
+
+    out = Path(out)
+    if out.exists() and not (out / "meta.json").is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not a prepared data folder: choose a new or empty folder")
+    if tokenizer is None:
+        vocab_size = check_vocab_size(2048 if vocab_size is None else vocab_size)
+    if context < 1:
+        raise UserError(f"--context {context} must be at least 1")
+    train_size = sum(d.nbytes for d in corpus.train)
+    val_size = sum(d.nbytes for d in corpus.val)
+    if train_size == 0 or val_size == 0:
+        raise UserError(f"corpus {corpus.description} is empty or has no {'training' if train_size == 0 else 'validation'} text: give more text")
+    disable = None if show_progress is None else not show_progress  # None: show on a terminal only
+
+    stats = DecodeStats()
+    trained = tokenizer is None
+    if trained:
+        with tqdm(total=train_size, unit="B", unit_scale=True, desc="tokenizer", disable=disable, file=sys.stderr) as bar:
+            def texts():
+                for d in corpus.train:
+                    for chunk in iter_text(d, stats):
+                        bar.update(len(chunk.encode("utf-8")))
+                        yield chunk
+            tokenizer = Tokenizer.train(texts(), vocab_size)
+        stats = DecodeStats()  # counted again while encoding
+    dtype = dtype_for_vocab(tokenizer.vocab_size)
+
+    def write(tmp: Path) -> None:
+        tokenizer.save(tmp / "tokenizer.json")
+        counts = {}
+        with tqdm(total=train_size + val_size, unit="B", unit_scale=True, desc="encode", disable=disable, file=sys.stderr) as bar:
+            for split, docs in (("train", corpus.train), ("val", corpus.val)):
+                counts[split] = write_split(tokenizer, docs, tmp / f"{split}.bin", dtype, stats, bar)
+        for split, (n_tok, _) in counts.items():
+            if n_tok < context + 1:
+                raise UserError(f"the {split} split has {n_tok} tokens, too few for a context of {context} (+1): "
+                                f"give a longer corpus or a smaller --context")
+        meta.update({
+            "dtype": dtype, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+            "train_tokens": counts["train"][0], "val_tokens": counts["val"][0],
+            "train_bytes": counts["train"][1], "val_bytes": counts["val"][1],
+            "corpus": corpus.description, **corpus.meta,
+            "documents": {"train": len(corpus.train), "val": len(corpus.val)},
+            "context": context, "tokenizer": "trained" if trained else "given",
+            "invalid_utf8_bytes": stats.bytes_replaced, "invalid_utf8_files": stats.files[:100],
+        })
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+    meta: dict = {}
+    atomic_folder(out, write)
+    if stats.warning():
+        print(stats.warning(), file=sys.stderr)
+    return meta
