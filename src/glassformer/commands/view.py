@@ -11,6 +11,8 @@ def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="CKPT", help="checkpoint, training run or Hugging Face folder")
     src.add_argument("--worked", action="store_true", help="the walkthrough's one-head toy model ('I like cats too')")
+    p.add_argument("--variant", default="one_head",
+                   help="with --worked: one_head, two_blocks_pre, two_blocks_post, mha, gqa or mqa")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; anything but loopback lets other machines reach the page")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
@@ -22,7 +24,7 @@ def build_explorer(args):
     from ..viewer import source
 
     if args.worked:
-        ex = source.worked_explorer()
+        ex = source.worked_explorer(args.variant)
         if args.text:
             ex.default_text = args.text
         return ex

@@ -164,8 +164,11 @@ class Handler(BaseHTTPRequestHandler):
         if path in ("/", "/index.html"):
             try:
                 payload = self.explorer.payload(self.explorer.default_text)
-            except UserError as e:
+            except (UserError, ValueError, TooLarge) as e:
                 return self._error(HTTPStatus.BAD_REQUEST, str(e))
+            except Exception as e:  # report, keep serving
+                traceback.print_exc()
+                return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(e).__name__}")
             page = render.render_html(payload, inline=False).encode("utf-8")
             return self._send(HTTPStatus.OK, page, "text/html; charset=utf-8")
         if path.startswith("/static/"):

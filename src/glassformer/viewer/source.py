@@ -74,22 +74,22 @@ def _rounded(t, decimals: int):
 def page_dict(tr, decimals: int = 6) -> dict:
     """A Trace as the dict its file holds (docs/trace-format.md), built straight from the
     tensors for the server's answers; weights are left out (the page never draws them)."""
-    from ..trace_format import FORMAT, FORMAT_VERSION, _plain, _tiles_json
+    from ..trace_format import FORMAT, FORMAT_VERSION, _tiles_json, json_ready
 
     probes = {}
     for name, p in tr.probes.items():
         entry = {"shape": list(p.data.shape), "axes": p.axes}
         if p.index:
             entry["index"] = p.index
-        entry.update(_plain(p.extra))
+        entry.update(json_ready(p.extra))
         entry["data"] = _rounded(p.data, decimals)
         probes[name] = entry
     for i, t in tr.tiles.items():
-        probes[f"blocks.{i}.attn.tiles"] = _plain(_tiles_json(t))
+        probes[f"blocks.{i}.attn.tiles"] = json_ready(_tiles_json(t))
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "tokens": tr.tokens, "ids": tr.ids,
             "positions": tr.positions, "config": tr.config, "rope_inv_freq": tr.rope_inv_freq, "layers": tr.layers,
             "heads": tr.heads, "top_k": tr.top_k, "query": tr.query, "probes": probes,
-            **({"analysis": _plain(tr.analysis)} if tr.analysis else {})}
+            **({"analysis": json_ready(tr.analysis)} if tr.analysis else {})}
 
 
 def other_placement(model):
@@ -221,18 +221,21 @@ WORKED_FOCUS = 2  # 'cats', the walkthrough's running example
 WORKED_NAME = "the walkthrough's toy model"
 
 
-def worked_parts() -> dict:
-    """The walkthrough's one-head toy model with what its page needs: keyword arguments for
-    page_args / explorer (the two-block pre-norm and post-norm models for the comparison)."""
+def worked_parts(variant: str = "one_head") -> dict:
+    """A walkthrough toy model (default the one-head one) with what its page needs: keyword
+    arguments for page_args / explorer (the two-block pre-norm and post-norm models for the
+    comparison)."""
     from .. import worked
 
+    model, tokenizer = worked.load_worked(variant)
     norm = {"pre": worked.build_two_blocks("pre").eval(), "post": worked.build_two_blocks("post").eval()}
-    return dict(model=worked.build_one_head().eval(), tokenizer=worked.TOKENIZER, model_name=WORKED_NAME,
+    name = WORKED_NAME if variant == "one_head" else f"{WORKED_NAME} ({variant})"
+    return dict(model=model.eval(), tokenizer=tokenizer, model_name=name,
                 norm=norm, vocab=list(worked.TOKENIZER.VOCAB), focus=WORKED_FOCUS)
 
 
-def worked_explorer():
-    parts = worked_parts()
+def worked_explorer(variant: str = "one_head"):
+    parts = worked_parts(variant)
     from .. import worked
 
     return explorer(parts.pop("model"), parts.pop("tokenizer"), worked.SENTENCE, **parts)
