@@ -219,3 +219,25 @@ def test_html_options_write_self_contained_pages(tmp_path):
     assert tiles["data"][0]["m"][0] == pytest.approx(flash["tile0"]["m"], abs=5e-4)
     assert tiles["data"][1]["alpha"][0] == pytest.approx(flash["tile1"]["alpha"], abs=5e-4)
     assert main(["trace", "--worked", "--html", str(tmp_path / "page.txt")]) == 2
+
+
+def test_view_from_a_checkpoint_folder(tmp_path):
+    # The path a trained model takes: a checkpoint folder with its tokenizer.json, loaded by
+    # `glassformer view --checkpoint`, traced live; the toy model's weights give known numbers.
+    from glassformer import worked
+    from glassformer.checkpoint import save_model
+    from glassformer.commands.view import build_explorer
+
+    save_model(tmp_path / "ckpt", worked.build_one_head(), worked.TOKENIZER)
+    ex = build_explorer(build_parser().parse_args(["view", "--checkpoint", str(tmp_path / "ckpt"), "--text", "I like cats"]))
+    payload = ex.payload("I like cats too")
+    tr = payload["trace"]
+    assert tr["tokens"] == ["I", "like", "cats", "too"]
+    assert tr["probes"]["blocks.0.attn.q"]["data"][2][0] == pytest.approx(FIGURES["head0"]["query"]["cats"], abs=1e-6)
+    assert payload["norm"]["rms"]["pre"][2][:2] == pytest.approx([1.0, FIGURES["rms_cats"]["after_attention_residual"]], abs=5e-3)
+    calc = ex.calculation("I like cats too", "blocks.0.attn.q", [2, 0, 1])
+    assert calc["value"] == pytest.approx(-1.0, abs=1e-6) and "W_Q" in calc["text"]
+    with pytest.raises(UserError, match="at most 16"):
+        ex.payload("I " * 20)  # longer than the model's context of 16
+    with pytest.raises(UserError, match="cannot read"):
+        ex.payload("I like birds")  # not in the checkpoint's word-level vocabulary

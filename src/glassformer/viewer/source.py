@@ -31,7 +31,13 @@ def encode(tokenizer, text: str, max_len: int) -> tuple[list[int], list[str]]:
     """ids and token strings of `text`, checked against the model's context."""
     if not text.strip():
         raise UserError("the sentence is empty: type a few words")
-    ids = list(tokenizer.encode(text))
+    try:
+        ids = list(tokenizer.encode(text))
+    except UserError:
+        raise
+    except Exception as e:  # e.g. a word-level vocabulary without an unknown-word token
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"the model's tokenizer cannot read this sentence ({msg}): use words it knows") from None
     if not ids:
         raise UserError("the sentence gives no tokens: type a few words")
     if len(ids) > max_len:
