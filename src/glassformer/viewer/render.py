@@ -350,6 +350,7 @@ def write_html(path: str | Path, trace: dict, **payload_args: Any) -> Path:
     if path.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"the page is HTML: give a file name ending in .html, got {str(path)!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
+    payload_args.setdefault("slim", True)  # the page shows 8 features of the FFN's wide probes
     page = render_html(build_payload(trace, mode="static", **payload_args), inline=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(page, encoding="utf-8")

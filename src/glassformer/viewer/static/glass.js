@@ -222,9 +222,11 @@
     const box = clear($('lanes'));
     const steps = streamSteps();
     if (!steps.length) { box.append(el('p', { class: 'muted', text: 'The trace holds no residual-stream probes.' })); return; }
-    const nT = T(), laneH = nT > 16 ? 30 : 44, left = 110, top = 34;
+    // With many tokens the lanes pack closer and the branch RMS moves into the branch's
+    // tooltip, so that no two numbers overlap; the drawing scrolls sideways when wide.
+    const nT = T(), many = nT > 12, laneH = many ? 32 : 44, left = 110, top = 34;
     const avail = Math.max(600, box.clientWidth || 900);
-    const colW = Math.max(58, Math.min(150, Math.floor((avail - left - 60) / Math.max(1, steps.length - 1))));
+    const colW = Math.max(86, Math.min(150, Math.floor((avail - left - 60) / Math.max(1, steps.length - 1))));
     const W = left + colW * (steps.length - 1) + 70, H = top + laneH * nT + 10;
     const all = [];
     const R = steps.map((s) => probe(s.probe).map((v) => { const r = rms(v); all.push(r); return r; }));
@@ -254,12 +256,15 @@
           const bx = x, by = y - laneH * 0.36, jx = x + colW;
           g.append(svg('path', { d: `M ${prevX} ${y} C ${prevX + 30} ${y}, ${bx - 30} ${by}, ${bx - 8} ${by}`, fill: 'none', stroke: col, 'stroke-opacity': 0.55, 'stroke-width': 1.4 }));
           g.append(svg('path', { d: `M ${bx + 8} ${by} C ${bx + 30} ${by}, ${jx - 30} ${y}, ${jx - 6} ${y}`, fill: 'none', stroke: col, 'stroke-opacity': 0.55, 'stroke-width': 1.2 + 4 * r / maxR }));
-          g.append(svg('rect', { x: bx - 8, y: by - 5, width: 16, height: 10, rx: 3, fill: '#fff', stroke: col, 'stroke-width': 1.2 }));
+          g.append(svg('rect', { x: bx - 8, y: by - 5, width: 16, height: 10, rx: 3, fill: '#fff', stroke: col, 'stroke-width': 1.2 },
+            svg('title', { text: `${s.label} adds RMS ${fmt(r)} to “${tokenLabel(t)}”` })));
           g.append(svg('text', { x: bx, y: by + 3, 'text-anchor': 'middle', class: 'branch-label', text: s.kind === 'attn' ? 'A' : 'F' }));
-          const lab = svg('text', { x: bx, y: by - 8, 'text-anchor': 'middle', class: 'rms', text: fmt(r) });
-          lab.addEventListener('click', () => showCalc(rmsCalc(s.probe, t), true));
-          lab.dataset.probe = s.probe; lab.dataset.token = String(t);
-          g.append(lab);
+          if (!many) {
+            const lab = svg('text', { x: bx, y: by - 8, 'text-anchor': 'middle', class: 'rms', text: fmt(r) });
+            lab.addEventListener('click', () => showCalc(rmsCalc(s.probe, t), true));
+            lab.dataset.probe = s.probe; lab.dataset.token = String(t);
+            g.append(lab);
+          }
           return;
         }
         if (c > 0) g.append(svg('line', { x1: prevX, y1: y, x2: x, y2: y, stroke: col, 'stroke-width': 1.5 + 6 * prevR / maxR, 'stroke-linecap': 'round' }));
@@ -276,7 +281,7 @@
       root.append(g);
     }
     box.append(root);
-    box.append(el('p', { class: 'note', text: `A = attention branch, F = feed-forward branch; numbers over a branch are the RMS of what it adds. ${postNorm() ? 'Post-norm: the stream after each + is normalised, so its RMS stays near 1.' : 'Pre-norm: the stream is never normalised until the final norm, so its RMS grows.'}` }));
+    box.append(el('p', { class: 'note', text: `A = attention branch, F = feed-forward branch; ${many ? 'hover a branch for' : 'numbers over a branch are'} the RMS of what it adds. ${postNorm() ? 'Post-norm: the stream after each + is normalised, so its RMS stays near 1.' : 'Pre-norm: the stream is never normalised until the final norm, so its RMS grows.'}` }));
   }
 
   // ------------------------------------------------------------------ 2 attention
