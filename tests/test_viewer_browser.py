@@ -139,6 +139,18 @@ def test_worked_page_live(browser, worked_server):
     tip = page.locator("#tooltip").text_content()
     assert "query cats" in tip and "key   I" in tip and "score 0.817" in tip and "weight 0.412" in tip
 
+    # FlashAttention, row cats, tiles of 2: the kernel's own m, l, α, step by step.
+    flash = FIGURES["flash_attention_tiles_of_2_row_cats"]
+    rows = page.locator("#flash table.grid tr").all()
+    assert len(rows) == 2  # the header and the first tile
+    cells = rows[1].locator("td").all_text_contents()
+    assert [float(cells[2]), float(cells[4])] == pytest.approx([flash["tile0"]["m"], flash["tile0"]["l"]], abs=5e-4)
+    page.click("#flash-next")
+    cells = page.locator("#flash table.grid tr").nth(2).locator("td").all_text_contents()
+    assert [float(cells[2]), float(cells[3])] == pytest.approx([flash["tile1"]["m"], flash["tile1"]["alpha"]], abs=5e-4)
+    assert "✓ the same" in page.locator("#flash").text_content()
+    assert page.locator("#flash .tile.skipped").count() == 1  # (I, like) reading (cats, too)
+
     ARTIFACTS.mkdir(exist_ok=True)
     page.mouse.move(0, 0)
     page.evaluate("window.scrollTo(0, 0)")
@@ -194,3 +206,24 @@ def test_saved_pages_offline_and_hostile_tokens_are_text(browser, tmp_path):
     assert page.evaluate("window.__alerted") == 0 and page.events["dialogs"] == []
     assert page.events["errors"] == []
     page.close()
+
+
+def test_one_heatmap_per_head_gqa(browser):
+    server = make_server(source.worked_explorer("gqa"), port=0)
+    serve_in_thread(server)
+    try:
+        page = open_page(browser, server.url)
+        cards = heatmap_cells(page)
+        T = 4
+        assert len(cards) == 4
+        for card in cards:
+            assert sorted(card) == [(i, j) for i in range(T) for j in range(T)]
+            assert all(card[(i, j)][0] == (j > i) for i in range(T) for j in range(T))
+        mh = FIGURES["multi_head"]
+        for h, key in ((0, "gqa_head0_weights_cats"), (1, "gqa_head1_weights_cats")):
+            assert [float(cards[h][(2, j)][1]) for j in range(3)] == pytest.approx(mh[key], abs=5e-3)
+        assert page.events["errors"] == []
+        page.close()
+    finally:
+        server.shutdown()
+        server.server_close()
