@@ -208,7 +208,7 @@ def shown_numbers(trace: dict, focus: int, nxt: list[list[dict]]) -> Iterator[tu
                 for j, x in enumerate(row):
                     if x is not None:
                         yield f"blocks.{i}.attn.weights", _model_index(e, [t, h, j])
-                        if t == T - 1:
+                        if t in (focus, T - 1):  # the decode and FlashAttention views show these rows' scores
                             yield f"blocks.{i}.attn.scores", _model_index(e, [t, h, j])
         if t < len(nxt):
             for c in nxt[t]:

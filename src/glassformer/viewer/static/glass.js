@@ -54,6 +54,7 @@
     else s = x.toFixed(3).replace(/\.?0+$/, '');
     return s === '-0' ? '0' : s;
   }
+  function fmtP(x) { return typeof x === 'number' && x < 0 ? `(${fmt(x)})` : fmt(x); } // a factor in a product
   function fmtInt(n) { return Number(n).toLocaleString('en-US'); }
   function fmtBytes(b) {
     const u = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
@@ -127,7 +128,7 @@
     const axes = axesOf(probeName);
     const parts = index.map((v, d) => {
       const ax = axes[d];
-      if (ax === 'token' || (d === 0 && !ax && probeName !== 'rms')) return tokenLabel(v);
+      if (ax === 'token' || (d === 0 && !ax && hasProbe(probeName))) return tokenLabel(v);
       if (ax === 'head') return `h${v}`;
       if (ax === 'kv_head') return `kv${v}`;
       if (ax === 'vocab') return pieceOf(v);
@@ -553,15 +554,44 @@
     box.append(grid);
     const table = el('table', { class: 'grid' });
     table.append(el('tr', {}, ['key tile', 'scaled scores (· = masked)', 'm', 'α = exp(m_old − m)', 'l', 'o'].map((h) => el('th', { text: h }))));
+    // Every number of the walk opens its own calculation (computed here from the step before
+    // it and the traced scores and values, which link to theirs).
+    const sName = `blocks.${layer}.attn.scores`, vName = `blocks.${layer}.attn.v`;
+    const V = probe(vName), vp = kvPos(layer, vName, head);
+    const scoreOps = (st) => st.scores.map((x, q) => (x === null ? null : { label: `s[${tokenLabel(row)}][${tokenLabel(st.k0 + q)}]`, source: 'probe', name: sName, index: [row, head, st.k0 + q], value: x })).filter(Boolean);
+    const flashCalcs = (st, prev) => {
+      const mPrev = prev ? prev.m : -Infinity, lPrev = prev ? prev.l : 0, oPrev = prev ? prev.o : null;
+      const ops = scoreOps(st);
+      const exps = ops.map((o) => `exp(${fmt(o.value)} − ${fmt(st.m)})`);
+      const where = `after the key tile ${tokenLabel(st.k0)}…${tokenLabel(st.k1 - 1)}`;
+      return {
+        m: () => ({ title: `m ${where} = ${fmt(st.m)}`, op: 'max', operands: ops,
+          text: `m = max(m before, scores of this tile) = max(${prev ? fmt(mPrev) : '−∞'}, ${ops.map((o) => fmt(o.value)).join(', ')}) = ${fmt(st.m)}` }),
+        alpha: () => ({ title: `α ${where} = ${fmt(st.alpha)}`, op: 'rescale',
+          text: `α = exp(m before − m) = exp(${fmt(mPrev)} − ${fmt(st.m)}) = ${fmt(st.alpha)}: what the sums so far are worth now` }),
+        l: () => ({ title: `l ${where} = ${fmt(st.l)}`, op: 'sum', operands: ops,
+          text: `l = α·l before + Σ exp(s − m) = ${prev ? `${fmtP(st.alpha)}·${fmtP(lPrev)}` : '0'} + ${exps.join(' + ')} = ${fmt(st.l)}` }),
+        o: (d) => () => {
+          const vOps = ops.map((o) => ({ label: `v[${tokenLabel(o.index[2])}][${d}]`, source: 'probe', name: vName, index: [o.index[2], Math.floor(head / (CFG().n_heads / CFG().n_kv_heads)), d], value: V ? V[o.index[2]][vp][d] : undefined }));
+          const terms = ops.map((o, q) => `exp(${fmt(o.value)} − ${fmt(st.m)})·${fmtP(vOps[q].value)}`);
+          return { title: `o[${d}] ${where} = ${fmt(st.o[d])}`, op: 'sum', operands: ops.concat(vOps),
+            text: `o[${d}] = α·o before + Σ exp(s − m)·v = ${prev ? `${fmtP(st.alpha)}·${fmtP(oPrev[d])}` : '0'} + ${terms.join(' + ')} = ${fmt(st.o[d])}` };
+        },
+      };
+    };
     run.steps.forEach((st) => {
       const li = live.indexOf(st);
       if (!st.skipped && li > state.flashStep) return;
       const keys = range(st.k1 - st.k0).map((q) => tokenLabel(st.k0 + q)).join(' ');
       if (st.skipped) { table.append(el('tr', {}, [el('td', { text: keys }), el('td', { class: 'muted', text: 'fully masked: skipped, nothing computed', colspan: 5 })])); return; }
+      const c = flashCalcs(st, li > 0 ? live[li - 1] : null);
+      const sc = el('td');
+      st.scores.forEach((x, q) => { if (q) sc.append(', '); sc.append(x === null ? '·' : num(x, sName, [row, head, st.k0 + q])); });
+      const oc = el('td', {}, el('span', { class: 'vec' }, st.o.slice(0, FEATURE_CAP).map((x, d) => num(x, 'flash.o', [d], { local: c.o(d) }))));
       const tr = el('tr', { class: st === cur ? 'hl' : '' }, [
-        el('td', { text: keys }), el('td', { text: st.scores.map((x) => (x === null ? '·' : fmt(x))).join(', ') }),
-        el('td', { text: fmt(st.m) }), el('td', { text: li === 0 ? '— (first tile)' : fmt(st.alpha) }), el('td', { text: fmt(st.l) }),
-        el('td', { text: `[${st.o.slice(0, FEATURE_CAP).map(fmt).join(', ')}]` }),
+        el('td', { text: keys }), sc, el('td', {}, num(st.m, 'flash.m', [li], { local: c.m })),
+        el('td', {}, li === 0 ? '— (first tile)' : num(st.alpha, 'flash.alpha', [li], { local: c.alpha })),
+        el('td', {}, num(st.l, 'flash.l', [li], { local: c.l })), oc,
       ]);
       table.append(tr);
     });
