@@ -64,14 +64,15 @@ def worked_server():
     server.server_close()
 
 
-def open_page(browser, url):
-    """A fresh page that records dialogs, page errors and every request it makes.
+def open_page(browser, url, bypass_csp=True):
+    """A fresh page that records dialogs, page errors, console messages and every request.
 
-    The page's Content-Security-Policy is bypassed: the tests evaluate their own probes in
-    the page, and the escaping must hold on its own, without the CSP behind it.
+    By default the page's Content-Security-Policy is bypassed: the tests evaluate their own
+    probes in the page, and the escaping must hold on its own, without the CSP behind it.
     """
-    page = browser.new_page(viewport={"width": 1440, "height": 1000}, bypass_csp=True)
-    page.events = {"dialogs": [], "errors": [], "requests": []}
+    page = browser.new_page(viewport={"width": 1440, "height": 1000}, bypass_csp=bypass_csp)
+    page.events = {"dialogs": [], "errors": [], "requests": [], "console": []}
+    page.on("console", lambda m: page.events["console"].append(m.text))
     page.on("dialog", lambda d: (page.events["dialogs"].append(d.message), d.dismiss()))
     page.on("pageerror", lambda e: page.events["errors"].append(str(e)))
     page.on("request", lambda r: page.events["requests"].append(r.url))
@@ -184,6 +185,11 @@ def test_saved_pages_offline_and_hostile_tokens_are_text(browser, tmp_path):
     # The self-contained worked page: opens from a file, fetches nothing, and its numbers'
     # calculations are stored in it.
     path = source.write_worked_page(tmp_path / "worked.html")
+    # With its Content-Security-Policy in force, the page still draws and reports no violation.
+    page = open_page(browser, path.as_uri(), bypass_csp=False)
+    assert lane_labels(page) == ["I", "like", "cats", "too"]
+    assert not [m for m in page.events["console"] if "Content Security Policy" in m], page.events["console"]
+    page.close()
     page = open_page(browser, path.as_uri())
     assert {u for u in page.events["requests"]} == {path.as_uri()}
     assert numbers(page, "blocks.0.attn.q") == ["1", "-1"]
