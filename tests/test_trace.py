@@ -260,3 +260,11 @@ def test_cli_trace_of_the_walkthroughs_toy_model_shows_its_figures(tmp_path):
     e = glassformer.explain(d, "blocks.0.attn.q", [2, 0, 0])
     assert e.text == "q[cats][0] = Σ_i x[i]·W_Q[i,0] = 1·0 + 1·0 + (−1)·0 + (−1)·(−1) = 1"
     assert main(["trace", "--worked", "--text", "I like birds", "--out", str(out)]) == 2
+
+
+def test_a_trace_runs_without_dropout_and_leaves_the_mode_alone():
+    m = tiny_model(dropout=0.5).train()
+    a, b = trace(m, IDS), trace(m, IDS)
+    assert torch.equal(a["logits"], b["logits"]) and m.training
+    e = glassformer.explain(a, "blocks.0.resid_mid", [3, 7], model=m)
+    assert e.result == pytest.approx(a.value("blocks.0.resid_mid", [3, 7]), abs=1e-6)

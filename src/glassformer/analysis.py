@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
-from .trace import TraceRecorder, recording, trace
+from .trace import TraceRecorder, eval_mode, recording, trace
 from .trace_format import Trace, json_ready
 
 
@@ -113,18 +113,21 @@ def decode_step(model, ids, new_id: int | None = None, layers=None) -> dict:
     cfg = model.config
     ids = [int(i) for i in ids]
     T = len(ids)
+    if T == 0 or any(not 0 <= i < cfg.vocab_size for i in ids + ([] if new_id is None else [int(new_id)])):
+        raise UserError(f"decode step: give at least one token, every id in 0..{cfg.vocab_size - 1}")
     if T + 1 > cfg.max_seq_len:
         raise UserError(f"a decode step after {T} tokens needs {T + 1} positions; the model has {cfg.max_seq_len}")
     layers = list(range(cfg.n_layers)) if layers is None else list(layers)
     dev = next(model.parameters()).device
     cache = KVCache.for_model(model, 1, T + 1)
-    logits, _ = model(torch.tensor([ids], device=dev), cache=cache, pos=0)
-    if new_id is None:
-        new_id = int(logits[0, -1].argmax())
     names = [f"blocks.{i}.attn.{n}" for i in layers for n in ("scores", "weights")]
     rec = TraceRecorder(only=names + ["probs"])
-    with recording(rec):
-        model(torch.tensor([[new_id]], device=dev), cache=cache, pos=T)
+    with eval_mode(model):
+        logits, _ = model(torch.tensor([ids], device=dev), cache=cache, pos=0)  # prefill
+        if new_id is None:
+            new_id = int(logits[0, -1].argmax())
+        with recording(rec):
+            model(torch.tensor([[new_id]], device=dev), cache=cache, pos=T)  # the decode step
     out = {"ids": ids, "new_id": new_id, "position": T, "cache_len": T + 1, "layers": []}
     for i in layers:
         lk = cache.layer(i)

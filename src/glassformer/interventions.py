@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from .errors import UserError
-from .trace import TraceRecorder, probe_axes, recording
+from .trace import TraceRecorder, eval_mode, probe_axes, recording
 
 _SHOWN_ONLY = ("scores", "weights", "probs", "tiles")
 
@@ -51,7 +51,7 @@ def run_with(model, ids, replace: dict[str, Callable], record: Sequence[str] = (
         _check_probe(model, name)
     rec = TraceRecorder(record=bool(record), replace=replace, only=record)
     idx = _ids(ids).to(next(model.parameters()).device)
-    with recording(rec):
+    with eval_mode(model), recording(rec):
         logits, _ = model(idx)
     return logits.float(), rec.seen
 

@@ -102,6 +102,17 @@ def recording(recorder):
 
 
 @contextlib.contextmanager
+def eval_mode(model):
+    """Dropout off for the block (a trace must be the deterministic computation explain redoes)."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+@contextlib.contextmanager
 def attention_kernel(model, name: str | None, tile_logs: dict[int, list] | None = None, tile: int | None = None):
     """Run the block with kernel `name` (None: the model's own); tiled layers in tile_logs log their tiles."""
     cfg = model.config
@@ -204,7 +215,7 @@ def trace(
     rec = TraceRecorder(layers, also=[f"blocks.{i}.{n}" for i in feeds for n in ("resid_out", "ffn_norm")])
     device = next(model.parameters()).device
     idx = torch.tensor([ids], device=device)  # (1, T)
-    with attention_kernel(model, attention, tile_logs, tile), recording(rec):
+    with eval_mode(model), attention_kernel(model, attention, tile_logs, tile), recording(rec):
         model(idx, pos=pos)
 
     config = cfg.to_dict()
