@@ -101,11 +101,11 @@ def run(args) -> int:
         size = os.path.getsize(args.out)
         print(f"wrote {args.out}: {len(ids)} tokens, layers {tr.layers}, {len(tr.probes)} probes, {size / 1e6:.2f} MB")
     if args.html:
-        write_html(tr, args.html, args.digits)
+        write_html(tr, args.html, args.digits, model=model, tokenizer=tok, sentence=text)
     return 0
 
 
-def write_html(tr, path: str, digits: int) -> None:
+def write_html(tr, path: str, digits: int, model=None, tokenizer=None, sentence=None) -> None:
     """The hook for the explorer page (glassformer.viewer): one self-contained HTML file of this trace.
 
     The viewer provides `glassformer.viewer.write_trace_html(trace_dict, path)`; until it is
@@ -120,5 +120,5 @@ def write_html(tr, path: str, digits: int) -> None:
     except ImportError:
         raise UserError("--html needs the explorer page (glassformer.viewer), which this build does not have; "
                         "write --out FILE.json instead") from None
-    write_trace_html(json.loads(tr.to_json(digits=digits)), path)
+    write_trace_html(json.loads(tr.to_json(digits=digits)), path, model=model, tokenizer=tokenizer, sentence=sentence)
     print(f"wrote {path}")
