@@ -24,6 +24,7 @@ demo: venv
 	$(PY) -m glassformer demo
 
 test: venv
+	sh scripts/ensure_browser.sh
 	$(PY) -m pytest
 
 bench: venv

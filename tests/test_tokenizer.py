@@ -32,7 +32,7 @@ def tok() -> Tokenizer:
     return Tokenizer.train([SAMPLE], vocab_size=400)
 
 
-def llama3_style(vocab_size: int = 400) -> HFTokenizer:
+def llama3_style(vocab_size: int = 400, extra: str = "") -> HFTokenizer:
     """A Llama 3 style tokenizer.json made by `tokenizers`: the Llama 3 split regex, then
     byte-level without its own regex, special tokens <|begin_of_text|> and <|end_of_text|>."""
     tk = HFTokenizer(models.BPE())
@@ -43,7 +43,7 @@ def llama3_style(vocab_size: int = 400) -> HFTokenizer:
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tk.train_from_iterator([SAMPLE], trainer=trainer)
+    tk.train_from_iterator([SAMPLE, extra], trainer=trainer)
     return tk
 
 

@@ -81,18 +81,19 @@ class Corpus:
 
 
 def _split_point(buf: str) -> int:
-    """Index just after the last newline that is followed by a non-space character, or 0.
+    """Index just after the last lone newline (non-space characters on both sides), or 0.
 
-    Byte-level pre-tokenizers (GPT-2's and Llama 3's regexes) always end a piece at such a
-    newline and start a new one after it, so encoding the text in pieces cut there gives
-    exactly the ids of encoding it whole.
+    Byte-level pre-tokenizers (GPT-2's and Llama 3's regexes) always make such a newline a
+    piece boundary on both sides, whatever follows, so encoding the text in pieces cut there
+    gives exactly the ids of encoding it whole. (A run of whitespace is not a safe place: at
+    the end of a string GPT-2's `\\s+(?!\\S)` takes all of "\\n\\n", before a word all but the last.)
     """
     i = len(buf) - 1
     while True:
         i = buf.rfind("\n", 0, i)
-        if i < 0:
+        if i < 1:
             return 0
-        if not buf[i + 1].isspace():
+        if not buf[i - 1].isspace() and not buf[i + 1].isspace():
             return i + 1
 
 

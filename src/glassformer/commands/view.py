@@ -1,0 +1,57 @@
+"""`glassformer view`: the explorer, a local web page that shows the model's computation."""
+
+from __future__ import annotations
+
+HELP = "the explorer: a local page that traces a sentence and shows every number of its computation"
+
+DEFAULT_TEXT = "the cat sat on the mat"
+
+
+def add_arguments(p) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="CKPT", help="checkpoint, training run or Hugging Face folder")
+    src.add_argument("--worked", action="store_true", help="the walkthrough's one-head toy model ('I like cats too')")
+    p.add_argument("--variant", default="one_head",
+                   help="with --worked: one_head, two_blocks_pre, two_blocks_post, mha, gqa or mqa")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; anything but loopback lets other machines reach the page")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    p.add_argument("--text", default=None, help="the sentence the page opens with")
+    p.add_argument("--device", default="cpu", help="device to run the model on")
+
+
+def build_explorer(args):
+    from ..viewer import source
+
+    if args.worked:
+        ex = source.worked_explorer(args.variant)
+        if args.text:
+            ex.default_text = args.text
+        return ex
+    from ..checkpoint import load
+
+    model, tokenizer = load(args.checkpoint)
+    model = model.to(args.device).eval()
+    return source.explorer(model, tokenizer, args.text or DEFAULT_TEXT, model_name=str(args.checkpoint))
+
+
+def run(args) -> int:
+    import sys
+
+    from ..viewer.server import _is_loopback, make_server
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
+    explorer = build_explorer(args)
+    explorer.payload(explorer.default_text)  # fail now, with a clear message, if the opening sentence cannot be read
+    server = make_server(explorer, args.host, args.port, quiet=False)
+    if not _is_loopback(args.host):
+        print(f"warning: listening on {args.host}: other machines can reach this page", file=sys.stderr)
+    print(f"explorer at {server.url}  (Ctrl-C to stop)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+    finally:
+        server.server_close()
+    return 0

@@ -1,0 +1,370 @@
+"""The rule for each probe: which operands make it, and how (used by glassformer.explain).
+
+Each rule adds steps to ctx.steps; the last step is the explained number. The data flow
+follows model.py exactly, pre-norm and post-norm:
+
+    pre:  x → attn_norm → q,k,v → q_rot,k_rot → scores → weights → z → out;  resid_mid = x + out
+          resid_mid → ffn_norm → up,gate → act → down;  resid_out = resid_mid + down
+    post: x → q,k,v → … → out;  resid_mid = x + out;  attn_norm = norm(resid_mid)
+          attn_norm → up,gate → act → down;  resid_out = attn_norm + down;  ffn_norm = norm(resid_out)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .errors import UserError
+from .explain import Steps, fmt, operand
+
+_SYMBOL = {"attn.out": "attn_out", "attn.scores": "s", "attn.weights": "w", "logits": "logit", "probs": "p",
+           "ffn.up": "up", "ffn.gate": "gate", "ffn.act": "act", "ffn.down": "down"}
+
+
+class Context:
+    """The trace (and model) that a rule reads, with labelled operands."""
+
+    def __init__(self, tr, model, steps: Steps):
+        self.tr, self.model, self.steps = tr, model, steps
+        self.cfg = tr.config
+        self.H = int(self.cfg["head_dim"])
+        self.n_rep = int(self.cfg["n_heads"]) // int(self.cfg["n_kv_heads"])
+        self.pre = self.cfg["norm_placement"] == "pre"
+        self._weights: dict = {}
+        names = [_clean(s) for s in tr.tokens]
+        self.names = [n if names.count(n) == 1 and n else (f"{n}@{t}" if n else f"#{t}") for t, n in enumerate(names)]
+
+    # ---- labels ---------------------------------------------------------------------
+    def vocab(self, v: int) -> str:
+        for t, i in enumerate(self.tr.ids):
+            if i == v:
+                return self.names[t].split("@")[0]
+        return f"#{v}"
+
+    def lab(self, probe: str, idx) -> str:
+        parts = probe.split(".")
+        layer, leaf = (parts[1], ".".join(parts[2:])) if parts[0] == "blocks" else (None, probe)
+        sym = _SYMBOL.get(leaf, leaf.split(".")[-1])
+        if layer is not None and int(self.cfg["n_layers"]) > 1:
+            sym = f"L{layer}.{sym}"
+        axes = self.tr.probe(probe).axes if probe in self.tr.probes else ["token"] + ["feature"] * (len(idx) - 1)
+        out = sym
+        for axis, i in zip(axes, idx):
+            if axis in ("token", "key"):
+                out += f"[{self.names[i]}]"
+            elif axis == "head":
+                out += f"[h{i}]" if int(self.cfg["n_heads"]) > 1 else ""
+            elif axis == "kv_head":
+                out += f"[kv{i}]" if int(self.cfg["n_kv_heads"]) > 1 else ""
+            elif axis == "vocab":
+                out += f"[{self.vocab(i)}]"
+            else:
+                out += f"[{i}]"
+        return out
+
+    # ---- operands -------------------------------------------------------------------
+    def p(self, probe: str, idx) -> dict:
+        return operand(self.lab(probe, idx), self.tr.value(probe, idx), "probe", probe, idx)
+
+    def w(self, name: str, idx, label: str) -> dict:
+        if self.tr.has_weight(name):
+            return operand(label, self.tr.weight_value(name, idx), "weight", name, idx)
+        if self.model is None:
+            raise UserError(f"this calculation needs the weight {name}, which the trace does not hold: "
+                            "trace with --with-weights (with_weights=True) or pass model=")
+        if name not in self._weights:
+            from .trace import weight_matrix
+
+            sd = self.model.state_dict()
+            if name not in sd and name != "lm_head.weight":
+                raise UserError(f"the model has no weight {name}")
+            self._weights[name] = weight_matrix(self.model, name)
+        return operand(label, float(self._weights[name][tuple(idx)]), "weight", name, idx)
+
+    def has(self, name: str) -> bool:
+        if self.tr.has_weight(name):
+            return True
+        return self.model is not None and name in self.model.state_dict()
+
+    # ---- where each tensor comes from ------------------------------------------------
+    def block_input(self, i: int) -> str:
+        if i == 0:
+            return "embed"
+        return f"blocks.{i - 1}.resid_out" if self.pre else f"blocks.{i - 1}.ffn_norm"
+
+    def attn_input(self, i: int) -> str:
+        return f"blocks.{i}.attn_norm" if self.pre else self.block_input(i)
+
+    def ffn_input(self, i: int) -> str:
+        return f"blocks.{i}.ffn_norm" if self.pre else f"blocks.{i}.attn_norm"
+
+
+def _clean(tok: str) -> str:
+    return tok.replace("Ġ", " ").replace("▁", " ").strip()
+
+
+def _layer(probe: str) -> int:
+    return int(probe.split(".")[1])
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def linear(ctx: Context, label: str, x_probe: str, t: int, width: int, wname: str, col: int, W: str, bias: str):
+    terms = [[ctx.p(x_probe, [t, i]), ctx.w(wname, [i, col], f"{W}[{i},{col}]")] for i in range(width)]
+    has_b = ctx.has(bias)
+    if has_b:
+        terms.append([ctx.w(bias, [col], f"b[{col}]")])
+    ctx.steps.sum(label, f"Σ_i x[i]·{W}[i,{col}]" + (" + b" if has_b else ""), terms)
+
+
+def rule_embed(ctx, probe, idx):
+    t, j = idx
+    tok = ctx.tr.ids[t]
+    terms = [[ctx.w("embed.weight", [tok, j], f"E[{ctx.names[t]}][{j}]")]]
+    formula = f"E[{ctx.names[t]}][{j}]"
+    if ctx.cfg["pos"] == "learned":
+        p = ctx.tr.positions[t]
+        terms.append([ctx.w("pos_embed.weight", [p, j], f"P[{p}][{j}]")])
+        formula += f" + P[{p}][{j}]"
+    ctx.steps.sum(ctx.lab(probe, idx), formula, terms, wide=False)
+
+
+def norm(ctx: Context, probe: str, idx, x_probe: str, wname: str):
+    """RMSNorm: x[j] / √(mean(x²) + ε) · γ[j]; LayerNorm: (x[j] − μ) / √(var + ε) · γ[j] + β[j]."""
+    t, j = idx
+    D = int(ctx.cfg["dim"])
+    eps = float(ctx.cfg["norm_eps"])
+    s = ctx.steps
+    xs = [ctx.p(x_probe, [t, i]) for i in range(D)]
+    inv_d = operand("D", D, power=-1)
+    eps_op = operand("ε", eps)
+    gamma = ctx.w(wname + ".weight", [j], f"γ[{j}]")
+    bname = wname + ".bias"
+    beta = [[ctx.w(bname, [j], f"β[{j}]")]] if ctx.has(bname) else []
+    row = ctx.lab(x_probe, [t])  # e.g. resid_mid[cats]: whose RMS
+    if ctx.cfg["norm"] == "rms":
+        r = s.sum(f"RMS({row})", "√(Σ_i x[i]²/D + ε)", [[x, x, inv_d] for x in xs], post="sqrt", fixed=[[eps_op]])
+        s.sum(ctx.lab(probe, idx), f"x[{j}] / RMS · γ[{j}]" + (" + β" if beta else ""),
+              [[xs[j], s.ref(r, power=-1), gamma]] + beta, wide=False)
+        return
+    mu = s.sum(f"μ({row})", "Σ_i x[i]/D", [[x, inv_d] for x in xs])
+    m = s.ref(mu)
+    sd = s.sum(f"σ({row})", "√(Σ_i x[i]²/D − μ² + ε)", [[x, x, inv_d] for x in xs], post="sqrt",
+               fixed=[[m, m, operand("−1", -1.0)], [eps_op]])
+    inv = s.ref(sd, power=-1)
+    s.sum(ctx.lab(probe, idx), f"(x[{j}] − μ) / σ · γ[{j}]" + (" + β" if beta else ""),
+          [[xs[j], inv, gamma], [m, operand("−1", -1.0), inv, gamma]] + beta, wide=False)
+
+
+def rule_attn_norm(ctx, probe, idx):
+    i = _layer(probe)
+    x = ctx.block_input(i) if ctx.pre else f"blocks.{i}.resid_mid"
+    norm(ctx, probe, idx, x, f"blocks.{i}.attn_norm")
+
+
+def rule_ffn_norm(ctx, probe, idx):
+    i = _layer(probe)
+    x = f"blocks.{i}.resid_mid" if ctx.pre else f"blocks.{i}.resid_out"
+    norm(ctx, probe, idx, x, f"blocks.{i}.ffn_norm")
+
+
+def rule_final_norm(ctx, probe, idx):
+    last = int(ctx.cfg["n_layers"]) - 1
+    x = f"blocks.{last}.resid_out" if ctx.pre else f"blocks.{last}.ffn_norm"
+    norm(ctx, probe, idx, x, "final_norm")
+
+
+def _qkv(which: str, W: str):
+    def rule(ctx, probe, idx):
+        i = _layer(probe)
+        t, h, j = idx
+        linear(ctx, ctx.lab(probe, idx), ctx.attn_input(i), t, int(ctx.cfg["dim"]),
+               f"blocks.{i}.attn.{which}.weight", h * ctx.H + j, W, f"blocks.{i}.attn.{which}.bias")
+    return rule
+
+
+def rule_rope(ctx, probe, idx):
+    t, h, j = idx
+    src = probe[: -len("_rot")]  # blocks.i.attn.q or .k
+    half = ctx.H // 2
+    if ctx.cfg["rope_pairs"] == "half":
+        p, ia, ib, first = j % half, j % half, j % half + half, j < half
+    else:
+        p, ia, ib, first = j // 2, j - j % 2, j - j % 2 + 1, j % 2 == 0
+    if ctx.tr.rope_inv_freq is None:
+        raise UserError("the trace has no rope_inv_freq: it was not written by glassformer.trace")
+    omega = float(ctx.tr.rope_inv_freq[p])
+    pos = ctx.tr.positions[t]
+    s = ctx.steps
+    th = s.sum(f"θ[{ctx.names[t]}][pair {p}]", f"position·ω[{p}]", [[operand("position", pos), operand(f"ω[{p}]", omega)]],
+               wide=False)
+    # The model forms the angle in float32; cos and sin are taken of that same angle.
+    angle = float(np.float32(pos) * np.float32(omega))
+    cos, sin = operand("cos θ", math.cos(angle)), operand("sin θ", math.sin(angle))
+    a, b = ctx.p(src, [t, h, ia]), ctx.p(src, [t, h, ib])
+    sym = "q" if src.endswith(".q") else "k"
+    if first:
+        s.sum(ctx.lab(probe, idx), f"{sym}[{ia}]·cos θ − {sym}[{ib}]·sin θ",
+              [[a, cos], [b, sin, operand("−1", -1.0)]], wide=False)
+    else:
+        s.sum(ctx.lab(probe, idx), f"{sym}[{ia}]·sin θ + {sym}[{ib}]·cos θ", [[a, sin], [b, cos]], wide=False)
+    s.steps[th]["text"] += f" rad (cos θ = {fmt(cos['value'])}, sin θ = {fmt(sin['value'])})"
+
+
+def _qk(ctx, i):
+    rope = ctx.cfg["pos"] == "rope"
+    return (f"blocks.{i}.attn.q_rot", f"blocks.{i}.attn.k_rot") if rope else (f"blocks.{i}.attn.q", f"blocks.{i}.attn.k")
+
+
+def rule_scores(ctx, probe, idx):
+    i = _layer(probe)
+    t, h, j = idx
+    qn, kn = _qk(ctx, i)
+    kv = h // ctx.n_rep
+    s = ctx.steps
+    terms = [[ctx.p(qn, [t, h, d]), ctx.p(kn, [j, kv, d])] for d in range(ctx.H)]
+    dot = s.sum(f"q·k[{ctx.names[t]}][{ctx.names[j]}]", "Σ_d q[d]·k[d]", terms)
+    s.sum(ctx.lab(probe, idx), "(q·k) · 1/√H", [[s.ref(dot), operand("1/√H", 1.0 / math.sqrt(ctx.H))]], wide=False)
+
+
+def _readable(ctx, i, t, h):
+    """Keys that query t of head h may read: the cells of .weights that are not null."""
+    w = f"blocks.{i}.attn.weights"
+    return [k for k in range(ctx.tr.probe(w).data.shape[-1]) if not math.isnan(ctx.tr.value(w, [t, h, k]))]
+
+
+def rule_weights(ctx, probe, idx):
+    i = _layer(probe)
+    t, h, j = idx
+    sp = f"blocks.{i}.attn.scores"
+    ok = _readable(ctx, i, t, h)
+    if j not in ok:
+        qp = ctx.tr.positions[t]
+        why = (f"key {ctx.names[j]} (index {j}) comes after query {ctx.names[t]} (position {qp})" if j > qp
+               else f"key {ctx.names[j]} is outside the sliding window of {ctx.cfg['sliding_window']}")
+        ctx.steps.masked(ctx.lab(probe, idx), why)
+        return
+    over = [ctx.p(sp, [t, h, k]) for k in ok]
+    s = ctx.steps
+    m = s.max(f"m[{ctx.names[t]}]", over)
+    hidden = len(ctx.tr.probe(sp).data[0, 0]) - len(ok)
+    note = f"  ({hidden} masked key{'s get' if hidden > 1 else ' gets'} weight 0)" if hidden else ""
+    s.softmax(ctx.lab(probe, idx), over[ok.index(j)], over, s.steps[m]["value"],
+              "exp(s[j] − m) / Σ_k exp(s[k] − m)", note=note)
+
+
+def rule_z(ctx, probe, idx):
+    i = _layer(probe)
+    t, h, j = idx
+    kv = h // ctx.n_rep
+    ok = _readable(ctx, i, t, h)
+    terms = [[ctx.p(f"blocks.{i}.attn.weights", [t, h, k]), ctx.p(f"blocks.{i}.attn.v", [k, kv, j])] for k in ok]
+    ctx.steps.sum(ctx.lab(probe, idx), f"Σ_k w[k]·v[k][{j}]", terms)
+
+
+def rule_out(ctx, probe, idx):
+    i = _layer(probe)
+    t, d = idx
+    H, N = ctx.H, int(ctx.cfg["n_heads"])
+    z = f"blocks.{i}.attn.z"
+    terms = [[ctx.p(z, [t, c // H, c % H]), ctx.w(f"blocks.{i}.attn.wo.weight", [c, d], f"W_O[{c},{d}]")]
+             for c in range(N * H)]
+    bias = f"blocks.{i}.attn.wo.bias"
+    if ctx.has(bias):
+        terms.append([ctx.w(bias, [d], f"b[{d}]")])
+    ctx.steps.sum(ctx.lab(probe, idx), f"Σ_c z[c]·W_O[c,{d}]", terms)
+
+
+def rule_resid_mid(ctx, probe, idx):
+    i = _layer(probe)
+    x, a = ctx.p(ctx.block_input(i), idx), ctx.p(f"blocks.{i}.attn.out", idx)
+    ctx.steps.sum(ctx.lab(probe, idx), "x + attn_out", [[x], [a]], wide=False)
+
+
+def rule_resid_out(ctx, probe, idx):
+    i = _layer(probe)
+    h = ctx.p(f"blocks.{i}.resid_mid" if ctx.pre else f"blocks.{i}.attn_norm", idx)
+    ctx.steps.sum(ctx.lab(probe, idx), "h + down", [[h], [ctx.p(f"blocks.{i}.ffn.down", idx)]], wide=False)
+
+
+def _ffn_in(which: str, W: str):
+    def rule(ctx, probe, idx):
+        i = _layer(probe)
+        t, f = idx
+        linear(ctx, ctx.lab(probe, idx), ctx.ffn_input(i), t, int(ctx.cfg["dim"]),
+               f"blocks.{i}.ffn.{which}.weight", f, W, f"blocks.{i}.ffn.{which}.bias")
+    return rule
+
+
+def rule_act(ctx, probe, idx):
+    i = _layer(probe)
+    kind = ctx.cfg["ffn"]
+    up = ctx.p(f"blocks.{i}.ffn.up", idx)
+    s = ctx.steps
+    if kind == "swiglu":
+        g = s.sum(f"silu(gate[{ctx.names[idx[0]]}][{idx[1]}])", "gate·σ(gate)",
+                  [[ctx.p(f"blocks.{i}.ffn.gate", idx)]], post="silu", wide=False)
+        s.sum(ctx.lab(probe, idx), "silu(gate)·up", [[s.ref(g), up]], wide=False)
+    else:
+        s.sum(ctx.lab(probe, idx), f"{kind}(up)", [[up]], post=kind, wide=False)
+
+
+def rule_down(ctx, probe, idx):
+    i = _layer(probe)
+    t, d = idx
+    linear(ctx, ctx.lab(probe, idx), f"blocks.{i}.ffn.act", t, int(ctx.cfg["ffn_dim"]),
+           f"blocks.{i}.ffn.w_down.weight", d, "W_down", f"blocks.{i}.ffn.w_down.bias")
+
+
+def rule_logits(ctx, probe, idx):
+    t, v = idx
+    terms = [[ctx.p("final_norm", [t, i]), ctx.w("lm_head.weight", [i, v], f"W_U[{i},{ctx.vocab(v)}]")]
+             for i in range(int(ctx.cfg["dim"]))]
+    ctx.steps.sum(ctx.lab(probe, idx), f"Σ_i f[i]·W_U[i,{ctx.vocab(v)}]", terms)
+
+
+def rule_probs(ctx, probe, idx):
+    t, v = idx
+    lp = ctx.tr.probe("logits")
+    sub = lp.index.get("vocab")
+    ids = sub[t] if sub is not None else list(range(lp.data.shape[-1]))
+    if v not in ids:
+        raise UserError(f"token {v} is not among the logits kept for this position (top {len(ids)})")
+    over = [ctx.p("logits", [t, u]) for u in ids]
+    s = ctx.steps
+    m = s.max(f"max logit[{ctx.names[t]}]", over)
+    mv = s.steps[m]["value"]
+    rest_value, rest_count = None, 0
+    if sub is not None:  # the rest of the vocabulary, from the stored log Σ exp(logits)
+        lse = lp.extra["logsumexp"][t]
+        rest_value = math.exp(lse - mv) - sum(math.exp(o["value"] - mv) for o in over)
+        rest_count = int(ctx.cfg["vocab_size"]) - len(ids)
+    s.softmax(ctx.lab(probe, idx), over[ids.index(v)], over, mv, "exp(logit[v] − m) / Σ_u exp(logit[u] − m)",
+              rest_value=rest_value, rest_count=rest_count)
+
+
+RULES = {
+    "embed": rule_embed,
+    "attn_norm": rule_attn_norm,
+    "attn.q": _qkv("wq", "W_Q"),
+    "attn.k": _qkv("wk", "W_K"),
+    "attn.v": _qkv("wv", "W_V"),
+    "attn.q_rot": rule_rope,
+    "attn.k_rot": rule_rope,
+    "attn.scores": rule_scores,
+    "attn.weights": rule_weights,
+    "attn.z": rule_z,
+    "attn.out": rule_out,
+    "resid_mid": rule_resid_mid,
+    "ffn_norm": rule_ffn_norm,
+    "ffn.up": _ffn_in("w_up", "W_up"),
+    "ffn.gate": _ffn_in("w_gate", "W_gate"),
+    "ffn.act": rule_act,
+    "ffn.down": rule_down,
+    "resid_out": rule_resid_out,
+    "final_norm": rule_final_norm,
+    "logits": rule_logits,
+    "probs": rule_probs,
+}

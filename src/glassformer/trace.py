@@ -1,0 +1,337 @@
+"""Traces: one text through the model with every named probe recorded.
+
+`trace(model, ids)` installs a recorder (glassformer.probes), runs one forward pass and
+returns a `Trace`: every probe of design.md for every traced layer, without the batch axis,
+in the axis order of the trace-file contract (token, head, feature). With no recorder
+installed the model's `tap` calls return their input after one global read, so tracing
+costs nothing when it is off.
+
+    >>> t = trace(model, [0, 2, 3, 5], tokens=["I", "like", "cats", "too"])
+    >>> t["blocks.0.attn.q"].shape            # (T, N, H)
+    torch.Size([4, 1, 2])
+    >>> t.to_json("trace.json")               # docs/trace-format.md
+
+The file format lives in trace_format.py; this module records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterable, Sequence
+
+import torch
+
+from . import probes
+from .attention.mask import allowed
+from .attention.tiled import tiled_attention
+from .errors import UserError
+from .trace_format import Probe, Trace, as_trace  # noqa: F401  (re-exported)
+
+# Axis names of each probe, by the last part of its name (docs/trace-format.md).
+_AXES = {
+    "q": ["token", "head", "feature"],
+    "q_rot": ["token", "head", "feature"],
+    "z": ["token", "head", "feature"],
+    "k": ["token", "kv_head", "feature"],
+    "k_rot": ["token", "kv_head", "feature"],
+    "v": ["token", "kv_head", "feature"],
+    "scores": ["token", "head", "key"],
+    "weights": ["token", "head", "key"],
+    "logits": ["token", "vocab"],
+    "probs": ["token", "vocab"],
+}
+
+
+def probe_axes(name: str) -> list[str]:
+    """Axis names of probe `name`, e.g. 'blocks.0.attn.k' -> ['token', 'kv_head', 'feature']."""
+    return list(_AXES.get(name.rsplit(".", 1)[-1], ["token", "feature"]))
+
+
+def probe_layer(name: str) -> int | None:
+    """The block number in a probe or weight name ('blocks.3.attn.q' -> 3), None outside blocks."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit() else None
+
+
+# ----------------------------------------------------------------------------- recording
+
+
+class TraceRecorder:
+    """A probes.Recorder that keeps a copy of every probe of the selected layers.
+
+    `replace` (name -> function(name, x) -> x) lets interventions change a probe on its way
+    through the model; the recorded copy is the value after the change.
+    """
+
+    def __init__(self, layers: Iterable[int] | None = None, record: bool = True, replace: dict | None = None,
+                 also: Iterable[str] = (), only: Iterable[str] | None = None):
+        self.layers = None if layers is None else set(layers)
+        self.also = set(also)  # probes kept even outside `layers`
+        self.only = None if only is None else set(only)  # when given: record these and nothing else
+        self.record = record
+        self.replace = dict(replace or {})
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def _keep(self, name: str) -> bool:
+        if self.only is not None:
+            return name in self.only
+        layer = probe_layer(name)
+        return layer is None or self.layers is None or layer in self.layers or name in self.also
+
+    def wants(self, name: str) -> bool:
+        return (self.record and self._keep(name)) or name in self.replace
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        fn = self.replace.get(name)
+        if fn is not None:
+            x = fn(name, x)
+        if self.record and self._keep(name):
+            self.seen[name] = x.detach().float().cpu().clone()
+        return x
+
+
+@contextlib.contextmanager
+def recording(recorder):
+    """Install `recorder` for the duration of the block; the previous one comes back after."""
+    old = probes.set_recorder(recorder)
+    try:
+        yield recorder
+    finally:
+        probes.set_recorder(old)
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Dropout off for the block (a trace must be the deterministic computation explain redoes)."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+@contextlib.contextmanager
+def attention_kernel(model, name: str | None, tile_logs: dict[int, list] | None = None, tile: int | None = None):
+    """Run the block with kernel `name` (None: the model's own); tiled layers in tile_logs log their tiles."""
+    cfg = model.config
+    old_name, old_kernels = cfg.attention, [b.attn.kernel for b in model.blocks]
+    try:
+        if name is not None:
+            model.set_attention(name)
+        for i, log in (tile_logs or {}).items():
+            model.blocks[i].attn.kernel = functools.partial(
+                tiled_attention, tile=tile or cfg.attention_tile, tile_log=log)
+        yield
+    finally:
+        cfg.attention = old_name
+        for b, k in zip(model.blocks, old_kernels):
+            b.attn.kernel = k
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def weight_matrix(model, name: str) -> torch.Tensor:
+    """The weight called `name` (a state_dict key) in math layout: [in, out] for a Linear, as is otherwise."""
+    w = model.state_dict()[name] if name != "lm_head.weight" else model.lm_head.weight
+    w = w.detach().float().cpu()
+    if w.dim() == 2 and not name.startswith(("embed.", "pos_embed.")):
+        w = w.t()  # nn.Linear stores (out, in); x @ W wants (in, out)
+    return w.contiguous()
+
+
+def layer_weight_names(model, layer: int) -> list[str]:
+    return [k for k in model.state_dict() if probe_layer(k) == layer]
+
+
+# ----------------------------------------------------------------------------- the trace
+
+
+def _as_list(xs, n: int, what: str) -> list[int]:
+    if xs is None:
+        return list(range(n))
+    out = sorted({int(x) for x in xs})
+    bad = [x for x in out if not 0 <= x < n]
+    if bad or not out:
+        raise UserError(f"{what} {bad or list(xs)} out of range: the model has {what} 0..{n - 1}")
+    return out
+
+
+@torch.no_grad()
+def trace(
+    model,
+    ids: Sequence[int] | torch.Tensor,
+    *,
+    tokens: Sequence[str] | None = None,
+    pos: int = 0,
+    layers: Iterable[int] | None = None,
+    heads: Iterable[int] | None = None,
+    top_k: int | None = None,
+    with_weights: bool = False,
+    attention: str | None = None,
+    query: int | None = None,
+    tile: int | None = None,
+):
+    """Run `ids` (one text) through `model` and record every probe. Returns a Trace.
+
+    tokens: the text of each token (default '#<id>'). pos: position of the first token.
+    layers / heads: keep only these blocks / query heads (key and value heads: those the kept
+    query heads read). top_k: keep only the k largest logits and probabilities per token.
+    with_weights: store the traced layers' weights in math layout [in, out].
+    attention: kernel for this trace ('naive', 'tiled', 'sdpa'; default the model's own);
+    with 'tiled', each traced layer's `.tiles` walks through query row `query` (default last),
+    in tiles of `tile` queries × keys (default the model's attention_tile).
+    """
+    cfg = model.config
+    ids = [int(i) for i in (ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids)]
+    T = len(ids)
+    if T == 0:
+        raise UserError("nothing to trace: the text has no tokens")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise UserError(f"token ids {bad[:5]} are outside the vocabulary 0..{cfg.vocab_size - 1}")
+    if pos < 0 or pos + T > cfg.max_seq_len:
+        raise UserError(f"{T} tokens from position {pos} do not fit the model's context of {cfg.max_seq_len}: shorten the text")
+    if tokens is not None and len(tokens) != T:
+        raise UserError(f"{len(tokens)} token strings for {T} ids")
+    layers = _as_list(layers, cfg.n_layers, "layers")
+    heads = _as_list(heads, cfg.n_heads, "heads")
+    if top_k is not None and not 1 <= top_k:
+        raise UserError(f"--top-k must be a positive integer, got {top_k}")
+    kernel = attention or cfg.attention
+    tile = int(tile or cfg.attention_tile)
+    if tile < 1:
+        raise UserError(f"tile must be a positive integer, got {tile}")
+    query = T - 1 if query is None else int(query)
+    if not 0 <= query < T:
+        raise UserError(f"query row {query} is outside the text's {T} tokens")
+
+    tile_logs = {i: [] for i in layers} if kernel == "tiled" else None
+    # The stream entering each traced block (and the final norm) is kept too, so that explain
+    # can start a calculation from it when the block before was not traced.
+    feeds = {i - 1 for i in layers if i > 0} | {cfg.n_layers - 1}
+    rec = TraceRecorder(layers, also=[f"blocks.{i}.{n}" for i in feeds for n in ("resid_out", "ffn_norm")])
+    device = next(model.parameters()).device
+    idx = torch.tensor([ids], device=device)  # (1, T)
+    with eval_mode(model), attention_kernel(model, attention, tile_logs, tile), recording(rec):
+        model(idx, pos=pos)
+
+    config = cfg.to_dict()
+    config["attention"] = kernel
+    if kernel == "tiled":
+        config["attention_tile"] = tile
+    q_pos = torch.arange(pos, pos + T)[None]  # (1, T)
+    kv_heads = sorted({h // cfg.n_rep for h in heads})
+    found: dict[str, Probe] = {}
+    for name, x in rec.seen.items():
+        x = x[0]  # drop the batch axis
+        axes = probe_axes(name)
+        p = Probe(x, axes)
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "weights":
+            ok = allowed(q_pos, torch.arange(x.shape[-1]), None, cfg.sliding_window)[0]  # (T, Tk)
+            p.data = x.masked_fill(~ok[:, None, :], float("nan"))  # masked cells are null in the file
+        if "head" in axes and len(heads) < cfg.n_heads:
+            p.data, p.index["head"] = p.data[:, heads], list(heads)
+        if "kv_head" in axes and len(kv_heads) < cfg.n_kv_heads:
+            p.data, p.index["kv_head"] = p.data[:, kv_heads], list(kv_heads)
+        found[name] = p
+    if "logits" in found:
+        lg = found["logits"].data  # (T, V)
+        found["logits"].extra["logsumexp"] = torch.logsumexp(lg.double(), -1).tolist()
+        if top_k is not None and top_k < cfg.vocab_size:
+            top = lg.topk(top_k, dim=-1).indices  # (T, k)
+            for n in ("logits", "probs"):
+                if n in found:
+                    found[n].data = found[n].data.gather(-1, top)
+                    found[n].index["vocab"] = top.tolist()
+
+    tiles = {}
+    if tile_logs is not None:
+        for i, log in tile_logs.items():
+            tiles[i] = tile_walk(log, query, heads, cfg.n_heads, pos + query, tile)
+
+    weights = {}
+    if with_weights:
+        weights = _weights(model, layers, ids, list(range(pos, pos + T)), found, top_k, heads)
+    rope = model.rope_inv_freq.float().cpu().tolist() if cfg.pos == "rope" else None
+    return Trace(
+        tokens=list(tokens) if tokens is not None else [f"#{i}" for i in ids],
+        ids=ids, positions=list(range(pos, pos + T)), config=config, layers=layers, heads=heads,
+        top_k=top_k if (top_k is not None and top_k < cfg.vocab_size) else None,
+        query=query if tile_logs is not None else None,
+        probes=found, tiles=tiles, weights=weights, rope_inv_freq=rope,
+    )
+
+
+def tile_walk(log: list[dict], row: int, heads: list[int], n_heads: int, position: int, tile: int) -> dict:
+    """The tiles that query row `row` went through, from the tiled kernel's tile_log (batch row 0)."""
+    steps = []
+    for e in log:
+        q0, q1 = e["q"]
+        if not q0 <= row < q1:
+            continue
+        step = {"q": [q0, q1], "k": list(e["k"]), "skipped": bool(e["skipped"])}
+        if not e["skipped"]:
+            r = row - q0
+
+            def per_head(t):  # (B, K, G, tq, X) -> (heads, X) for this row
+                t = t[0].reshape(n_heads, t.shape[3], t.shape[4])[:, r]  # (N, X)
+                return t[heads].float()
+
+            step["scores"] = per_head(e["scores"])  # (h, tk), -inf where masked
+            step["m"] = per_head(e["m"])[:, 0]
+            step["l"] = per_head(e["l"])[:, 0]
+            step["alpha"] = per_head(e["alpha"])[:, 0]
+            step["o"] = per_head(e["o"])  # (h, H)
+        steps.append(step)
+    return {"query": row, "position": position, "tile_size": tile, "heads": list(heads), "steps": steps}
+
+
+def _head_cols(heads: list[int], H: int) -> list[int]:
+    """Columns h·H … h·H + H−1 of each head h: where a head's features sit in a projection."""
+    return [h * H + j for h in heads for j in range(H)]
+
+
+def _weights(model, layers, ids, positions, found, top_k, heads) -> dict[str, Probe]:
+    out: dict[str, Probe] = {}
+    cfg = model.config
+    # With --heads, the attention matrices keep only the kept heads' columns (W_Q, W_K, W_V)
+    # and rows (W_O), so the weights shrink with the probes.
+    sub = {}
+    if len(heads) < cfg.n_heads:
+        q_cols = _head_cols(heads, cfg.head_dim)
+        kv_cols = _head_cols(sorted({h // cfg.n_rep for h in heads}), cfg.head_dim)
+        sub = {"wq.weight": (1, q_cols), "wq.bias": (0, q_cols), "wk.weight": (1, kv_cols), "wk.bias": (0, kv_cols),
+               "wv.weight": (1, kv_cols), "wv.bias": (0, kv_cols), "wo.weight": (0, q_cols)}
+
+    def put(name, w, index=None):
+        axes = ["in", "out"] if w.dim() == 2 else (["out"] if name.endswith(".bias") and "norm" not in name else ["feature"])
+        out[name] = Probe(w, axes, dict(index or {}))
+
+    for i in layers:
+        for name in layer_weight_names(model, i):
+            w = weight_matrix(model, name)
+            cut = sub.get(name.split(".attn.")[-1]) if ".attn." in name else None
+            if cut is None:
+                put(name, w)
+            else:
+                dim, keep = cut
+                axis = ("in", "out")[dim] if w.dim() == 2 else "out"
+                put(name, w.index_select(dim, torch.tensor(keep)), {axis: keep})
+    for name in ("final_norm.weight", "final_norm.bias"):
+        if name in model.state_dict():
+            put(name, weight_matrix(model, name))
+    rows = sorted(set(ids))
+    put("embed.weight", weight_matrix(model, "embed.weight")[rows], {"in": rows})
+    if model.pos_embed is not None:
+        put("pos_embed.weight", weight_matrix(model, "pos_embed.weight")[positions], {"in": list(positions)})
+    head = weight_matrix(model, "lm_head.weight")  # (D, V)
+    if top_k is not None and "vocab" in found.get("logits", Probe(torch.zeros(0), [])).index:
+        cols = sorted({v for row in found["logits"].index["vocab"] for v in row})
+        put("lm_head.weight", head[:, cols], {"out": cols})
+    else:
+        put("lm_head.weight", head)
+    return out

@@ -1,0 +1,358 @@
+"""A trace (design.md "Trace files") → one explorer page.
+
+`build_payload` gathers what the page draws: the trace itself, the top next tokens, the
+stream's RMS pre-norm vs post-norm, the costs, and the calculations (`explain` results)
+of the numbers the page shows. `render_html` writes the page: for a saved file the CSS,
+the JavaScript and the data are inlined, so it opens offline with nothing else; for the
+server it links /static/ files and fetches new traces and calculations on demand.
+
+Safety: the data sits in a <script type="application/json"> block with every `<`, `>`
+and `&` written as a \\u escape, so no text in it can close the block; the page's own
+script is pinned by its hash in a Content-Security-Policy, so even an injected inline
+handler could not run; and the script writes data to the page only as text.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from ..errors import UserError
+
+STATIC = Path(__file__).parent / "static"
+FEATURE_CAP = 8  # numbers shown per vector (per head); glass.js uses the same cap
+TOP_K = 5  # next-token candidates shown per position
+EXPLAIN_LIMIT = 1200  # calculations stored in a saved page at most
+BIG_VOCAB = 64  # above this, logits/probs leave the embedded trace (the top-k stay)
+
+Explainer = Callable[[str, list[int]], Any]  # (probe, index) -> calculation
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _finite(x: Any) -> Any:
+    """Replace NaN/±inf by None everywhere: JSON has no spelling for them."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def to_plain(obj: Any) -> Any:
+    """An explain/cost result as plain JSON data (dicts, dataclasses, objects with to_dict)."""
+    if hasattr(obj, "to_dict") and callable(obj.to_dict):
+        obj = obj.to_dict()
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    if isinstance(obj, dict):
+        return {str(k): to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    if hasattr(obj, "tolist"):  # numpy / torch scalars and arrays
+        return obj.tolist()
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def _probe(trace: dict, name: str):
+    p = trace.get("probes", {}).get(name)
+    return None if p is None else p["data"]
+
+
+def _softmax(row: list[float]) -> list[float]:
+    m = max(row)
+    e = [math.exp(x - m) for x in row]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def next_tokens(trace: dict, pieces: Callable[[int], str] | None = None, k: int = TOP_K) -> list[list[dict]]:
+    """Per position, the k most probable next tokens: id, piece, logit, prob.
+
+    Reads `logits` (with `logsumexp` when the trace kept only the top entries, whose ids
+    are in `index.vocab`, one list per token) and `probs` when present.
+    """
+    probes = trace.get("probes", {})
+    lg, pr = probes.get("logits"), probes.get("probs")
+    src = lg or pr
+    if src is None:
+        return []
+    vocab = (src.get("index") or {}).get("vocab")
+    lse = (lg or {}).get("logsumexp")
+    out = []
+    for t in range(len(trace["tokens"])):
+        logits = lg["data"][t] if lg else None
+        ids = vocab[t] if vocab else None
+        if pr is not None:
+            probs = pr["data"][t]
+        elif lse is not None:
+            probs = [math.exp(x - lse[t]) for x in logits]
+        else:
+            probs = _softmax(logits)
+        order = sorted(range(len(probs)), key=lambda i: -probs[i])[:k]
+        row = []
+        for i in order:
+            tid = ids[i] if ids else i
+            piece = pieces(tid) if pieces else f"#{tid}"
+            row.append({"id": tid, "piece": str(piece), "prob": probs[i], "logit": None if logits is None else logits[i]})
+        out.append(row)
+    return out
+
+
+def _stream_probes(cfg: dict) -> list[tuple[str, str]]:
+    """(label, probe) of the residual stream after every addition, for one norm placement."""
+    post = cfg.get("norm_placement") == "post"
+    steps = [("embed", "embed")]
+    for i in range(cfg["n_layers"]):
+        steps.append((f"L{i} attn +", f"blocks.{i}.attn_norm" if post else f"blocks.{i}.resid_mid"))
+        steps.append((f"L{i} FFN +", f"blocks.{i}.ffn_norm" if post else f"blocks.{i}.resid_out"))
+    return steps
+
+
+def stream_rms(trace: dict) -> tuple[list[str], list[list[float]]]:
+    """The RMS √(mean x²) of each token's stream after every addition: (labels, [token][step])."""
+    steps = [(lab, n) for lab, n in _stream_probes(trace["config"]) if _probe(trace, n) is not None]
+    T = len(trace["tokens"])
+    table = []
+    for t in range(T):
+        row = []
+        for _, n in steps:
+            v = _probe(trace, n)[t]
+            row.append(math.sqrt(sum(x * x for x in v) / len(v)))
+        table.append(row)
+    return [lab for lab, _ in steps], table
+
+
+def norm_comparison(traces: dict[str, dict], about: str | None = None) -> dict:
+    """{'pre': trace, 'post': trace} of one text → the RMS tables the page plots side by side."""
+    out: dict[str, Any] = {"rms": {}, "about": about}
+    for kind, tr in traces.items():
+        labels, table = stream_rms(tr)
+        out["rms"][kind] = table
+        out["steps"], out["tokens"] = labels, list(tr["tokens"])
+    return out
+
+
+def cost_rows(costs: dict, about: str | None = None) -> dict:
+    """A cost report (nested dict of numbers) → rows the page lists, nested keys joined by '.'."""
+    rows: list[dict] = []
+
+    def walk(prefix: str, d: Any) -> None:
+        if isinstance(d, dict):
+            for k, v in d.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(d, (int, float, str, bool)) or d is None:
+            rows.append({"key": prefix, "value": d})
+
+    walk("", to_plain(costs))
+    return {"rows": rows, "about": about}
+
+
+# ----------------------------------------------------------------------------- calculations
+
+
+def _vector_indices(data, prefix: list[int]) -> Iterator[list[int]]:
+    """Indices of the numbers the page shows for one token's entry of a probe (capped per vector)."""
+    if data and isinstance(data[0], list):
+        for h, sub in enumerate(data):
+            yield from _vector_indices(sub, prefix + [h])
+    else:
+        for f in range(min(len(data), FEATURE_CAP)):
+            yield prefix + [f]
+
+
+_BLOCK = ["attn_norm", "attn.q", "attn.k", "attn.v", "attn.q_rot", "attn.k_rot", "attn.z", "attn.out", "resid_mid",
+          "ffn_norm", "ffn.up", "ffn.gate", "ffn.act", "ffn.down", "resid_out"]
+
+
+def _model_index(entry: dict, idx: list[int]) -> list[int]:
+    """A stored index as the model's index: axes kept in part (--heads) list their ids in `index`."""
+    sub = entry.get("index") or {}
+    out = []
+    for axis, i in zip(entry.get("axes", []), idx):
+        ids = sub.get(axis)
+        if ids and isinstance(ids[0], list):  # one list per token (top-k vocab)
+            ids = ids[idx[0]]
+        out.append(ids[i] if ids else i)
+    return out
+
+
+def shown_numbers(trace: dict, focus: int, nxt: list[list[dict]]) -> Iterator[tuple[str, list[int]]]:
+    """The (probe, model index) of every clickable number the page draws, the focus token's first."""
+    T = len(trace["tokens"])
+    layers = trace.get("layers") or range(trace["config"]["n_layers"])
+    order = [focus] + [t for t in range(T) if t != focus]
+    names = ["embed"] + [f"blocks.{i}.{leaf}" for i in layers for leaf in _BLOCK] + ["final_norm"]
+    probes = trace["probes"]
+    for t in order:
+        for name in names:
+            if name in probes:
+                e = probes[name]
+                yield from ((name, _model_index(e, idx)) for idx in _vector_indices(e["data"][t], [t]))
+        for i in layers:
+            e = probes.get(f"blocks.{i}.attn.weights")
+            if e is None:
+                continue
+            for h, row in enumerate(e["data"][t]):
+                for j, x in enumerate(row):
+                    if x is not None:
+                        yield f"blocks.{i}.attn.weights", _model_index(e, [t, h, j])
+                        if t in (focus, T - 1):  # the decode and FlashAttention views show these rows' scores
+                            yield f"blocks.{i}.attn.scores", _model_index(e, [t, h, j])
+        if t < len(nxt):
+            for c in nxt[t]:
+                yield "probs", [t, c["id"]]
+                yield "logits", [t, c["id"]]
+
+
+def precompute_explain(trace: dict, explain: Explainer, numbers: Iterable[tuple[str, list[int]]],
+                       limit: int = EXPLAIN_LIMIT) -> tuple[dict[str, Any], int]:
+    """{'probe|i,j,k': calculation} for the first `limit` numbers; also how many were left out."""
+    out: dict[str, Any] = {}
+    skipped = 0
+    for name, idx in numbers:
+        key = f"{name}|{','.join(map(str, idx))}"
+        if key in out:
+            continue
+        if len(out) >= limit:
+            skipped += 1
+            continue
+        try:
+            out[key] = to_plain(explain(name, list(idx)))
+        except (KeyError, IndexError, ValueError, NotImplementedError, UserError):
+            continue  # a number explain does not cover: the page says so when clicked
+    return out, skipped
+
+
+# ----------------------------------------------------------------------------- the payload
+
+
+def build_payload(
+    trace: Any,
+    *,
+    mode: str = "static",
+    sentence: str | None = None,
+    model_name: str | None = None,
+    pieces: Callable[[int], str] | None = None,
+    explain: Explainer | None = None,
+    explain_limit: int = EXPLAIN_LIMIT,
+    costs: dict | None = None,
+    norm: dict | None = None,
+    vocab: list[str] | None = None,
+    focus_token: int | None = None,
+    flash_tile: int | None = None,
+    notes: list[str] | None = None,
+    slim: bool = False,
+) -> dict:
+    """Everything the page draws, as one JSON-ready dict.
+
+    mode: 'static' (a saved file: calculations are precomputed for the numbers shown) or
+    'server' (the page asks /api/explain for any number).
+    slim: keep only the first FEATURE_CAP features of the feed-forward's wide probes (the page
+    shows no more of them; their calculations come from the server).
+    explain: `explain(probe, index)` for this trace; norm: output of `norm_comparison`; costs: a
+    cost report (see `cost_rows`).
+    """
+    if hasattr(trace, "to_dict"):  # a glassformer.trace.Trace
+        trace = trace.to_dict()
+    if mode not in ("static", "server"):
+        raise ValueError(f"mode must be 'static' or 'server', got {mode!r}")
+    for key in ("tokens", "config", "probes"):
+        if key not in trace:
+            raise ValueError(f"not a trace: the key {key!r} is missing (see docs/trace-format.md)")
+    T = len(trace["tokens"])
+    focus = T - 1 if focus_token is None else max(0, min(int(focus_token), T - 1))
+    nxt = next_tokens(trace, pieces)
+    notes = list(notes or [])
+    explained: dict[str, Any] = {}
+    if explain is not None and mode == "static":
+        explained, left = precompute_explain(trace, explain, shown_numbers(trace, focus, nxt), explain_limit)
+        if left:
+            notes.append(f"This file stores the calculations of {len(explained)} numbers; "
+                         f"{left} more are computed live by `glassformer view`.")
+    # Full logits of a real vocabulary are most of a trace's size and the page draws only
+    # the top few per position, which `next` already holds.
+    # Weight matrices feed `explain` (whose results are stored already), not the drawing.
+    shown = {k: v for k, v in trace.items() if k not in ("weights", "analysis")}
+    shown["probes"] = {k: v for k, v in trace["probes"].items()
+                       if not (k in ("logits", "probs") and v["data"] and len(v["data"][0]) > BIG_VOCAB)}
+    if slim:
+        for name, entry in list(shown["probes"].items()):
+            if name.endswith((".ffn.up", ".ffn.gate", ".ffn.act")) and entry["shape"][-1] > FEATURE_CAP:
+                shown["probes"][name] = {**entry, "data": [row[:FEATURE_CAP] for row in entry["data"]], "cut": True}
+    if not shown.get("positions"):
+        shown["positions"] = list(range(T))
+    # Trace files hold no NaN (masked cells are null); the rest is small, so cleaning it is cheap.
+    return {"trace": shown, **_finite({
+        "format": "glassformer-explorer", "version": 1, "mode": mode,
+        "sentence": sentence if sentence is not None else " ".join(map(str, trace["tokens"])),
+        "model_name": model_name, "next": nxt, "explain": explained,
+        "costs": None if costs is None else (costs if "rows" in costs else cost_rows(costs)),
+        "norm": norm, "vocab": vocab, "focus_token": focus, "flash_tile": flash_tile, "notes": notes,
+    })}
+
+
+# ----------------------------------------------------------------------------- the page
+
+
+def json_for_html(data: Any) -> str:
+    """JSON that is safe inside <script type="application/json">: no `<`, `>`, `&` or line
+    separators appear literally, so no string in the data can end the block."""
+    try:
+        text = json.dumps(data, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    except ValueError:  # a NaN somewhere: JSON has no spelling for it
+        text = json.dumps(_finite(data), separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    for ch, esc in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(ch, esc)
+    return text
+
+
+def static_file(name: str) -> str:
+    return (STATIC / name).read_text(encoding="utf-8")
+
+
+def render_html(payload: dict, *, inline: bool = True, title: str | None = None) -> str:
+    """The page. inline=True: one self-contained file; False: links /static/glass.{css,js}."""
+    css, js = static_file("glass.css"), static_file("glass.js")
+    if inline:
+        js_hash = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
+        csp = (f"default-src 'none'; script-src 'sha256-{js_hash}'; style-src 'unsafe-inline'; "
+               "img-src data:; connect-src 'none'; base-uri 'none'; form-action 'none'")
+        style, script = f"<style>\n{css}</style>", f"<script>{js}</script>"
+    else:
+        csp = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src data:; "
+               "connect-src 'self'; base-uri 'none'; form-action 'none'")
+        style = '<link rel="stylesheet" href="static/glass.css">'
+        script = '<script src="static/glass.js"></script>'
+    if title is None:
+        title = f"glassformer · {payload.get('sentence', '')}"
+    page = static_file("page.html")
+    # The data goes in last: it cannot contain '@@' placeholders that a later replace would hit.
+    for key, value in (("@@CSP@@", csp), ("@@TITLE@@", html.escape(title)), ("@@STYLE@@", style), ("@@SCRIPT@@", script)):
+        page = page.replace(key, value)
+    return page.replace("@@DATA@@", json_for_html(payload))
+
+
+def write_html(path: str | Path, trace: dict, **payload_args: Any) -> Path:
+    """Write the self-contained page for `trace` to `path` (see build_payload for the options)."""
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"the page is HTML: give a file name ending in .html, got {str(path)!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload_args.setdefault("slim", True)  # the page shows 8 features of the FFN's wide probes
+    page = render_html(build_payload(trace, mode="static", **payload_args), inline=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,300 @@
+"""Where the page's data comes from: a model and a tokenizer, traced with `glassformer.trace`.
+
+`page_args(model, tokenizer, text)` traces one sentence and gathers everything the page
+draws besides the trace (the pre-norm vs post-norm comparison, costs, next-token pieces,
+the calculations of the numbers shown); `explorer(...)` wraps the same for the server;
+`worked_*` do it for the walkthrough's toy model.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import Any
+
+from ..errors import UserError
+
+TOP_K = 10  # logits kept per token in a trace for the page (the page shows 5)
+
+
+def flash_tile(T: int) -> int:
+    """A tile size that gives the FlashAttention view a few tiles to walk: about T/4, at least 2."""
+    return max(2, 2 ** round(math.log2(max(T, 1) / 4))) if T > 1 else 1
+
+
+def tokens_of(tokenizer, ids: list[int]) -> list[str]:
+    return [str(tokenizer.id_to_piece(i)) for i in ids]
+
+
+def encode(tokenizer, text: str, max_len: int) -> tuple[list[int], list[str]]:
+    """ids and token strings of `text`, checked against the model's context."""
+    if not text.strip():
+        raise UserError("the sentence is empty: type a few words")
+    try:
+        ids = list(tokenizer.encode(text))
+    except UserError:
+        raise
+    except Exception as e:  # e.g. a word-level vocabulary without an unknown-word token
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"the model's tokenizer cannot read this sentence ({msg}): use words it knows") from None
+    if not ids:
+        raise UserError("the sentence gives no tokens: type a few words")
+    if len(ids) > max_len:
+        raise UserError(f"the sentence is {len(ids)} tokens; this model reads at most {max_len}: shorten it")
+    return ids, tokens_of(tokenizer, ids)
+
+
+def trace_for_page(model, ids: list[int], tokens: list[str], focus: int | None = None, with_weights: bool = False):
+    """The trace the page draws: every layer and head, the top logits, and the tiled kernel's
+    own log for the focus row (default the last token) at the page's tile size."""
+    from ..trace import trace
+
+    cfg = model.config
+    old_tile = cfg.attention_tile
+    cfg.attention_tile = flash_tile(len(ids))
+    try:
+        top_k = TOP_K if cfg.vocab_size > TOP_K else None
+        return trace(model, ids, tokens=tokens, top_k=top_k, with_weights=with_weights, attention="tiled",
+                     query=len(ids) - 1 if focus is None else focus)
+    finally:
+        cfg.attention_tile = old_tile
+
+
+def _rounded(t, decimals: int):
+    """Nested lists of `t` rounded to `decimals` places, NaN/±inf as None (vectorised: the
+    server's answer must be quick, and short numbers keep it small; the page shows 3)."""
+    import torch
+
+    x = torch.round(t.detach().double(), decimals=decimals)
+    finite = torch.isfinite(x)
+    if bool(finite.all()):
+        return x.tolist()
+
+    def fix(a, ok):  # masked attention cells: null, as in the trace file
+        return [fix(u, v) for u, v in zip(a, ok)] if isinstance(a, list) else (a if ok else None)
+
+    return fix(x.tolist(), finite.tolist())
+
+
+def page_dict(tr, decimals: int = 6) -> dict:
+    """A Trace as the dict its file holds (docs/trace-format.md), built straight from the
+    tensors for the server's answers; weights are left out (the page never draws them)."""
+    from ..trace_format import FORMAT, FORMAT_VERSION, _tiles_json, json_ready
+
+    probes = {}
+    for name, p in tr.probes.items():
+        entry = {"shape": list(p.data.shape), "axes": p.axes}
+        if p.index:
+            entry["index"] = p.index
+        entry.update(json_ready(p.extra))
+        entry["data"] = _rounded(p.data, decimals)
+        probes[name] = entry
+    for i, t in tr.tiles.items():
+        probes[f"blocks.{i}.attn.tiles"] = json_ready(_tiles_json(t))
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "tokens": tr.tokens, "ids": tr.ids,
+            "positions": tr.positions, "config": tr.config, "rope_inv_freq": tr.rope_inv_freq, "layers": tr.layers,
+            "heads": tr.heads, "top_k": tr.top_k, "query": tr.query, "probes": probes,
+            **({"analysis": json_ready(tr.analysis)} if tr.analysis else {})}
+
+
+def other_placement(model):
+    """The same weights with the norms moved: pre-norm <-> post-norm (for the comparison view)."""
+    twin = copy.deepcopy(model)
+    # Every block reads the one config object, so flipping it flips the whole model.
+    twin.config.norm_placement = "post" if model.config.norm_placement == "pre" else "pre"
+    return twin
+
+
+def norm_models(model) -> dict:
+    """{'pre': model, 'post': model}: this model and its twin with the norms moved."""
+    twin = other_placement(model)
+    return {model.config.norm_placement: model, twin.config.norm_placement: twin}
+
+
+def norm_view(models: dict, ids: list[int], tokens: list[str], model=None, traced=None) -> dict:
+    """RMS of the stream after every addition for the same text, pre-norm and post-norm
+    (glassformer.analysis.norm_rms of each). `traced`, the Trace of `model` itself, is
+    reused when `model` is one of the pair."""
+    from ..analysis import norm_rms
+    from ..trace import trace
+
+    out: dict[str, Any] = {"rms": {}, "about": "the same weights with the norms before each sublayer (pre) "
+                                              "or after each addition (post)"}
+    for kind in ("pre", "post"):
+        tr = traced if (traced is not None and models[kind] is model) else trace(models[kind], ids, tokens=tokens, top_k=1)
+        r = norm_rms(tr)
+        out["rms"][kind] = [list(row) for row in zip(*r["rms"])]  # [token][step]
+        out["steps"], out["tokens"] = [lab.replace(": + ", " +").replace("attention", "attn") for lab in r["labels"]], list(tokens)
+    return out
+
+
+COST_ROWS = [
+    ("params", "weights in all"), ("params_non_embedding", "weights outside the embedding"),
+    ("params_by_part", "weights by part"),
+    ("flops_forward", "FLOPs of one forward over this sentence (matrix products, full score grid)"),
+    ("flops_per_token", "forward FLOPs per token"), ("flops_train_step", "FLOPs of a training step (about 3 forwards)"),
+    ("crossover_seq", "context length where the score FLOPs pass the feed-forward's"),
+    ("activations", "numbers saved for backward, one row of this length"),
+    ("train_memory_bytes", "training memory (weights, gradients, AdamW moments, activations)"),
+    ("kv_cache_bytes_per_token", "KV cache per token"), ("kv_cache_numbers_per_token_per_layer", "numbers cached per token per layer"),
+    ("kv_cache_bytes", "KV cache for this sentence"),
+]
+
+
+def costs_view(cfg, T: int) -> dict | None:
+    """The cost rows the page lists, from `glassformer.cost` (None when that module is missing)."""
+    try:
+        from ..cost import estimate
+    except ImportError:
+        return None
+    from .render import cost_rows
+
+    r = estimate(cfg, batch=1, seq=T, dtype="fp32", hardware="h100")
+    rows = []
+    for key, what in COST_ROWS:
+        if key not in r:
+            continue
+        part = cost_rows({key: r[key]})["rows"]
+        for row in part:
+            row["what"] = what if row["key"] == key else ""
+        rows.extend(part)
+    return {"rows": rows, "about": f"For one row of {T} tokens in fp32 (glassformer cost --seq {T} --dtype fp32 prints them all)."}
+
+
+def page_args(model, tokenizer, text: str, *, model_name: str, mode: str = "static", norm: dict | None = None,
+              focus: int | None = None, vocab: list[str] | None = None) -> tuple[Any, dict]:
+    """(trace, build_payload keyword arguments) for one sentence."""
+    from ..explain import explain
+
+    ids, tokens = encode(tokenizer, text, model.config.max_seq_len)
+    focus = focus if focus is not None and focus < len(ids) else None
+    tr = trace_for_page(model, ids, tokens, focus)
+    args: dict[str, Any] = dict(
+        sentence=text, model_name=model_name, pieces=functools.partial(_piece, tokenizer),
+        norm=norm_view(norm or norm_models(model), ids, tokens, model, tr), costs=costs_view(model.config, len(ids)),
+        vocab=vocab, focus_token=focus, flash_tile=flash_tile(len(ids)),
+    )
+    if mode == "static":
+        args["explain"] = lambda probe, index: explain(tr, probe, index, model=model)
+    return tr, args
+
+
+def _piece(tokenizer, i: int) -> str:
+    try:
+        return str(tokenizer.id_to_piece(int(i)))
+    except (IndexError, KeyError, ValueError):
+        return f"#{i}"
+
+
+def write_page(path, model, tokenizer, text: str, *, model_name: str, **kw):
+    """Trace `text` and write the self-contained page to `path`; returns the path."""
+    from .render import write_html
+
+    tr, args = page_args(model, tokenizer, text, model_name=model_name, **kw)
+    return write_html(path, tr, **args)
+
+
+def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict | None = None, vocab=None, focus=None):
+    """The server's Explorer for a model: recompute the trace of any sentence, explain any number."""
+    from ..explain import explain
+    from .server import Explorer
+
+    model.eval()
+    norm = norm or norm_models(model)
+
+    def enc(text):
+        return encode(tokenizer, text, model.config.max_seq_len)
+
+    def trace_fn(ids, tokens):
+        return trace_for_page(model, ids, tokens, focus if focus is not None and focus < len(ids) else None)
+
+    def extras(ids, tokens, tr, traced):
+        return dict(model_name=model_name, pieces=functools.partial(_piece, tokenizer),
+                    norm=norm_view(norm, ids, tokens, model, traced), costs=costs_view(model.config, len(ids)),
+                    vocab=vocab, focus_token=focus if focus is not None and focus < len(ids) else None,
+                    flash_tile=flash_tile(len(ids)))
+
+    return Explorer(encode=enc, trace=trace_fn, default_text=default_text, as_dict=page_dict,
+                    explain=lambda tr, probe, index: explain(tr, probe, index, model=model), extras=extras)
+
+
+# ----------------------------------------------------------------------------- the toy model
+
+WORKED_FOCUS = 2  # 'cats', the walkthrough's running example
+
+
+WORKED_NAME = "the walkthrough's toy model"
+
+
+def worked_parts(variant: str = "one_head") -> dict:
+    """A walkthrough toy model (default the one-head one) with what its page needs: keyword
+    arguments for page_args / explorer (the two-block pre-norm and post-norm models for the
+    comparison)."""
+    from .. import worked
+
+    model, tokenizer = worked.load_worked(variant)
+    norm = {"pre": worked.build_two_blocks("pre").eval(), "post": worked.build_two_blocks("post").eval()}
+    name = WORKED_NAME if variant == "one_head" else f"{WORKED_NAME} ({variant})"
+    return dict(model=model.eval(), tokenizer=tokenizer, model_name=name,
+                norm=norm, vocab=list(worked.TOKENIZER.VOCAB), focus=WORKED_FOCUS)
+
+
+def worked_explorer(variant: str = "one_head"):
+    parts = worked_parts(variant)
+    from .. import worked
+
+    return explorer(parts.pop("model"), parts.pop("tokenizer"), worked.SENTENCE, **parts)
+
+
+def write_worked_page(path, text: str | None = None):
+    """The walkthrough's page ('I like cats too' unless text is given) as one file."""
+    from .. import worked
+
+    parts = worked_parts()
+    return write_page(path, parts.pop("model"), parts.pop("tokenizer"), text or worked.SENTENCE, **parts)
+
+
+# ----------------------------------------------------------------------------- trace files
+
+
+def write_trace_page(trace, path, model=None, tokenizer=None, sentence: str | None = None):
+    """The page of an existing trace (a Trace, its dict or a trace file's path), as one file.
+
+    With `model`, every shown number's calculation is stored and the pre-norm/post-norm
+    comparison is computed; without it, calculations come from the trace's own weights
+    (`--with-weights`) where it has them, and the comparison shows this model's placement.
+    """
+    import json
+    from pathlib import Path
+
+    from ..config import ModelConfig
+    from ..explain import explain
+    from ..trace_format import as_trace
+    from .render import norm_comparison, write_html
+
+    if isinstance(trace, (str, Path)):
+        trace = json.loads(Path(trace).read_text(encoding="utf-8"))
+    tr = as_trace(trace)  # parsed once: explain then reads tensors, not lists
+    d = trace if isinstance(trace, dict) else tr.to_dict()
+    cfg = ModelConfig.from_dict(d["config"])
+    complete = set(tr.layers) == set(range(cfg.n_layers))
+    if model is not None and complete:
+        norm = norm_view(norm_models(model), tr.ids, tr.tokens)
+    elif complete:
+        norm = norm_comparison({cfg.norm_placement: d}, about=f"this model's placement ({cfg.norm_placement}-norm) only: "
+                                                             "open the page from a model to compare with the other")
+    else:
+        norm = None
+    if tokenizer is not None:
+        pieces = functools.partial(_piece, tokenizer)
+    else:
+        known = dict(zip(tr.ids, tr.tokens))
+        pieces = lambda i: known.get(i, f"#{i}")  # noqa: E731
+    tiles = [p for n, p in d["probes"].items() if n.endswith(".tiles")]
+    return write_html(
+        path, d, sentence=sentence, model_name=cfg.to_dict().get("name") or "traced model", pieces=pieces,
+        explain=lambda probe, index: explain(tr, probe, index, model=model), norm=norm,
+        costs=costs_view(cfg, len(tr.ids)), focus_token=tr.query,
+        flash_tile=tiles[0].get("tile_size") if tiles else None,
+    )

@@ -1,0 +1,243 @@
+"""The explorer's server: loopback by default, size limits, only its own files, escaping."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+
+import pytest
+import torch
+
+from glassformer.cli import build_parser
+from glassformer.errors import UserError
+from glassformer.viewer import render
+from glassformer.viewer.server import MAX_BODY, MAX_TEXT, Explorer, make_server, serve_in_thread
+
+from .helpers import tiny_model
+from .trace_fixture import fixture_trace
+
+WORDS = ["the", "cat", "sat", "on", "mat", "<img", "src=x", "onerror=alert(1)>"]
+
+
+def word_explorer() -> Explorer:
+    """A tiny random model behind a word-level vocabulary, traced with the test recorder."""
+    model = tiny_model()
+
+    def encode(text):
+        bad = [w for w in text.split() if w not in WORDS]
+        if bad:
+            raise UserError(f"unknown word {bad[0]!r}: use {', '.join(WORDS)}")
+        words = text.split()
+        return [WORDS.index(w) for w in words], words
+
+    return Explorer(encode=encode, trace=lambda ids, toks: fixture_trace(model, ids, toks),
+                    default_text="the cat sat on the mat", payload_args={"model_name": "tiny"})
+
+
+@pytest.fixture(scope="module")
+def served():
+    server = make_server(word_explorer(), port=0)
+    serve_in_thread(server)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def request(server, method, path, body=None, headers=None):
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        res = conn.getresponse()
+        return res.status, dict(res.getheaders()), res.read()
+    finally:
+        conn.close()
+
+
+def post_json(server, path, obj):
+    return request(server, "POST", path, json.dumps(obj).encode(), {"Content-Type": "application/json"})
+
+
+def test_default_bind_is_loopback():
+    server = make_server(word_explorer(), port=0)
+    try:
+        assert server.server_address[0] == "127.0.0.1"
+    finally:
+        server.server_close()
+    args = build_parser().parse_args(["view", "--worked"])
+    assert args.host == "127.0.0.1"
+
+
+def test_page_and_own_static_files(served):
+    status, headers, body = request(served, "GET", "/")
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert "script-src 'self'" in body.decode()
+    for name in ("glass.js", "glass.css"):
+        status, headers, got = request(served, "GET", f"/static/{name}")
+        assert status == 200
+        assert got == (render.STATIC / name).read_bytes()
+        assert headers["X-Content-Type-Options"] == "nosniff"
+
+
+@pytest.mark.parametrize("path", [
+    "/static/../server.py", "/static/..%2fserver.py", "/static/%2e%2e/render.py", "/../../../etc/passwd",
+    "/static/../../cli.py", "/static/page.html/..", "/static//etc/passwd", "/static/", "/server.py",
+    "/static/./glass.js", "/%2e%2e/%2e%2e/etc/passwd",
+])
+def test_path_traversal_is_404(served, path):
+    status, _, body = request(served, "GET", path)
+    assert status == 404
+    assert b"import" not in body and b"root:" not in body
+
+
+def test_oversize_body_is_413(served):
+    big = json.dumps({"text": "the " * (MAX_BODY // 4 + 10)}).encode()
+    assert len(big) > MAX_BODY
+    status, _, body = request(served, "POST", "/api/trace", big, {"Content-Type": "application/json"})
+    assert status == 413
+    assert "error" in json.loads(body)
+    # A body under the byte limit whose sentence is over the character limit is refused too.
+    status, _, _ = post_json(served, "/api/trace", {"text": "cat " * (MAX_TEXT // 4 + 1)})
+    assert status == 413
+    # A claimed length over the limit is refused before any body is read.
+    status, _, _ = request(served, "POST", "/api/trace", b"{}", {"Content-Length": str(MAX_BODY + 1)})
+    assert status == 413
+
+
+def test_foreign_host_header_refused(served):
+    status, _, _ = request(served, "GET", "/", headers={"Host": "evil.example:8000"})
+    assert status == 403
+    status, _, _ = request(served, "GET", "/", headers={"Host": "localhost:8000"})
+    assert status == 200
+
+
+def test_trace_endpoint_recomputes(served):
+    status, headers, body = post_json(served, "/api/trace", {"text": "the mat sat"})
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    payload = json.loads(body)
+    assert payload["trace"]["tokens"] == ["the", "mat", "sat"]
+    # The endpoint's numbers are the model's: the embedding rows of the ids, and the last
+    # position's logits ranked as the model ranks them.
+    model = tiny_model()
+    ids = [WORDS.index(w) for w in ["the", "mat", "sat"]]
+    emb = torch.tensor(payload["trace"]["probes"]["embed"]["data"])
+    torch.testing.assert_close(emb, model.embed.weight[ids].detach(), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([ids]))
+    top = logits[0, -1].topk(5).indices.tolist()
+    assert [c["id"] for c in payload["next"][-1]] == top
+
+
+def test_bad_input_is_a_message(served):
+    status, _, body = post_json(served, "/api/trace", {"text": "the dog"})
+    assert status == 400 and "unknown word 'dog'" in json.loads(body)["error"]
+    for bad in (b"not json", b"[1, 2]", b'{"text": 5}'):
+        status, _, body = request(served, "POST", "/api/trace", bad, {"Content-Type": "application/json"})
+        assert status == 400 and json.loads(body)["error"]
+    status, _, _ = request(served, "POST", "/api/nothing", b"{}")
+    assert status == 404
+    status, _, _ = post_json(served, "/api/explain", {"text": "the cat", "probe": "embed", "index": ["x"]})
+    assert status == 400
+
+
+def test_hostile_text_never_reaches_html_unescaped():
+    ex = word_explorer()
+    hostile = "<img src=x onerror=alert(1)>"
+    payload = ex.payload(hostile)
+    page = render.render_html(payload, inline=True)
+    assert hostile not in page and "<img" not in page
+    # The data block still holds the sentence exactly, for the page to show as text.
+    data = re.search(r'<script type="application/json" id="glass-data">(.*?)</script>', page, re.S).group(1)
+    assert json.loads(data)["sentence"] == hostile
+    assert json.loads(data)["trace"]["tokens"] == hostile.split()
+    # And the CSP pins the one inline script by its hash: no inline handler could run.
+    script_src = re.search(r"script-src ([^;]*);", page).group(1)
+    assert script_src.startswith("'sha256-") and "unsafe-inline" not in script_src
+
+
+def test_json_for_html_cannot_close_the_block():
+    nasty = {"s": "</script><script>alert(1)</script>&\u2028"}
+    text = render.json_for_html(nasty)
+    assert "<" not in text and ">" not in text and "&" not in text and "\u2028" not in text
+    assert json.loads(text) == nasty
+
+
+# ----------------------------------------------------------------------------- the toy model, end to end
+
+FIGURES = json.loads((__import__("pathlib").Path(__file__).parent / "data" / "worked_example.json").read_text())
+
+
+def page_data(path) -> dict:
+    page = path.read_text(encoding="utf-8")
+    return json.loads(re.search(r'<script type="application/json" id="glass-data">(.*?)</script>', page, re.S).group(1))
+
+
+def test_worked_server_explains_and_refuses_unknown_words():
+    from glassformer.commands.view import build_explorer
+
+    server = make_server(build_explorer(build_parser().parse_args(["view", "--worked"])), port=0)
+    serve_in_thread(server)
+    try:
+        status, _, body = request(server, "GET", "/")
+        assert status == 200 and "I like cats too" in body.decode()
+        status, _, body = post_json(server, "/api/explain",
+                                    {"text": "I like cats too", "probe": "blocks.0.attn.weights", "index": [2, 0, 0]})
+        assert status == 200
+        calc = json.loads(body)
+        assert calc["value"] == pytest.approx(FIGURES["head0"]["attention_weights_row_cats"][0], abs=5e-4)
+        assert calc["steps"][-1]["op"] == "softmax"
+        status, _, body = post_json(server, "/api/trace", {"text": "I like birds"})
+        assert status == 400 and "birds" in json.loads(body)["error"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_html_options_write_self_contained_pages(tmp_path):
+    from glassformer.cli import main
+
+    worked = tmp_path / "worked.html"
+    assert main(["worked", "--html", str(worked)]) == 0
+    data = page_data(worked)
+    assert data["trace"]["tokens"] == ["I", "like", "cats", "too"]
+    q = data["explain"]["blocks.0.attn.q|2,0,0"]
+    assert q["value"] == pytest.approx(FIGURES["head0"]["query"]["cats"][0], abs=1e-6)
+    # The pre-norm vs post-norm view holds the walkthrough's two-block RMS trajectory of cats.
+    assert data["norm"]["rms"]["pre"][2] == pytest.approx(FIGURES["two_blocks_prenorm_rms_cats"], abs=5e-3)
+    assert data["norm"]["rms"]["post"][2][1:] == pytest.approx([1.0] * 4, abs=1e-4)
+    page = worked.read_text()
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page
+
+    traced = tmp_path / "trace.html"
+    assert main(["trace", "--worked", "--attention", "tiled", "--tile", "2", "--query", "2",
+                 "--html", str(traced)]) == 0
+    data = page_data(traced)
+    tiles = data["trace"]["probes"]["blocks.0.attn.tiles"]
+    assert [t["skipped"] for t in tiles["data"]] == [False, False]
+    flash = FIGURES["flash_attention_tiles_of_2_row_cats"]
+    assert tiles["data"][0]["m"][0] == pytest.approx(flash["tile0"]["m"], abs=5e-4)
+    assert tiles["data"][1]["alpha"][0] == pytest.approx(flash["tile1"]["alpha"], abs=5e-4)
+    assert main(["trace", "--worked", "--html", str(tmp_path / "page.txt")]) == 2
+
+
+def test_view_from_a_checkpoint_folder(tmp_path):
+    # The path a trained model takes: a checkpoint folder with its tokenizer.json, loaded by
+    # `glassformer view --checkpoint`, traced live; the toy model's weights give known numbers.
+    from glassformer import worked
+    from glassformer.checkpoint import save_model
+    from glassformer.commands.view import build_explorer
+
+    save_model(tmp_path / "ckpt", worked.build_one_head(), worked.TOKENIZER)
+    ex = build_explorer(build_parser().parse_args(["view", "--checkpoint", str(tmp_path / "ckpt"), "--text", "I like cats"]))
+    payload = ex.payload("I like cats too")
+    tr = payload["trace"]
+    assert tr["tokens"] == ["I", "like", "cats", "too"]
+    assert tr["probes"]["blocks.0.attn.q"]["data"][2][0] == pytest.approx(FIGURES["head0"]["query"]["cats"], abs=1e-6)
+    assert payload["norm"]["rms"]["pre"][2][:2] == pytest.approx([1.0, FIGURES["rms_cats"]["after_attention_residual"]], abs=5e-3)
+    calc = ex.calculation("I like cats too", "blocks.0.attn.q", [2, 0, 1])
+    assert calc["value"] == pytest.approx(-1.0, abs=1e-6) and "W_Q" in calc["text"]
+    with pytest.raises(UserError, match="at most 16"):
+        ex.payload("I " * 20)  # longer than the model's context of 16
+    with pytest.raises(UserError, match="cannot read"):
+        ex.payload("I like birds")  # not in the checkpoint's word-level vocabulary
