@@ -223,3 +223,44 @@ def test_bad_prompts():
         generate(model, [[1], [-1, 2]], max_new_tokens=3)
     with pytest.raises(UserError, match="context policy"):
         generate(model, [1], max_new_tokens=3, context_policy="wrap")
+
+
+# ----------------------------------------------------------------------------- the packed forward
+
+
+@pytest.mark.parametrize("over", [dict(), dict(norm="layer", ffn="gelu", pos="learned", bias=True, tie_embeddings=True),
+                                  dict(norm_placement="post", ffn="relu", qkv_bias=True, rope_pairs="interleaved")])
+def test_packed_forward_equals_the_model(over):
+    from glassformer import KVCache
+    from glassformer.packed import packed_forward
+
+    model = tiny_model(**over)
+    ids = torch.randint(0, 512, (2, 12))
+    with torch.no_grad():
+        ref, _ = model(ids)
+        cache = KVCache.for_model(model, 2, 16)
+        a = packed_forward(model, ids[:, :9], cache, 0)  # prefill, then three single steps
+        steps = [packed_forward(model, ids[:, t:t + 1], cache, t) for t in range(9, 12)]
+    got = torch.cat([a, *steps], dim=1)
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_packed_weights_follow_the_model_and_unpacked_path_agrees():
+    model = tiny_model()
+    prompt = [3, 1, 4, 1, 5]
+    before = list(generate(model, prompt, max_new_tokens=12, greedy=True))
+    unpacked = list(Session(model, packed=False).send(prompt, max_new_tokens=12, greedy=True))
+    assert unpacked == before
+    with torch.no_grad():  # change the weights in place: the packed copy must notice
+        model.blocks[0].attn.wq.weight.mul_(-1.0)
+        model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight) * 0.5)
+    after = list(generate(model, prompt, max_new_tokens=12, greedy=True))
+    assert after == greedy_by_full_forward(model, prompt, 12) and after != before
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_smoke():
+    model = tiny_model()
+    prompt = [2, 7, 1, 8]
+    s = Session(model, compile=True)
+    assert list(s.send(prompt, max_new_tokens=6, greedy=True)) == greedy_by_full_forward(model, prompt, 6)

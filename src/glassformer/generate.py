@@ -187,7 +187,10 @@ class Session:
         self.seen: torch.Tensor | None = None  # (B, V) bool, built when a penalty asks for it
         self.generator: torch.Generator | None = None
         self.packed = packed
-        self.compile = compile
+        self._compiled = None
+        if compile:  # the decode step only: one token per row, the shape that repeats
+            self._compiled = torch.compile(_packed_call if packed else model, dynamic=True,
+                                           mode="reduce-overhead" if self.device.type == "cuda" else None)
         self.slides = 0  # how many times a window was cut (for reports and tests)
 
     # ---- bookkeeping on the host -------------------------------------------------------
@@ -203,12 +206,14 @@ class Session:
         """Stop row b for the rest of this send (a caller's stop rule, e.g. a stop string)."""
         self.active[b] = False
 
-    def _model(self):
+    def _model(self, decode: bool = False):
         """The forward to run: the packed one (see packed.py) unless probes are listening or
         the model trains (dropout), where only the model itself does the right thing."""
-        if not self.packed or self.model.training or probes.active():
+        if self.model.training or probes.active():
             return self.model
-        return functools.partial(_packed_call, self.model)
+        if decode and self._compiled is not None:
+            return functools.partial(self._compiled, self.model) if self.packed else self._compiled
+        return functools.partial(_packed_call, self.model) if self.packed else self.model
 
     # ---- one forward over whatever is pending --------------------------------------------
     def _forward(self) -> torch.Tensor:
@@ -230,7 +235,7 @@ class Session:
         ids = torch.tensor([p + [0] * (T - len(p)) for p in pending], device=self.device)  # (B, T) right-padded
         pos = self.cached[0] if len(set(self.cached)) == 1 else torch.tensor(self.cached, device=self.device)
         lengths = None if len(set(n)) == 1 else torch.tensor(n, device=self.device)
-        fwd = self._model()
+        fwd = self._model(decode=T == 1)
         logits = prefill(fwd, ids, self.cache, pos, lengths) if T > 1 else decode_step(fwd, ids, self.cache, pos)
         # A stopped row re-feeds its last token at the same slot (same keys and values) and
         # stays put, so the batch keeps one shape and the row's cache stays exact.
