@@ -162,7 +162,7 @@ class Session:
     the next forward needs its logits. context_policy 'error' refuses a send whose text
     would outgrow the cache; 'slide' cuts a row that outgrows it to its latest
     `slide_keep` tokens (default half the cache) and re-prefills, RoPE making the cut
-    window look like a fresh text at positions 0....
+    window look like a fresh text that starts at position 0.
     """
 
     def __init__(self, model, batch_size: int = 1, *, max_len: int | None = None,
