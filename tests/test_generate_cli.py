@@ -120,3 +120,8 @@ def test_missing_and_incomplete_checkpoints(ckpt, capsys, tmp_path):
     assert main(["generate", "--checkpoint", str(broken), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "incomplete" in err and err.count("\n") == 1
+    (broken / "COMPLETE").write_text("ok\n")
+    (broken / "model.safetensors").unlink()
+    assert main(["generate", "--checkpoint", str(broken), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "model.safetensors" in err and err.count("\n") == 1

@@ -93,7 +93,7 @@ def run(args) -> int:
 
     import torch
 
-    from ..checkpoint import load
+    from ..checkpoint import load, read_config, resolve
     from ..errors import UserError
     from ..generate import Session, check_sampling
 
@@ -115,8 +115,13 @@ def run(args) -> int:
     if any(not p for p in prompts):
         raise UserError("the prompt is empty: give some text to continue")
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda asked for, but PyTorch sees no CUDA GPU here; use --device cpu")
+    folder = resolve(args.checkpoint)
+    if read_config(folder).get("format") == "glassformer" and not (folder / "model.safetensors").is_file():
+        raise UserError(f"checkpoint {folder} is incomplete: it has no model.safetensors")
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    model, tok = load(args.checkpoint, device=args.device, dtype=dtype)
+    model, tok = load(folder, device=args.device, dtype=dtype)
     if tok is None:
         raise UserError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
     if args.attention:
