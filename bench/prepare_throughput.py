@@ -1,0 +1,201 @@
+"""Prepare throughput: `glassformer prepare` against raw `tokenizers` batch encoding, side by side.
+
+1. The embedded Shakespeare corpus (~9.5 MB): one tokenizer (trained here on the training
+   split) encodes the same documents three ways, interleaved over several rounds:
+     raw encode_batch       tokenizers' Tokenizer.encode_batch(docs), ids collected
+     raw encode_batch_fast  the same without offsets (the fastest path tokenizers offers)
+     prepare                glassformer.data.prepare(): read, decode, cut, encode, write
+                            train.bin/val.bin/meta.json, fsync, rename
+   Overhead = prepare's time / the fastest raw time - 1 (target: at most 10%).
+   Machine limits from the same run: single-thread encode speed x cores (how much of the
+   CPU the batch encoder reaches) and sequential write+fsync bandwidth.
+2. Bounded memory: synthetic corpora of growing size (Shakespeare's lines reshuffled into
+   one file), each prepared in a fresh process reusing the tokenizer; peak RSS should stay
+   flat as the corpus grows. One more run trains the tokenizer on the largest corpus.
+
+    python bench/prepare_throughput.py [--rounds 3] [--synthetic-mb 8,32,64]
+    python bench/prepare_throughput.py --synthetic-mb 1024   # the full 1 GB run (slow on 2 cores)
+
+Prints a table and writes bench/results/prepare_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from glassformer.corpus import default_corpus, read_text  # noqa: E402
+from glassformer.data import prepare  # noqa: E402
+from glassformer.tokenizer import Tokenizer  # noqa: E402
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def write_bandwidth(folder: Path, mb: int = 64) -> float:
+    """Sequential write + fsync, MB/s."""
+    data = os.urandom(1 << 20)
+    path = folder / "bw.bin"
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(mb):
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t
+    path.unlink()
+    return mb / dt
+
+
+def synthetic_corpus(path: Path, mb: int, lines: list[str], seed: int = 0) -> int:
+    """Shakespeare's lines in random order (with random line numbers mixed in) until mb MB."""
+    rng = random.Random(seed)
+    target, n = mb * 1_000_000, 0
+    with open(path, "w", encoding="utf-8") as f:
+        while n < target:
+            block = "".join(f"{rng.choice(lines)} {rng.randrange(10**6)}\n" for _ in range(20000))
+            f.write(block)
+            n += len(block.encode("utf-8"))
+    return n
+
+
+CHILD = """
+import sys
+from glassformer.cli import main
+rc = main(sys.argv[1:])
+# VmHWM: this process's own peak resident memory (ru_maxrss would include the parent's, inherited at fork)
+hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")][0].split()[1]
+print("VmHWM_kB", hwm, file=sys.stderr)
+sys.exit(rc)
+"""
+
+
+def run_child(argv: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in MB) of `glassformer ...` in a fresh process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", CHILD, *argv], env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True)
+    dt = time.perf_counter() - t
+    if r.returncode != 0:
+        raise SystemExit(f"child failed: {r.stderr[-500:]}")
+    hwm = [ln for ln in r.stderr.splitlines() if ln.startswith("VmHWM_kB")][-1].split()[1]
+    return dt, int(hwm) / 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--vocab-size", type=int, default=2048)
+    ap.add_argument("--synthetic-mb", default="8,32,64", help="comma-separated sizes; empty to skip")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "prepare_throughput.json"))
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="gf-prepare-bench-"))
+    try:
+        corpus = default_corpus()
+        docs = corpus.train + corpus.val
+        texts = [read_text(d) for d in docs]
+        mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+        train_s, tok = timed(lambda: Tokenizer.train(iter([read_text(d) for d in corpus.train]), args.vocab_size))
+        tk = tok.tk
+
+        # Machine limits in this run: one thread's encode speed, cores, disk.
+        one_s, _ = timed(lambda: [tk.encode(t, add_special_tokens=False).ids for t in texts[:8]])
+        one_mbps = sum(len(t.encode()) for t in texts[:8]) / 1e6 / one_s
+        cores = os.cpu_count() or 1
+        disk_mbps = write_bandwidth(work)
+
+        times = {"raw encode_batch": [], "raw encode_batch_fast": [], "prepare (encode + write)": []}
+        ref_tokens = None
+        for r in range(args.rounds):
+            dt, ids = timed(lambda: [e.ids for e in tk.encode_batch(texts, add_special_tokens=False)])
+            times["raw encode_batch"].append(dt)
+            dt, ids = timed(lambda: [e.ids for e in tk.encode_batch_fast(texts, add_special_tokens=False)])
+            times["raw encode_batch_fast"].append(dt)
+            ref_tokens = sum(len(i) for i in ids) + len(docs)  # + one end-of-text per document
+            out = work / f"prep{r}"
+            dt, meta = timed(lambda: prepare(corpus, out, tokenizer=tok, show_progress=False))
+            times["prepare (encode + write)"].append(dt)
+            assert meta["train_tokens"] + meta["val_tokens"] == ref_tokens, "prepare and raw encoding disagree"
+            shutil.rmtree(out)
+        full_s, _ = timed(lambda: prepare(corpus, work / "full", vocab_size=args.vocab_size, show_progress=False))
+
+        best = {k: min(v) for k, v in times.items()}
+        raw_best = min(best["raw encode_batch"], best["raw encode_batch_fast"])
+        rows = [(k, mb / best[k], mb / statistics.median(v), best[k] / raw_best) for k, v in times.items()]
+        print(f"default corpus: {mb:.2f} MB, {ref_tokens:,} tokens, vocabulary {tok.vocab_size}, "
+              f"{cores} CPU cores, best of {args.rounds} interleaved rounds")
+        print(f"{'path':<28} {'MB/s best':>10} {'MB/s median':>12} {'time / fastest raw':>19}")
+        for k, b, m, ratio in rows:
+            print(f"{k:<28} {b:>10.2f} {m:>12.2f} {ratio:>19.3f}")
+        overhead = best["prepare (encode + write)"] / raw_best - 1
+        print(f"prepare overhead over the fastest raw batch encoding: {overhead:+.1%} (target <= +10%)")
+        print(f"tokenizer training on the training split: {mb * 0.91 / train_s:.2f} MB/s ({train_s:.1f} s); "
+              f"prepare with training, end to end: {mb / full_s:.2f} MB/s ({full_s:.1f} s)")
+        cpu_frac = (mb / best["prepare (encode + write)"]) / (one_mbps * cores)
+        print(f"machine limits: one thread encodes {one_mbps:.2f} MB/s, x {cores} cores = {one_mbps * cores:.2f} MB/s "
+              f"(prepare reaches {cpu_frac:.0%}); write+fsync {disk_mbps:.0f} MB/s "
+              f"(prepare writes {2 * ref_tokens / 1e6 / best['prepare (encode + write)']:.2f} MB/s of ids)")
+
+        # Bounded memory on synthetic corpora, each in a fresh process.
+        lines = [ln for t in texts for ln in t.splitlines() if ln.strip()]
+        tok_path = work / "full" / "tokenizer.json"
+        synth = []
+        sizes = [int(s) for s in args.synthetic_mb.split(",") if s.strip()]
+        for size in sizes:
+            path = work / f"synthetic-{size}mb.txt"
+            nbytes = synthetic_corpus(path, size, lines)
+            dt, rss = run_child(["prepare", "--corpus", str(path), "--tokenizer", str(tok_path), "--out", str(work / "s")])
+            synth.append({"mb": nbytes / 1e6, "mode": "reuse tokenizer", "seconds": dt, "mb_per_s": nbytes / 1e6 / dt,
+                          "peak_rss_mb": rss})
+            shutil.rmtree(work / "s")
+            if size == max(sizes):
+                dt, rss = run_child(["prepare", "--corpus", str(path), "--vocab-size", str(args.vocab_size),
+                                     "--out", str(work / "s")])
+                synth.append({"mb": nbytes / 1e6, "mode": "train tokenizer", "seconds": dt,
+                              "mb_per_s": nbytes / 1e6 / dt, "peak_rss_mb": rss})
+                shutil.rmtree(work / "s")
+            path.unlink()
+        if synth:
+            print(f"\n{'synthetic corpus':>16} {'mode':<16} {'seconds':>8} {'MB/s':>6} {'peak RSS MB':>12}")
+            for s in synth:
+                print(f"{s['mb']:>13.0f} MB {s['mode']:<16} {s['seconds']:>8.1f} {s['mb_per_s']:>6.2f} {s['peak_rss_mb']:>12.0f}")
+            reuse = [s for s in synth if s["mode"] == "reuse tokenizer"]
+            rate = statistics.median(s["mb_per_s"] for s in reuse)
+            print(f"extrapolated 1 GB (1000 MB) with a given tokenizer: {1000 / rate / 60:.0f} min at {rate:.2f} MB/s, "
+                  f"peak RSS about {max(s['peak_rss_mb'] for s in reuse):.0f} MB (flat in corpus size)")
+
+        result = {
+            "machine": {"cpu_cores": cores, "one_thread_encode_mb_per_s": one_mbps, "write_fsync_mb_per_s": disk_mbps},
+            "default_corpus": {"mb": mb, "tokens": ref_tokens, "vocab_size": tok.vocab_size, "rounds": args.rounds,
+                               "seconds": times, "best_mb_per_s": {k: mb / v for k, v in best.items()},
+                               "overhead_vs_fastest_raw": overhead, "train_tokenizer_seconds": train_s,
+                               "prepare_with_training_seconds": full_s},
+            "synthetic": synth,
+            "command": "python bench/prepare_throughput.py " + " ".join(sys.argv[1:]),
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {Path(args.out).relative_to(ROOT) if Path(args.out).is_relative_to(ROOT) else args.out}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
