@@ -131,6 +131,9 @@ def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
 
 # -- prepare: corpus -> tokenizer + token files -------------------------------------------
 BATCH_CHUNKS = 16  # chunks encoded together (1 MB of text; tokenizers spreads a batch over its threads)
+# Batches encoded at once: while one batch's last chunks finish, the next one's fill the idle
+# threads, so no core waits at a batch boundary.
+IN_FLIGHT = 2
 
 
 def _chunk_batches(docs, stats, progress):
@@ -161,12 +164,13 @@ def _chunk_batches(docs, stats, progress):
 def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) -> tuple[int, int]:
     """Encode docs into a token file, each document followed by eot_id; (tokens, bytes).
 
-    Streams: at most two batches of BATCH_CHUNKS text chunks (a few MB) and their ids are in
-    memory. While `tokenizers` encodes one batch (in its own threads, without the GIL), this
-    thread reads the next one and writes the previous one's ids.
+    Streams: at most IN_FLIGHT + 1 batches of BATCH_CHUNKS text chunks (about 1 MB each) and
+    their ids are in memory. While `tokenizers` encodes batches (in its own threads, without
+    the GIL), this thread reads the next one and writes the oldest one's ids.
     bytes counts the UTF-8 bytes of the text that was encoded (after any U+FFFD
     replacement), i.e. what bits per byte divides by; the eot separators count no bytes.
     """
+    from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
     np_dtype = np.dtype(DTYPES[dtype]).newbyteorder("<")
@@ -183,26 +187,30 @@ def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) ->
         flat.tofile(f)
         return len(flat)
 
-    with open(path, "wb") as f, ThreadPoolExecutor(1) as pool:
-        pending = None  # (batch, future of its ids)
+    with open(path, "wb") as f, ThreadPoolExecutor(IN_FLIGHT) as pool:
+        pending: deque = deque()  # (batch, future of its ids), oldest first
         for batch, nb in _chunk_batches(docs, stats, progress):
             n_bytes += nb
-            job = pool.submit(tok.encode_batch, [t for t, _ in batch])
-            if pending is not None:
-                n_tokens += write(f, pending[0], pending[1].result())
-            pending = (batch, job)
-        if pending is not None:
-            n_tokens += write(f, pending[0], pending[1].result())
+            pending.append((batch, pool.submit(tok.encode_batch, [t for t, _ in batch])))
+            if len(pending) > IN_FLIGHT:
+                done, job = pending.popleft()
+                n_tokens += write(f, done, job.result())
+        while pending:
+            done, job = pending.popleft()
+            n_tokens += write(f, done, job.result())
     return n_tokens, n_bytes
 
 
 def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer=None,
-            context: int = 256, show_progress: bool | None = None) -> dict:
+            context: int = 256, tokenizer_sample_mb: float = 256, show_progress: bool | None = None) -> dict:
     """Write a prepared data folder at `out` (atomically) and return its meta.json.
 
     corpus: a glassformer.corpus.Corpus. tokenizer: a Tokenizer to reuse; if None, byte-level
     BPE is trained on the training split alone, to vocab_size (default 2048).
     context: the longest window a model will draw; both splits must hold context+1 tokens.
+    tokenizer_sample_mb: train the tokenizer on about this many MB of the training split,
+    chunks taken evenly from all of it (the trainer's memory grows with the number of
+    distinct words, so a huge corpus is sampled; below this size all of it is used).
     """
     import sys
 
@@ -219,6 +227,8 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
         vocab_size = check_vocab_size(2048 if vocab_size is None else vocab_size)
     if context < 1:
         raise UserError(f"--context {context} must be at least 1")
+    if not tokenizer_sample_mb > 0:
+        raise UserError(f"--tokenizer-sample-mb {tokenizer_sample_mb} must be positive")
     train_size = sum(d.nbytes for d in corpus.train)
     val_size = sum(d.nbytes for d in corpus.val)
     if train_size == 0 or val_size == 0:
@@ -227,13 +237,21 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
 
     stats = DecodeStats()
     trained = tokenizer is None
+    sampled = 0
     if trained:
+        share = min(1.0, tokenizer_sample_mb * 1e6 / train_size)
         with tqdm(total=train_size, unit="B", unit_scale=True, desc="tokenizer", disable=disable, file=sys.stderr) as bar:
             def texts():
+                nonlocal sampled
+                seen = 0
                 for d in corpus.train:
                     for chunk in iter_text(d, stats):
-                        bar.update(len(chunk.encode("utf-8")))
-                        yield chunk
+                        nb = len(chunk.encode("utf-8"))
+                        seen += nb
+                        bar.update(nb)
+                        if sampled <= seen * share:  # keeps the sample at `share` of what was read so far
+                            sampled += nb
+                            yield chunk
             tokenizer = Tokenizer.train(texts(), vocab_size)
         stats = DecodeStats()  # counted again while encoding
     dtype = dtype_for_vocab(tokenizer.vocab_size)
@@ -255,6 +273,7 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
             "corpus": corpus.description, **corpus.meta,
             "documents": {"train": len(corpus.train), "val": len(corpus.val)},
             "context": context, "tokenizer": "trained" if trained else "given",
+            "tokenizer_trained_on_bytes": sampled if trained else None,
             "invalid_utf8_bytes": stats.bytes_replaced, "invalid_utf8_files": stats.files[:100],
         })
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

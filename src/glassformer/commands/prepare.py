@@ -18,6 +18,9 @@ def add_arguments(p) -> None:
                    help="share held out of a user corpus: a single file's last lines, or whole files of a folder")
     p.add_argument("--context", type=int, default=256,
                    help="longest training window; each split must hold at least context+1 tokens")
+    p.add_argument("--tokenizer-sample-mb", type=float, default=256,
+                   help="train the tokenizer on about this many MB of the training split, taken evenly "
+                        "from all of it (the whole split when it is smaller)")
     p.add_argument("--progress", action="store_true", default=None,
                    help="always show progress bars (default: only on a terminal)")
 
@@ -39,7 +42,8 @@ def run(args) -> int:
         check_vocab_size(args.vocab_size)  # fail before reading any corpus
     corpus = get_corpus(args.corpus, args.val_fraction)
     meta = prepare(corpus, args.out, vocab_size=args.vocab_size, tokenizer=tokenizer,
-                   context=args.context, show_progress=args.progress)
+                   context=args.context, tokenizer_sample_mb=args.tokenizer_sample_mb,
+                   show_progress=args.progress)
     keys = ("vocab_size", "dtype", "train_tokens", "val_tokens", "train_bytes", "val_bytes")
     print(f"wrote {args.out}: " + ", ".join(f"{k} {meta[k]}" for k in keys))
     print(json.dumps({k: meta[k] for k in keys}))
