@@ -130,7 +130,7 @@ def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
 
 
 # -- prepare: corpus -> tokenizer + token files -------------------------------------------
-BATCH_CHUNKS = 16  # chunks encoded together (1 MB of text; tokenizers spreads a batch over its threads)
+BATCH_CHUNKS = 8  # chunks encoded together (2 MB of text; tokenizers spreads a batch over its threads)
 # Batches encoded at once: while one batch's last chunks finish, the next one's fill the idle
 # threads, so no core waits at a batch boundary.
 IN_FLIGHT = 2
@@ -164,7 +164,7 @@ def _chunk_batches(docs, stats, progress):
 def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) -> tuple[int, int]:
     """Encode docs into a token file, each document followed by eot_id; (tokens, bytes).
 
-    Streams: at most IN_FLIGHT + 1 batches of BATCH_CHUNKS text chunks (about 1 MB each) and
+    Streams: at most IN_FLIGHT + 1 batches of BATCH_CHUNKS text chunks (about 2 MB each) and
     their ids are in memory. While `tokenizers` encodes batches (in its own threads, without
     the GIL), this thread reads the next one and writes the oldest one's ids.
     bytes counts the UTF-8 bytes of the text that was encoded (after any U+FFFD
