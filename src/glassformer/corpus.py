@@ -48,12 +48,19 @@ class DecodeStats:
 
     def __init__(self):
         self.bytes_replaced = 0
-        self.files: list[str] = []
+        self.n_files = 0
+        self.files: list[str] = []  # the first 100 of them
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.bytes_replaced += nbytes
+        self.n_files += 1
+        if len(self.files) < 100:
+            self.files.append(name)
 
     def warning(self) -> str | None:
-        if not self.files:
+        if not self.n_files:
             return None
-        return (f"warning: {len(self.files)} file(s) are not valid UTF-8 ({self.bytes_replaced} bytes replaced by U+FFFD), "
+        return (f"warning: {self.n_files} file(s) are not valid UTF-8 ({self.bytes_replaced} bytes replaced by U+FFFD), "
                 f"e.g. {self.files[0]}")
 
 
@@ -156,8 +163,7 @@ def iter_text(doc: Document, stats: DecodeStats | None = None, chunk_bytes: int 
     if buf:
         yield buf
     if replaced and stats is not None:
-        stats.bytes_replaced += replaced
-        stats.files.append(doc.name)
+        stats.add(doc.name, replaced)
 
 
 def read_text(doc: Document, stats: DecodeStats | None = None) -> str:

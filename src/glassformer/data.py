@@ -274,7 +274,7 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
             "documents": {"train": len(corpus.train), "val": len(corpus.val)},
             "context": context, "tokenizer": "trained" if trained else "given",
             "tokenizer_trained_on_bytes": sampled if trained else None,
-            "invalid_utf8_bytes": stats.bytes_replaced, "invalid_utf8_files": stats.files[:100],
+            "invalid_utf8_bytes": stats.bytes_replaced, "invalid_utf8_files": stats.files,
         })
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
