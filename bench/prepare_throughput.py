@@ -8,8 +8,8 @@
                             train.bin/val.bin/meta.json, fsync, rename
    Overhead = median over rounds of prepare's time / encode_batch_fast's time, minus 1
    (target: at most 10%), in wall time and in CPU time (the machine may be shared).
-   Machine limits from the same run: single-thread encode speed x cores (how much of the
-   CPU the batch encoder reaches) and sequential write+fsync bandwidth.
+   Machine limits from the same run: how many of the cores each path keeps busy (CPU
+   seconds / wall seconds), one thread's encode speed, sequential write+fsync bandwidth.
 2. Bounded memory: synthetic corpora of growing size (Shakespeare's lines reshuffled into
    one file), each prepared in a fresh process reusing the tokenizer; peak RSS should stay
    flat as the corpus grows. One more run trains the tokenizer on the largest corpus.
@@ -178,10 +178,10 @@ def main() -> None:
               f"CPU time {cpu_overhead:+.1%} (target <= +10%)")
         print(f"tokenizer training on the training split: {mb * 0.91 / train_s:.2f} MB/s ({train_s:.1f} s); "
               f"prepare with training, end to end: {mb / full_s:.2f} MB/s ({full_s:.1f} s)")
-        cpu_frac = (mb / best[names[2]]) / (one_mbps * cores)
-        print(f"machine limits: one thread encodes {one_mbps:.2f} MB/s, x {cores} cores = {one_mbps * cores:.2f} MB/s "
-              f"(prepare reaches {cpu_frac:.0%}); write+fsync {disk_mbps:.0f} MB/s "
-              f"(prepare writes {2 * ref_tokens / 1e6 / best[names[2]]:.2f} MB/s of ids)")
+        busy = {k: statistics.median(c / t for c, t in zip(cpu[k], times[k])) for k in names}
+        print(f"machine limits: cores kept busy (CPU s / wall s, median) raw fast {busy[names[1]]:.2f}, "
+              f"prepare {busy[names[2]]:.2f} of {cores}; one thread alone encodes {one_mbps:.2f} MB/s; "
+              f"write+fsync {disk_mbps:.0f} MB/s (prepare writes {2 * ref_tokens / 1e6 / best[names[2]]:.2f} MB/s of ids)")
 
         # Bounded memory on synthetic corpora, each in a fresh process.
         lines = [ln for t in texts for ln in t.splitlines() if ln.strip()]
@@ -212,7 +212,8 @@ def main() -> None:
                   f"peak RSS about {max(s['peak_rss_mb'] for s in reuse):.0f} MB (flat in corpus size)")
 
         result = {
-            "machine": {"cpu_cores": cores, "one_thread_encode_mb_per_s": one_mbps, "write_fsync_mb_per_s": disk_mbps},
+            "machine": {"cpu_cores": cores, "one_thread_encode_mb_per_s": one_mbps, "write_fsync_mb_per_s": disk_mbps,
+                        "cores_busy_median": busy, "load_average_1min_at_end": os.getloadavg()[0]},
             "default_corpus": {"mb": mb, "tokens": ref_tokens, "vocab_size": tok.vocab_size, "rounds": args.rounds,
                                "seconds": times, "cpu_seconds": cpu, "best_mb_per_s": {k: mb / v for k, v in best.items()},
                                "median_wall_ratio_vs_encode_batch_fast": ratio, "median_cpu_ratio_vs_encode_batch_fast": cpu_ratio,

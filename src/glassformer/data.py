@@ -177,10 +177,15 @@ def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) ->
     eot = np.asarray([] if tok.eot_id is None else [tok.eot_id], dtype=np_dtype)
     n_tokens = n_bytes = 0
 
+    def encode(texts: list[str]) -> list[np.ndarray]:
+        # Runs in a worker: the batch's Encoding objects (tens of bytes a token) are freed here,
+        # and only 2 or 4 bytes a token wait to be written.
+        return [np.asarray(e.ids, dtype=np_dtype) for e in tok.tk.encode_batch_fast(texts, add_special_tokens=False)]
+
     def write(f, batch, ids) -> int:
         parts = []
         for (_, ends), chunk_ids in zip(batch, ids):
-            parts.append(np.asarray(chunk_ids, dtype=np_dtype))
+            parts.append(chunk_ids)
             if ends:
                 parts.append(eot)
         flat = np.concatenate(parts)
@@ -191,7 +196,7 @@ def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) ->
         pending: deque = deque()  # (batch, future of its ids), oldest first
         for batch, nb in _chunk_batches(docs, stats, progress):
             n_bytes += nb
-            pending.append((batch, pool.submit(tok.encode_batch, [t for t, _ in batch])))
+            pending.append((batch, pool.submit(encode, [t for t, _ in batch])))
             if len(pending) > IN_FLIGHT:
                 done, job = pending.popleft()
                 n_tokens += write(f, done, job.result())
