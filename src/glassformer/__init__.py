@@ -9,5 +9,7 @@ from .trace import trace  # noqa: E402
 from .explain import explain  # noqa: E402
 from .generate import generate  # noqa: E402  (the function, not the module)
 from .checkpoint import load  # noqa: E402
+from .tokenizer import Tokenizer  # noqa: E402
 
-__all__ = ["ModelConfig", "PRESETS", "Transformer", "KVCache", "trace", "explain", "generate", "load", "__version__"]
+__all__ = ["ModelConfig", "PRESETS", "Transformer", "KVCache", "trace", "explain", "generate", "load", "Tokenizer",
+           "__version__"]
