@@ -147,6 +147,17 @@ class Attention(nn.Module):
         tap(n + ".weights", weights.transpose(1, 2))  # (B, T, N, Tk)
 
 
+def ffn_activation(kind: str, up: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The feed-forward's nonlinearity: silu(gate)·up for SwiGLU, else relu/gelu of up."""
+    if kind == "swiglu":
+        return F.silu(gate) * up
+    if kind == "relu":
+        return F.relu(up)
+    if kind == "gelu":
+        return F.gelu(up)
+    return F.gelu(up, approximate="tanh")
+
+
 class FeedForward(nn.Module):
     """SwiGLU: down(silu(gate(x)) · up(x)) (Shazeer, 2020); or down(act(up(x)))."""
 
@@ -161,16 +172,8 @@ class FeedForward(nn.Module):
     def forward(self, x):
         n, kind = self.name, self.cfg.ffn
         up = tap(n + ".up", self.w_up(x))  # (B, T, F)
-        if kind == "swiglu":
-            gate = tap(n + ".gate", self.w_gate(x))  # (B, T, F)
-            act = F.silu(gate) * up
-        elif kind == "relu":
-            act = F.relu(up)
-        elif kind == "gelu":
-            act = F.gelu(up)
-        else:
-            act = F.gelu(up, approximate="tanh")
-        act = tap(n + ".act", act)
+        gate = tap(n + ".gate", self.w_gate(x)) if kind == "swiglu" else None  # (B, T, F)
+        act = tap(n + ".act", ffn_activation(kind, up, gate))
         return tap(n + ".down", self.w_down(act))  # (B, T, D)
 
 

@@ -23,7 +23,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .model import RMSNorm, apply_rope, rope_angles
+from .model import RMSNorm, apply_rope, ffn_activation, rope_angles
 
 _PACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -99,13 +99,9 @@ def _ffn(block, p, x):
     h = _lin(x, p["gu"], p["gu_b"])  # (B, T, 2F) or (B, T, F)
     if kind == "swiglu":
         gate, up = h.chunk(2, dim=-1)  # (B, T, F) each
-        act = F.silu(gate) * up
-    elif kind == "relu":
-        act = F.relu(h)
-    elif kind == "gelu":
-        act = F.gelu(h)
+        act = ffn_activation(kind, up, gate)
     else:
-        act = F.gelu(h, approximate="tanh")
+        act = ffn_activation(kind, h)
     return _lin(act, p["down"], p["down_b"])  # (B, T, D)
 
 
