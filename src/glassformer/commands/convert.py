@@ -1,0 +1,80 @@
+"""`glassformer convert`: Hugging Face folders in and out, and MHA -> GQA/MQA."""
+
+from __future__ import annotations
+
+HELP = "convert checkpoints: from/to Hugging Face folders, or pool key/value heads (GQA/MQA)"
+
+
+def add_arguments(p) -> None:
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--from-hf", metavar="SRC",
+                      help="Hugging Face folder (llama, mistral, qwen2, gpt2) to convert into a glassformer checkpoint")
+    mode.add_argument("--to-hf", metavar="SRC",
+                      help="glassformer checkpoint or run folder to write as a Hugging Face folder")
+    mode.add_argument("--kv-heads", type=int, metavar="K",
+                      help="pool the key/value heads of --checkpoint into K heads (K=1: MQA)")
+    p.add_argument("--checkpoint", metavar="SRC", help="the checkpoint that --kv-heads converts")
+    p.add_argument("--out", required=True, metavar="DST", help="folder to write (must not exist yet)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"], default=None,
+                   help="cast the weights (default: keep the source's dtype)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read pickled pytorch_model.bin files (with torch.load(weights_only=True))")
+
+
+def _check_out(out, *sources) -> None:
+    from pathlib import Path
+
+    from ..errors import UserError
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} already exists; choose a new folder or remove it first")
+    for src in sources:
+        if src is not None and Path(src).resolve() == out.resolve():
+            raise UserError("--out must differ from the source folder")
+
+
+def _tokenizer_file(folder):
+    from pathlib import Path
+
+    path = Path(folder) / "tokenizer.json"
+    return path if path.is_file() else None
+
+
+def run(args) -> int:
+    from ..checkpoint import load, resolve, save_model
+    from ..convert import convert_kv_heads, load_hf, save_hf
+    from ..convert.families import family_for
+    from ..convert.hf import parse_dtype
+    from ..errors import UserError
+
+    dtype = parse_dtype(args.dtype)
+    if args.kv_heads is None and args.checkpoint is not None:
+        raise UserError("--checkpoint goes with --kv-heads; use --from-hf SRC or --to-hf SRC on their own")
+    src = args.from_hf or args.to_hf or args.checkpoint
+    if args.kv_heads is not None and src is None:
+        raise UserError("--kv-heads K needs --checkpoint SRC")
+    _check_out(args.out, src)
+
+    if args.from_hf is not None:
+        model, _ = load_hf(src, dtype=dtype, allow_pickle=args.allow_pickle)
+        # tokenizer.json travels as a file: the exact bytes the model was trained with.
+        save_model(args.out, model, _tokenizer_file(src))
+        what = "glassformer checkpoint"
+    elif args.to_hf is not None:
+        folder = resolve(src)
+        model, tok = load(folder)
+        family = family_for(model.config)  # refuses, by name, what no family can hold
+        save_hf(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=getattr(tok, "eot_id", None))
+        what = f"Hugging Face {family.name} folder"
+    else:
+        folder = resolve(src)
+        model, _ = load(folder)
+        model = convert_kv_heads(model, args.kv_heads)
+        if dtype is not None:
+            model = model.to(dtype)
+        save_model(args.out, model, _tokenizer_file(folder))
+        what = f"glassformer checkpoint with {args.kv_heads} key/value heads"
+    p = next(model.parameters())
+    print(f"wrote {args.out}: {what}, {model.num_params():,} weights, {str(dtype or p.dtype).replace('torch.', '')}")
+    return 0

@@ -1,0 +1,461 @@
+"""Per-family key maps and named transforms between Hugging Face checkpoints and ours.
+
+A family is a `model_type` of Hugging Face `transformers`: how its config.json maps onto a
+ModelConfig (both ways) and a declarative list of rules, one per Hugging Face tensor. A
+rule names the tensor on each side and the transform between them:
+
+    copy        same tensor
+    conv1d      GPT-2's Conv1D stores weights [in, out]; nn.Linear stores [out, in]: transpose
+    qkv_conv1d  GPT-2's c_attn fuses Q, K, V into one Conv1D: transpose, then split rows
+    qkv_bias    the fused c_attn bias: split into Q, K, V
+    rope_q/k    Q/K rows in Hugging Face's 'half' RoPE pair order; a model of ours built with
+                rope_pairs='interleaved' permutes them (Meta -> HF order, as HF's own
+                convert_llama_weights_to_hf.py does); our default 'half' copies them as they are
+
+Each transform is a pair of pure functions (to_ours, to_hf); applied to meta tensors,
+to_hf also gives the shape a Hugging Face tensor must have, which is how every shape is
+checked before any data is read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UserError
+from .keymap import hf_rope
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def _rope_perm(head_dim: int) -> torch.Tensor:
+    """Row order that takes one head from interleaved pairs (2i, 2i+1) to half pairs (i, i+H/2).
+
+    >>> _rope_perm(4).tolist()
+    [0, 2, 1, 3]
+    """
+    return torch.arange(head_dim).view(head_dim // 2, 2).t().reshape(-1)  # (H,)
+
+
+def interleaved_to_half(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder the rows of a (heads·H, …) Q or K projection from Meta's pair order to Hugging Face's."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, head_dim, *rest)[:, _rope_perm(head_dim)].reshape(n_heads * head_dim, *rest)
+
+
+def half_to_interleaved(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Inverse of interleaved_to_half."""
+    rest = w.shape[1:]
+    inv = torch.argsort(_rope_perm(head_dim))  # (H,)
+    return w.reshape(n_heads, head_dim, *rest)[:, inv].reshape(n_heads * head_dim, *rest)
+
+
+def _rope(heads: Callable[[ModelConfig], int]):
+    def to_ours(t, cfg):
+        if cfg.rope_pairs == "half":
+            return (t,)
+        return (half_to_interleaved(t, heads(cfg), cfg.head_dim),)
+
+    def to_hf(ts, cfg):
+        if cfg.rope_pairs == "half":
+            return ts[0]
+        return interleaved_to_half(ts[0], heads(cfg), cfg.head_dim)
+
+    return to_ours, to_hf
+
+
+def _qkv_sizes(cfg: ModelConfig) -> list[int]:
+    return [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]
+
+
+# name -> (to_ours(hf_tensor, cfg) -> tuple of our tensors, to_hf(our tensors, cfg) -> hf tensor)
+TRANSFORMS: dict[str, tuple[Callable, Callable]] = {
+    "copy": (lambda t, cfg: (t,), lambda ts, cfg: ts[0]),
+    "conv1d": (lambda t, cfg: (t.t(),), lambda ts, cfg: ts[0].t()),  # [in, out] <-> [out, in]
+    "qkv_conv1d": (
+        lambda t, cfg: tuple(t.t().split(_qkv_sizes(cfg), dim=0)),  # [D, 3D] -> 3 × [D, D]
+        lambda ts, cfg: torch.cat(ts, dim=0).t(),  # 3 × [D, D] -> [D, 3D]
+    ),
+    "qkv_bias": (
+        lambda t, cfg: tuple(t.split(_qkv_sizes(cfg), dim=0)),  # (3D,) -> 3 × (D,)
+        lambda ts, cfg: torch.cat(ts, dim=0),
+    ),
+    "rope_q": _rope(lambda cfg: cfg.n_heads),
+    "rope_k": _rope(lambda cfg: cfg.n_kv_heads),
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Hugging Face tensor <-> one or more of ours. '{i}' stands for the layer index."""
+
+    hf: str
+    ours: tuple[str, ...]
+    transform: str = "copy"
+
+    def at(self, i: int) -> "Rule":
+        return Rule(self.hf.replace("{i}", str(i)), tuple(o.replace("{i}", str(i)) for o in self.ours), self.transform)
+
+    def to_ours(self, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        out = TRANSFORMS[self.transform][0](t, cfg)
+        assert len(out) == len(self.ours), (self, len(out))
+        return dict(zip(self.ours, out))
+
+    def to_hf(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+        return TRANSFORMS[self.transform][1](tuple(state[k] for k in self.ours), cfg)
+
+
+def R(hf: str, *ours: str, transform: str = "copy") -> Rule:
+    return Rule(hf, ours, transform)
+
+
+# ----------------------------------------------------------------------------- families
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # the config.json model_type
+    architecture: str  # the config.json architectures entry
+    prefix: str  # the base model's prefix, absent from checkpoints saved without the LM head
+    embed_key: str  # the Hugging Face token embedding (what a tied lm_head.weight must equal)
+    global_rules: Callable[[ModelConfig], list[Rule]]
+    layer_rules: Callable[[ModelConfig], list[Rule]]
+    config_from_hf: Callable[[dict], ModelConfig]
+    config_to_hf: Callable[[ModelConfig], dict]
+    ignore: tuple[str, ...] = ()  # regexes of buffers that are recomputed, never weights
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def rules(self, cfg: ModelConfig) -> list[Rule]:
+        """Every rule with its layer index filled in, in checkpoint order."""
+        out = [r for r in self.global_rules(cfg) if not r.hf.startswith("lm_head")]
+        for i in range(cfg.n_layers):
+            out += [r.at(i) for r in self.layer_rules(cfg)]
+        out += [r for r in self.global_rules(cfg) if r.hf.startswith("lm_head")]
+        return out
+
+    def ignored(self, key: str) -> bool:
+        return any(re.search(p, key) for p in self.ignore)
+
+
+def _need(hf: dict, key: str, family: str) -> Any:
+    if hf.get(key) is None:
+        raise UserError(f"config.json of a {family} model has no {key!r}: the folder's config is incomplete")
+    return hf[key]
+
+
+def _check_rope_scaling(scaling: dict | None) -> None:
+    if scaling is None:
+        return
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("llama3", "linear"):
+        raise UserError(
+            f"config.json asks for RoPE scaling {kind!r}, which glassformer does not implement "
+            "(supported: llama3, linear, or none)"
+        )
+
+
+# ---- Llama, Mistral, Qwen2: one shape of block, three config dialects
+
+
+def _llama_global(cfg: ModelConfig) -> list[Rule]:
+    rules = [R("model.embed_tokens.weight", "embed.weight"), R("model.norm.weight", "final_norm.weight")]
+    if not cfg.tie_embeddings:
+        rules.append(R("lm_head.weight", "lm_head.weight"))
+    return rules
+
+
+def _llama_layer(cfg: ModelConfig) -> list[Rule]:
+    p, o = "model.layers.{i}.", "blocks.{i}."
+    rules = [
+        R(p + "input_layernorm.weight", o + "attn_norm.weight"),
+        R(p + "self_attn.q_proj.weight", o + "attn.wq.weight", transform="rope_q"),
+        R(p + "self_attn.k_proj.weight", o + "attn.wk.weight", transform="rope_k"),
+        R(p + "self_attn.v_proj.weight", o + "attn.wv.weight"),
+    ]
+    if cfg.qkv_bias:
+        rules += [
+            R(p + "self_attn.q_proj.bias", o + "attn.wq.bias", transform="rope_q"),
+            R(p + "self_attn.k_proj.bias", o + "attn.wk.bias", transform="rope_k"),
+            R(p + "self_attn.v_proj.bias", o + "attn.wv.bias"),
+        ]
+    return rules + [
+        R(p + "self_attn.o_proj.weight", o + "attn.wo.weight"),
+        R(p + "post_attention_layernorm.weight", o + "ffn_norm.weight"),
+        R(p + "mlp.gate_proj.weight", o + "ffn.w_gate.weight"),
+        R(p + "mlp.up_proj.weight", o + "ffn.w_up.weight"),
+        R(p + "mlp.down_proj.weight", o + "ffn.w_down.weight"),
+    ]
+
+
+def _llama_like_config(hf: dict, family: str, defaults: dict, **extra) -> ModelConfig:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"config.json: hidden_act {act!r} in a {family} model; glassformer's SwiGLU uses silu")
+    if hf.get("mlp_bias"):
+        raise UserError(f"config.json: mlp_bias=true in a {family} model is not supported (no MLP biases in glassformer's SwiGLU)")
+    theta, scaling = hf_rope(hf)
+    _check_rope_scaling(scaling)
+    n_heads = _need(hf, "num_attention_heads", family)
+    dim = _need(hf, "hidden_size", family)
+    try:
+        return ModelConfig(
+            vocab_size=_need(hf, "vocab_size", family),
+            dim=dim,
+            n_layers=_need(hf, "num_hidden_layers", family),
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            head_dim=hf.get("head_dim") or dim // n_heads,
+            ffn_dim=_need(hf, "intermediate_size", family),
+            max_seq_len=hf.get("max_position_embeddings") or defaults["max_position_embeddings"],
+            rope_theta=theta,
+            rope_scaling=scaling,
+            norm_eps=hf.get("rms_norm_eps") or defaults["rms_norm_eps"],
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            norm="rms", ffn="swiglu", pos="rope", rope_pairs="half", **extra,
+        )
+    except ValueError as e:
+        raise UserError(f"config.json describes a {family} model that glassformer cannot build: {e}") from None
+
+
+def _llama_from_hf(hf: dict) -> ModelConfig:
+    if hf.get("attention_bias"):
+        # Llama's attention_bias puts a bias on o_proj too; glassformer has Q/K/V biases or biases everywhere.
+        raise UserError("config.json: attention_bias=true in a llama model (biases on q/k/v/o_proj) is not supported")
+    return _llama_like_config(hf, "llama", LLAMA.defaults)
+
+
+def _mistral_from_hf(hf: dict) -> ModelConfig:
+    return _llama_like_config(hf, "mistral", MISTRAL.defaults, sliding_window=hf.get("sliding_window"))
+
+
+def qwen2_window(hf: dict) -> int | None:
+    """The one sliding window that every layer of a Qwen2 config uses, or None.
+
+    Qwen2 slides its window only when use_sliding_window is true, and then only on layers
+    i >= max_window_layers (transformers writes this out as `layer_types`). glassformer
+    applies one window to every layer, so a config that mixes the two is refused.
+    """
+    n = _need(hf, "num_hidden_layers", "qwen2")
+    types = hf.get("layer_types")
+    if types is None:
+        if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+            types = ["full_attention"] * n
+        else:
+            first = hf.get("max_window_layers", 28)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    kinds = set(types)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return _need(hf, "sliding_window", "qwen2")
+    raise UserError(
+        "config.json: this qwen2 model slides its attention window on some layers only "
+        f"({sum(t == 'sliding_attention' for t in types)} of {n}); glassformer uses one window for every layer"
+    )
+
+
+def _qwen2_from_hf(hf: dict) -> ModelConfig:
+    return _llama_like_config(hf, "qwen2", QWEN2.defaults, qkv_bias=True, sliding_window=qwen2_window(hf))
+
+
+def _rope_fields(cfg: ModelConfig) -> dict:
+    """Both spellings: transformers < 5 reads rope_theta/rope_scaling, >= 5 reads rope_parameters
+    (and converts the old spelling too); an older reader ignores the newer key."""
+    params = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": float(cfg.rope_theta)}
+    params.pop("type", None)
+    return {"rope_theta": float(cfg.rope_theta), "rope_scaling": cfg.rope_scaling, "rope_parameters": params}
+
+
+def _llama_like_to_hf(cfg: ModelConfig, model_type: str, arch: str) -> dict:
+    return {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        **_rope_fields(cfg),
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_dropout": 0.0,
+    }
+
+
+def _llama_to_hf(cfg: ModelConfig) -> dict:
+    return {**_llama_like_to_hf(cfg, "llama", "LlamaForCausalLM"), "attention_bias": False, "mlp_bias": False}
+
+
+def _mistral_to_hf(cfg: ModelConfig) -> dict:
+    return {**_llama_like_to_hf(cfg, "mistral", "MistralForCausalLM"), "sliding_window": cfg.sliding_window}
+
+
+def _qwen2_to_hf(cfg: ModelConfig) -> dict:
+    w = cfg.sliding_window
+    return {
+        **_llama_like_to_hf(cfg, "qwen2", "Qwen2ForCausalLM"),
+        "use_sliding_window": w is not None,
+        "sliding_window": w,
+        "max_window_layers": 0 if w is not None else cfg.n_layers,  # every layer slides, or none
+        "layer_types": ["sliding_attention" if w is not None else "full_attention"] * cfg.n_layers,
+    }
+
+
+_LLAMA_IGNORE = (r"rotary_emb\.inv_freq$",)
+
+LLAMA = Family(
+    "llama", "LlamaForCausalLM", "model.", "model.embed_tokens.weight", _llama_global, _llama_layer,
+    _llama_from_hf, _llama_to_hf, _LLAMA_IGNORE,
+    defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+)
+MISTRAL = Family(
+    "mistral", "MistralForCausalLM", "model.", "model.embed_tokens.weight", _llama_global, _llama_layer,
+    _mistral_from_hf, _mistral_to_hf, _LLAMA_IGNORE,
+    defaults={"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6},
+)
+QWEN2 = Family(
+    "qwen2", "Qwen2ForCausalLM", "model.", "model.embed_tokens.weight", _llama_global, _llama_layer,
+    _qwen2_from_hf, _qwen2_to_hf, _LLAMA_IGNORE,
+    defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+)
+
+# ---- GPT-2
+
+
+def _gpt2_global(cfg: ModelConfig) -> list[Rule]:
+    rules = [
+        R("transformer.wte.weight", "embed.weight"),
+        R("transformer.wpe.weight", "pos_embed.weight"),
+        R("transformer.ln_f.weight", "final_norm.weight"),
+        R("transformer.ln_f.bias", "final_norm.bias"),
+    ]
+    if not cfg.tie_embeddings:
+        rules.append(R("lm_head.weight", "lm_head.weight"))
+    return rules
+
+
+def _gpt2_layer(cfg: ModelConfig) -> list[Rule]:
+    p, o = "transformer.h.{i}.", "blocks.{i}."
+    qkv = (o + "attn.wq", o + "attn.wk", o + "attn.wv")
+    return [
+        R(p + "ln_1.weight", o + "attn_norm.weight"),
+        R(p + "ln_1.bias", o + "attn_norm.bias"),
+        R(p + "attn.c_attn.weight", *(k + ".weight" for k in qkv), transform="qkv_conv1d"),
+        R(p + "attn.c_attn.bias", *(k + ".bias" for k in qkv), transform="qkv_bias"),
+        R(p + "attn.c_proj.weight", o + "attn.wo.weight", transform="conv1d"),
+        R(p + "attn.c_proj.bias", o + "attn.wo.bias"),
+        R(p + "ln_2.weight", o + "ffn_norm.weight"),
+        R(p + "ln_2.bias", o + "ffn_norm.bias"),
+        R(p + "mlp.c_fc.weight", o + "ffn.w_up.weight", transform="conv1d"),
+        R(p + "mlp.c_fc.bias", o + "ffn.w_up.bias"),
+        R(p + "mlp.c_proj.weight", o + "ffn.w_down.weight", transform="conv1d"),
+        R(p + "mlp.c_proj.bias", o + "ffn.w_down.bias"),
+    ]
+
+
+# transformers' activation names -> ours ('gelu_new' and 'gelu_pytorch_tanh' are both the tanh form)
+_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+_GPT2_ACT_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+
+
+def _gpt2_from_hf(hf: dict) -> ModelConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GPT2_ACT:
+        raise UserError(f"config.json: GPT-2 activation_function {act!r} is not supported ({', '.join(_GPT2_ACT)})")
+    for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False)):
+        if bool(hf.get(key, ok)) != ok:
+            raise UserError(f"config.json: GPT-2 with {key}={hf[key]} is not supported (glassformer needs {ok})")
+    dim = _need(hf, "n_embd", "gpt2")
+    try:
+        return ModelConfig(
+            vocab_size=_need(hf, "vocab_size", "gpt2"),
+            dim=dim,
+            n_layers=_need(hf, "n_layer", "gpt2"),
+            n_heads=_need(hf, "n_head", "gpt2"),
+            ffn_dim=hf.get("n_inner") or 4 * dim,
+            max_seq_len=_need(hf, "n_positions", "gpt2"),
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            norm="layer", ffn=_GPT2_ACT[act], pos="learned", bias=True,
+        )
+    except ValueError as e:
+        raise UserError(f"config.json describes a gpt2 model that glassformer cannot build: {e}") from None
+
+
+def _gpt2_to_hf(cfg: ModelConfig) -> dict:
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_embd": cfg.dim,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_inner": cfg.ffn_dim,
+        "n_positions": cfg.max_seq_len,
+        "n_ctx": cfg.max_seq_len,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "activation_function": _GPT2_ACT_OUT[cfg.ffn],
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "scale_attn_weights": True,
+    }
+
+
+GPT2 = Family(
+    "gpt2", "GPT2LMHeadModel", "transformer.", "transformer.wte.weight", _gpt2_global, _gpt2_layer,
+    _gpt2_from_hf, _gpt2_to_hf,
+    # The causal-mask buffers that older GPT-2 checkpoints (the hub's gpt2 among them) carry.
+    ignore=(r"(^|\.)attn\.(masked_)?bias$",),
+)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, GPT2)}
+
+
+def family_named(model_type: Any, where: str = "config.json") -> Family:
+    if model_type not in FAMILIES:
+        raise UserError(
+            f"{where}: model_type {model_type!r} is not supported; glassformer converts "
+            f"{', '.join(FAMILIES)} (SmolLM, TinyLlama and Llama 2/3 are 'llama')"
+        )
+    return FAMILIES[model_type]
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _mismatches(cfg: ModelConfig, wants: dict[str, Any]) -> list[str]:
+    out = []
+    for name, ok in wants.items():
+        value = getattr(cfg, name)
+        good = ok(value) if callable(ok) else value == ok
+        if not good:
+            out.append(f"{name}={value!r}")
+    return out
+
+
+def family_for(cfg: ModelConfig) -> Family:
+    """The Hugging Face family that can hold this model exactly, or a UserError saying why none can."""
+    llama_wants = dict(norm="rms", norm_placement="pre", ffn="swiglu", pos="rope", bias=False)
+    gpt2_wants = dict(
+        norm="layer", norm_placement="pre", ffn=lambda f: f in _GPT2_ACT_OUT, pos="learned", bias=True,
+        n_kv_heads=cfg.n_heads, sliding_window=None, head_dim=cfg.dim // cfg.n_heads,
+    )
+    llama_off, gpt2_off = _mismatches(cfg, llama_wants), _mismatches(cfg, gpt2_wants)
+    if not llama_off:
+        if cfg.qkv_bias:
+            return QWEN2
+        return MISTRAL if cfg.sliding_window is not None else LLAMA
+    if not gpt2_off:
+        return GPT2
+    raise UserError(
+        "no Hugging Face family that glassformer writes (llama, mistral, qwen2, gpt2) can hold this model: "
+        f"for llama/mistral/qwen2 it has {', '.join(llama_off)}; for gpt2 it has {', '.join(gpt2_off)}"
+    )
