@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "tiny_loss_100.json"
 ARGS = ["--preset", "tiny", "--max-steps", "100", "--batch-size", "4", "--seq-len", "32", "--warmup-steps", "10",
         "--lr", "0.003", "--min-lr", "0.0003", "--dropout", "0.1", "--eval-every", "0", "--eval-tokens", "256",
-        "--log-every", "1", "--seed", "1234", "--no-progress"]
+        "--log-every", "1", "--seed", "1234", "--threads", "1", "--no-progress"]
 
 
 def trajectory(workdir: Path, args: list[str]) -> list[float]:
@@ -32,7 +32,6 @@ def trajectory(workdir: Path, args: list[str]) -> list[float]:
     from glassformer.metrics import read_metrics
     from tests.train_fixtures import make_token_stream
 
-    torch.set_num_threads(2)
     data = make_token_stream(workdir / "data")
     out = workdir / "run"
     if main(["train", "--data", str(data), "--out", str(out), *args]) != 0:

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # A short run that exercises every RNG (dropout), evaluation and pruning; keep_last large so all stay.
 ARGS = ["--preset", "tiny", "--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--eval-every", "4",
         "--eval-tokens", "512", "--log-every", "1", "--warmup-steps", "3", "--dropout", "0.1", "--keep-last", "10",
-        "--no-progress", "--seed", "7"]
+        "--no-progress", "--seed", "7", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from .train_fixtures import make_prepared
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--preset", "tiny", "--max-steps", "20", "--batch-size", "4", "--seq-len", "32", "--eval-every", "10",
         "--eval-tokens", "256", "--log-every", "1", "--warmup-steps", "3", "--keep-last", "5", "--no-progress",
-        "--seed", "3"]
+        "--seed", "3", "--threads", "1"]
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 

@@ -309,13 +309,15 @@ class TrainConfig:
     """Skip an optimizer step whose loss or gradient norm is not finite instead of stopping."""
     progress: bool = True
     """Show a progress bar."""
+    threads: int = 0
+    """CPU threads for PyTorch (0 = PyTorch's default); 1 is fastest for tiny models on a busy machine."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("micro_batch", "seq_len", "max_steps", "warmup_steps", "eval_every", "eval_tokens",
-                     "keep_last", "log_every", "calibrate_steps"):
+                     "keep_last", "log_every", "calibrate_steps", "threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.time_budget < 0:

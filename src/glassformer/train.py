@@ -191,9 +191,13 @@ def plan_steps(budget_left: float, sec_per_step: float, eval_every: int, sec_per
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) one training run; returns a summary (steps, losses, last evaluation, stop reason)."""
     d = gdist.setup("cuda" if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     try:
         return _train(cfg, d)
     finally:
+        torch.set_num_threads(threads)
         gdist.teardown(d)
 
 
