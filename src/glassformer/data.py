@@ -127,3 +127,124 @@ def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
     if device is not None:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     return x.contiguous(), y.contiguous()
+
+
+# -- prepare: corpus -> tokenizer + token files -------------------------------------------
+BATCH_CHUNKS = 16  # text chunks encoded together (tokenizers spreads a batch over its threads)
+
+
+def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) -> tuple[int, int]:
+    """Encode docs into a token file, each document followed by eot_id; (tokens, bytes).
+
+    Streams: at most BATCH_CHUNKS chunks of text (a few MB) and their ids are in memory.
+    bytes counts the UTF-8 bytes of the text that was encoded (after any U+FFFD
+    replacement), i.e. what bits per byte divides by; the eot separators count no bytes.
+    """
+    from .corpus import iter_text
+
+    np_dtype = np.dtype(DTYPES[dtype]).newbyteorder("<")
+    eot = [] if tok.eot_id is None else [tok.eot_id]
+    n_tokens = n_bytes = 0
+    pending: list[tuple[str, bool]] = []  # (text chunk, whether it ends its document)
+
+    def flush(f) -> int:
+        ids = tok.encode_batch([t for t, _ in pending])
+        flat: list[int] = []
+        for (_, ends), chunk_ids in zip(pending, ids):
+            flat += chunk_ids
+            if ends:
+                flat += eot
+        np.asarray(flat, dtype=np_dtype).tofile(f)
+        pending.clear()
+        return len(flat)
+
+    with open(path, "wb") as f:
+        for doc in docs:
+            prev = None
+            for chunk in iter_text(doc, stats):
+                if prev is not None:
+                    pending.append((prev, False))
+                prev = chunk
+                nb = len(chunk.encode("utf-8"))
+                n_bytes += nb
+                if progress is not None:
+                    progress.update(nb)
+                if len(pending) >= BATCH_CHUNKS:
+                    n_tokens += flush(f)
+            if prev is not None:
+                pending.append((prev, True))
+            if len(pending) >= BATCH_CHUNKS:
+                n_tokens += flush(f)
+        if pending:
+            n_tokens += flush(f)
+    return n_tokens, n_bytes
+
+
+def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer=None,
+            context: int = 256, show_progress: bool | None = None) -> dict:
+    """Write a prepared data folder at `out` (atomically) and return its meta.json.
+
+    corpus: a glassformer.corpus.Corpus. tokenizer: a Tokenizer to reuse; if None, byte-level
+    BPE is trained on the training split alone, to vocab_size (default 2048).
+    context: the longest window a model will draw; both splits must hold context+1 tokens.
+    """
+    import sys
+
+    from tqdm import tqdm
+
+    from .checkpoint import atomic_folder
+    from .corpus import DecodeStats, iter_text
+    from .tokenizer import Tokenizer, check_vocab_size
+
+    out = Path(out)
+    if out.exists() and not (out / "meta.json").is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not a prepared data folder: choose a new or empty folder")
+    if tokenizer is None:
+        vocab_size = check_vocab_size(2048 if vocab_size is None else vocab_size)
+    if context < 1:
+        raise UserError(f"--context {context} must be at least 1")
+    train_size = sum(d.nbytes for d in corpus.train)
+    val_size = sum(d.nbytes for d in corpus.val)
+    if train_size == 0 or val_size == 0:
+        raise UserError(f"corpus {corpus.description} is empty or has no {'training' if train_size == 0 else 'validation'} text: give more text")
+    disable = None if show_progress is None else not show_progress  # None: show on a terminal only
+
+    stats = DecodeStats()
+    trained = tokenizer is None
+    if trained:
+        with tqdm(total=train_size, unit="B", unit_scale=True, desc="tokenizer", disable=disable, file=sys.stderr) as bar:
+            def texts():
+                for d in corpus.train:
+                    for chunk in iter_text(d, stats):
+                        bar.update(len(chunk.encode("utf-8")))
+                        yield chunk
+            tokenizer = Tokenizer.train(texts(), vocab_size)
+        stats = DecodeStats()  # counted again while encoding
+    dtype = dtype_for_vocab(tokenizer.vocab_size)
+
+    def write(tmp: Path) -> None:
+        tokenizer.save(tmp / "tokenizer.json")
+        counts = {}
+        with tqdm(total=train_size + val_size, unit="B", unit_scale=True, desc="encode", disable=disable, file=sys.stderr) as bar:
+            for split, docs in (("train", corpus.train), ("val", corpus.val)):
+                counts[split] = write_split(tokenizer, docs, tmp / f"{split}.bin", dtype, stats, bar)
+        for split, (n_tok, _) in counts.items():
+            if n_tok < context + 1:
+                raise UserError(f"the {split} split has {n_tok} tokens, too few for a context of {context} (+1): "
+                                f"give a longer corpus or a smaller --context")
+        meta.update({
+            "dtype": dtype, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+            "train_tokens": counts["train"][0], "val_tokens": counts["val"][0],
+            "train_bytes": counts["train"][1], "val_bytes": counts["val"][1],
+            "corpus": corpus.description, **corpus.meta,
+            "documents": {"train": len(corpus.train), "val": len(corpus.val)},
+            "context": context, "tokenizer": "trained" if trained else "given",
+            "invalid_utf8_bytes": stats.bytes_replaced, "invalid_utf8_files": stats.files[:100],
+        })
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+    meta: dict = {}
+    atomic_folder(out, write)
+    if stats.warning():
+        print(stats.warning(), file=sys.stderr)
+    return meta

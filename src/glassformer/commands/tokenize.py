@@ -1,0 +1,41 @@
+"""`glassformer tokenize`: how a text splits into tokens, with ids and byte pieces."""
+
+from __future__ import annotations
+
+HELP = "show the tokens of a text: ids and the bytes each stands for"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--tokenizer", required=True,
+                   help="a tokenizer.json, a prepared data folder, a checkpoint or run folder")
+    p.add_argument("text", metavar="TEXT", help="the text to split (use - to read standard input)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args) -> int:
+    import json
+    import sys
+
+    from ..tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(args.tokenizer)
+    text = sys.stdin.read() if args.text == "-" else args.text
+    ids = tok.encode(text)
+    if args.json:
+        print(json.dumps({"ids": ids, "pieces": [tok.id_to_piece(i) for i in ids],
+                          "bytes": [list(tok.id_to_bytes(i)) for i in ids]}, ensure_ascii=False))
+        return 0
+    n_bytes = len(text.encode("utf-8"))
+    print(f"{len(ids)} tokens, {n_bytes} bytes ({n_bytes / max(len(ids), 1):.2f} bytes per token), vocabulary {tok.vocab_size}")
+    print(f"{'#':>4}  {'id':>7}  {'piece':<20}  bytes")
+    for n, i in enumerate(ids):
+        raw = tok.id_to_bytes(i)
+        piece = _show(tok.id_to_piece(i))
+        print(f"{n:>4}  {i:>7}  {piece:<20}  {raw.hex(' ')}")
+    return 0
+
+
+def _show(piece: str) -> str:
+    """The piece in quotes, with newlines, tabs and other invisible characters escaped
+    (bytes that are part of a UTF-8 character already read as \\xNN)."""
+    return "'" + "".join(c if c.isprintable() else repr(c)[1:-1] for c in piece) + "'"
