@@ -60,6 +60,29 @@ def cpu_matmul_peak(n: int = 1024, seconds: float = 0.5, dtype=torch.float32) ->
     return 2.0 * n**3 / best
 
 
+def pick_threads(most: int, seconds: float = 0.2) -> tuple[int, float, float]:
+    """(threads, FLOP/s with 1, FLOP/s with `most`): the faster of one thread and all of them on a
+    training-sized matmul. On a CPU shared with other busy processes, cooperating threads wait
+    for each other and can be several times slower than one thread alone."""
+    a, b = torch.randn(2048, 256), torch.randn(256, 768)
+
+    def rate(n: int) -> float:
+        torch.set_num_threads(n)
+        a @ b
+        best, start = float("inf"), time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        return 2.0 * 2048 * 256 * 768 / best
+
+    one = rate(1)
+    many = rate(most) if most > 1 else one
+    n = most if many > one else 1
+    torch.set_num_threads(n)
+    return n, one, many
+
+
 def machine_peak(device: torch.device) -> tuple[float | None, str]:
     """(peak FLOP/s, where it came from) for MFU."""
     if device.type == "cuda":

@@ -192,8 +192,6 @@ def train(cfg: TrainConfig) -> dict:
     """Run (or resume) one training run; returns a summary (steps, losses, last evaluation, stop reason)."""
     d = gdist.setup("cuda" if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
     threads = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     try:
         return _train(cfg, d)
     finally:
@@ -279,6 +277,18 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
     if cfg.time_budget and cfg.calibrate_steps > cfg.warmup_steps and total_steps is None:
         raise UserError("--calibrate-steps must not exceed --warmup-steps with --time-budget, so the "
                         "calibration steps' learning rate does not depend on the step count it fixes")
+    # ---- CPU threads: as asked, as the resumed run had them (same reduction order, same bits), or measured
+    n_threads = cfg.threads or (saved or {}).get("threads") or 0
+    if n_threads:
+        torch.set_num_threads(n_threads)
+    elif device.type == "cpu":
+        from .metrics import pick_threads
+
+        n_threads, one, many = pick_threads(torch.get_num_threads())
+        if d.main:
+            _say(d, f"CPU threads: {n_threads} (one thread {one / 1e9:.0f} GFLOP/s, all {many / 1e9:.0f} GFLOP/s "
+                    "on a training-sized matmul; --threads N fixes it)")
+    n_threads = torch.get_num_threads()
     autocast = autocast_for(device, cfg.dtype)
     tokenizer_path = data / "tokenizer.json"
 
@@ -319,7 +329,7 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
             state = {
                 "step": step, "total_steps": total_steps, "elapsed": elapsed0 + time.perf_counter() - t_start,
                 "tokens_seen": step * tokens_per_step, "val": val, "best": best, "reason": reason,
-                "world_size": d.world_size, "torch": torch.__version__, "rng": js, "config": cfg.to_dict(),
+                "world_size": d.world_size, "threads": n_threads, "torch": torch.__version__, "rng": js, "config": cfg.to_dict(),
                 "time_budget_plan": plan,
             }
             try:
