@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--skip-nanogpt", action="store_true", help="run glassformer alone")
     ap.add_argument("--work", default=None, help="folder for the runs (default: a temporary one)")
     ap.add_argument("--train-args", default="", help="extra `glassformer train` flags (for tuning)")
+    ap.add_argument("--prepare-args", default="", help="extra `glassformer prepare` flags (for tuning)")
     args = ap.parse_args()
     corpus = Path(args.corpus)
     if not corpus.is_file():
@@ -68,7 +69,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     results = {"corpus": corpus.name, "budget_s": args.budget, "cpu_count": os.cpu_count(), "runs": {}}
 
-    cli("prepare", "--corpus", str(corpus), "--out", str(work / "data"), log=work / "prepare.log")
+    cli("prepare", "--corpus", str(corpus), "--out", str(work / "data"), *args.prepare_args.split(), log=work / "prepare.log")
     run = work / "run"
     wall = cli("train", "--data", str(work / "data"), "--out", str(run), "--time-budget", str(args.budget),
                "--no-progress", *args.train_args.split(), log=work / "train.log")
