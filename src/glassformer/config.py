@@ -188,10 +188,11 @@ _LLAMA = dict(norm="rms", ffn="swiglu", pos="rope", norm_eps=1e-5)
 PRESETS: dict[str, dict[str, Any]] = {
     # For tests: a few thousand weights, every feature on the default path.
     "tiny": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, max_seq_len=128),
-    # The CPU demo model: sized so that two CPU minutes of training give the lowest held-out
-    # bits per byte on Shakespeare; its vocab_size is replaced by the prepared tokenizer's.
+    # The CPU demo model, tuned for held-out bits per byte on Shakespeare after about two CPU
+    # minutes (docs/benchmarks.md): at that compute a narrow model seeing many small batches
+    # beats a wider one; its vocab_size is replaced by the prepared tokenizer's.
     "small": dict(
-        vocab_size=2048, dim=192, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=512, max_seq_len=128,
+        vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=64,
         tie_embeddings=True,
     ),
     # GPT-2 small (Radford et al., 2019; Hugging Face gpt2/config.json): LayerNorm, tanh GELU,
@@ -263,7 +264,7 @@ class TrainConfig:
     """'cpu', 'cuda', 'mps' or 'auto' (cuda if present, else cpu)."""
     seed: int = 1337
     """Seeds the weights, the batches (drawn from (seed, step)) and dropout."""
-    batch_size: int = 32
+    batch_size: int = 8
     """Sequences per optimizer step, over all processes together (the global batch)."""
     micro_batch: int = 0
     """Sequences per forward pass in each process (0 = the whole global batch share); the rest is gradient accumulation."""
@@ -279,7 +280,7 @@ class TrainConfig:
     """Peak learning rate, reached after the warm-up."""
     min_lr: float = 3e-4
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     """Steps of linear warm-up from 0 to lr."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to tensors of 2+ dims only (matrices and embeddings)."""
@@ -291,9 +292,9 @@ class TrainConfig:
     """Clip the global gradient norm to this (0 = off); the norm before clipping is logged."""
     dropout: float = 0.0
     """Dropout probability while training (overrides the model config's)."""
-    eval_every: int = 100
+    eval_every: int = 250
     """Evaluate on held-out data (loss, bits per byte) and save a checkpoint every N steps (0 = only at the end)."""
-    eval_tokens: int = 65536
+    eval_tokens: int = 16384
     """Held-out tokens scored at each evaluation (0 = the whole validation split)."""
     log_every: int = 10
     """Write a metrics.jsonl line every N steps."""
