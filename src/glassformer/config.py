@@ -274,7 +274,7 @@ class TrainConfig:
     """Optimizer steps to run (ignored when --time-budget is given)."""
     time_budget: float = 0.0
     """Seconds of wall time for the whole run (0 = off): the speed of the first steps fixes the step count and schedule."""
-    calibrate_steps: int = 8
+    calibrate_steps: int = 20
     """Steps timed to fix the step count under --time-budget (must not exceed warmup_steps)."""
     lr: float = 3e-3
     """Peak learning rate, reached after the warm-up."""

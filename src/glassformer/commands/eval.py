@@ -12,6 +12,7 @@ def add_arguments(p) -> None:
                    help="a UTF-8 text file, or a prepared data folder (its val.bin is scored)")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
     p.add_argument("--batch-size", type=int, default=8, help="windows scored per forward pass")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = the faster of one and all, measured)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json to encode a text file with (default: the checkpoint's)")
 
@@ -29,6 +30,12 @@ def run(args) -> int:
     from ..train import resolve_device
 
     device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif device.type == "cpu":
+        from ..metrics import pick_threads
+
+        pick_threads(torch.get_num_threads())
     model, tokenizer = load(args.checkpoint, device=device)
     model.float().eval()
     data = Path(args.data)
