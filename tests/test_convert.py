@@ -151,17 +151,22 @@ def test_half_precision_weights_keep_or_change_dtype(stored, converted, tmp_path
     assert torch.equal(f32.blocks[0].attn.wk.weight, ref["model.layers.0.self_attn.k_proj.weight"].float())
 
 
-def test_tokenizer_json_is_carried_along(converted, tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def test_tokenizer_json_is_carried_along_every_way(tmp_path):
+    from glassformer.tokenizer import Tokenizer
 
-    _, src, _ = converted("gpt2")
-    folder = tmp_path / "hf"
-    shutil.copytree(src, folder)
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    assert main(["convert", "--from-hf", str(folder), "--out", str(tmp_path / "ours")]) == 0
-    assert (tmp_path / "ours" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    tok = Tokenizer.train(["to be or not to be, that is the question"] * 20, vocab_size=300)
+    save_model(tmp_path / "ours", tiny_model(), tok)
+    original = (tmp_path / "ours" / "tokenizer.json").read_bytes()
+    assert main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == original
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["eos_token_id"] == tok.eot_id is not None and cfg["bos_token_id"] is None
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    assert main(["convert", "--kv-heads", "1", "--checkpoint", str(tmp_path / "back"), "--out", str(tmp_path / "mqa")]) == 0
+    for folder in ("hf", "back", "mqa"):
+        assert (tmp_path / folder / "tokenizer.json").read_bytes() == original
+        _, loaded = load(tmp_path / folder)
+        assert loaded.eot_id == tok.eot_id and loaded.encode("to be or not") == tok.encode("to be or not")
 
 
 def test_gpt2_hub_layout_without_prefix_and_with_mask_buffers(converted, tmp_path):
@@ -203,7 +208,8 @@ OUR_CASES = {
     "llama-tied-scaled": (dict(tie_embeddings=True, rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32}), "llama"),
-    "llama-interleaved-rope": (dict(rope_pairs="interleaved"), "llama"),  # Q/K rows permuted on the way out
+    "llama-interleaved-rope": (dict(rope_pairs="interleaved"), "llama"),
+    "llama-linear-old-spelling": (dict(rope_scaling={"type": "linear", "factor": 4.0}), "llama"),  # Q/K rows permuted on the way out
     "mistral": (dict(sliding_window=8), "mistral"),
     "qwen2": (dict(qkv_bias=True, tie_embeddings=True), "qwen2"),
     "qwen2-window": (dict(qkv_bias=True, sliding_window=8), "qwen2"),
@@ -244,6 +250,12 @@ def test_to_hf_dtype(tmp_path):
     assert torch.equal(sd["model.layers.0.self_attn.q_proj.bias"], ours.blocks[0].attn.wq.bias.detach().bfloat16())
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
+    # Without --dtype the stored dtype is kept, both ways and through --kv-heads.
+    save_model(tmp_path / "half", ours.to(torch.float16))
+    assert main(["convert", "--to-hf", str(tmp_path / "half"), "--out", str(tmp_path / "hf16")]) == 0
+    assert {t.dtype for t in load_file(str(tmp_path / "hf16" / "model.safetensors")).values()} == {torch.float16}
+    assert main(["convert", "--kv-heads", "1", "--checkpoint", str(tmp_path / "half"), "--out", str(tmp_path / "mqa")]) == 0
+    assert {t.dtype for t in load_file(str(tmp_path / "mqa" / "model.safetensors")).values()} == {torch.float16}
 
 
 @pytest.mark.parametrize("overrides, named", [
@@ -368,3 +380,34 @@ def test_cli_argument_errors(converted, tmp_path, capsys):
     assert "divisor" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: two modes at once
         main(["convert", "--from-hf", str(src), "--to-hf", str(dst), "--out", str(tmp_path / "x")])
+
+
+def test_tied_head_stored_anyway_must_equal_the_embedding(converted, tmp_path, capsys):
+    _, src, dst = converted("qwen2-tied")
+    for name, head in (("same", None), ("differs", torch.zeros(V, 64))):
+        folder = tmp_path / name
+        shutil.copytree(src, folder)
+        _edit_weights(folder, lambda sd: sd.update({"lm_head.weight": sd["model.embed_tokens.weight"].clone() if head is None else head}))
+        rc = main(["convert", "--from-hf", str(folder), "--out", str(tmp_path / f"{name}-out")])
+        if head is None:
+            assert rc == 0
+            a, b = load_file(str(dst / "model.safetensors")), load_file(str(tmp_path / "same-out" / "model.safetensors"))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        else:
+            assert rc == 2 and "lm_head.weight differs" in capsys.readouterr().err
+
+
+def test_config_of_either_transformers_era_reads_the_same(converted, tmp_path):
+    """transformers >= 5 writes rope_parameters; < 5 wrote rope_theta and rope_scaling."""
+    from glassformer.convert import config_from_hf
+
+    _, src, _ = converted("llama3.1-scaling")
+    new = json.loads((src / "config.json").read_text())
+    old = dict(new)
+    params = dict(old.pop("rope_parameters"))
+    old["rope_theta"] = params.pop("rope_theta")
+    old["rope_scaling"] = params
+    a, b = config_from_hf(new), config_from_hf(old)
+    assert a == b and a.rope_theta == 500000.0 and a.rope_scaling["rope_type"] == "llama3"
+    plain = dict(old, rope_scaling={"rope_type": "default"})
+    assert config_from_hf(plain).rope_scaling is None

@@ -52,6 +52,9 @@ def test_greedy_tokens_match_llama(case):
     hf, ours = _pair(case)
     ids = torch.randint(0, 101, (1, 8))
     with torch.no_grad():
-        ref = hf.generate(ids, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, 8:].tolist()
+        # No end-of-text in this random vocabulary: plain greedy for exactly 20 tokens.
+        hf.generation_config.eos_token_id = None
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                          pad_token_id=0)[0, 8:].tolist()
         got = greedy_cached(ours, ids, 20)
     assert got == ref

@@ -99,6 +99,22 @@ def test_folder_of_documents_is_joined_with_end_of_text(tmp_path, prepared):
     assert meta["val_bytes"] == len(val_text.encode())
 
 
+def test_tokenizer_sample_is_spread_over_the_training_split(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(30):
+        (docs / f"d{i:02d}.txt").write_text(corpus_text(i, 60), encoding="utf-8")
+    args = ["prepare", "--corpus", str(docs), "--vocab-size", "300", "--context", "8"]
+    assert main(args + ["--out", str(tmp_path / "all")]) == 0
+    meta = read_meta(tmp_path / "all")
+    assert meta["tokenizer_trained_on_bytes"] == meta["train_bytes"]  # small corpus: all of it
+    assert main(args + ["--out", str(tmp_path / "some"), "--tokenizer-sample-mb", "0.02"]) == 0
+    meta = read_meta(tmp_path / "some")
+    doc = max(len(corpus_text(i, 60).encode()) for i in range(30))
+    assert 20_000 <= meta["tokenizer_trained_on_bytes"] <= 20_000 + doc  # the share, to within one document
+    assert meta["train_bytes"] > 2 * meta["tokenizer_trained_on_bytes"]
+
+
 def test_large_vocabulary_uses_uint32(tmp_path, prepared):
     folder, _ = prepared
     big = HFTokenizer.from_file(str(folder / "tokenizer.json"))
@@ -147,6 +163,7 @@ def _bad(tmp_path, capsys, argv, match):
     ("text", ["--corpus", "{t}/c.txt", "--vocab-size", "300", "--tokenizer", "{t}/c.txt"], "not both"),
     ("text", ["--corpus", "{t}/c.txt", "--tokenizer", "{t}/c.txt"], "not a valid tokenizer.json"),
     ("text", ["--corpus", "{t}/c.txt", "--val-fraction", "1.5"], "between 0 and 1"),
+    ("text", ["--corpus", "{t}/c.txt", "--tokenizer-sample-mb", "0"], "must be positive"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, setup, argv, match):
     if setup == "empty":

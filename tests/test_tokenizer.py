@@ -150,3 +150,9 @@ def test_bad_tokenizer_paths(tmp_path):
 def test_out_of_range_id(tok):
     with pytest.raises(UserError, match="out of range"):
         tok.id_to_piece(tok.vocab_size)
+
+
+def test_vocab_size_covers_the_largest_id_even_with_gaps():
+    tk = HFTokenizer(models.WordLevel(vocab={"a": 0, "[UNK]": 1, "b": 700}, unk_token="[UNK]"))
+    assert tk.get_vocab_size() == 3
+    assert Tokenizer(tk).vocab_size == 701  # an embedding of 701 rows holds id 700

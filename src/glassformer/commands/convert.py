@@ -16,7 +16,7 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint", metavar="SRC", help="the checkpoint that --kv-heads converts")
     p.add_argument("--out", required=True, metavar="DST", help="folder to write (must not exist yet)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"], default=None,
-                   help="cast the weights (default: keep the source's dtype)")
+                   help="cast the weights to this dtype; unset keeps the dtype the source stores")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read pickled pytorch_model.bin files (with torch.load(weights_only=True))")
 
@@ -41,7 +41,25 @@ def _tokenizer_file(folder):
     return path if path.is_file() else None
 
 
+def _stored_dtype(folder):
+    """The dtype a glassformer checkpoint stores its weights in (load() hands them back as float32)."""
+    from pathlib import Path
+
+    import torch
+    from safetensors import safe_open
+
+    path = Path(folder) / "model.safetensors"
+    if not path.is_file():
+        return None
+    names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    with safe_open(str(path), framework="pt") as f:
+        kinds = {f.get_slice(k).get_dtype() for k in f.keys()}
+    return names.get(kinds.pop()) if len(kinds) == 1 else None
+
+
 def run(args) -> int:
+    import torch
+
     from ..checkpoint import load, resolve, save_model
     from ..convert import convert_kv_heads, load_hf, save_hf
     from ..convert.families import family_for
@@ -63,16 +81,15 @@ def run(args) -> int:
         what = "glassformer checkpoint"
     elif args.to_hf is not None:
         folder = resolve(src)
-        model, tok = load(folder)
+        model, tok = load(folder, dtype=dtype or _stored_dtype(folder))
         family = family_for(model.config)  # refuses, by name, what no family can hold
         save_hf(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=getattr(tok, "eot_id", None))
         what = f"Hugging Face {family.name} folder"
     else:
         folder = resolve(src)
-        model, _ = load(folder)
+        model, _ = load(folder)  # float32: the means are taken at full precision
         model = convert_kv_heads(model, args.kv_heads)
-        if dtype is not None:
-            model = model.to(dtype)
+        model = model.to(dtype or _stored_dtype(folder) or torch.float32)
         save_model(args.out, model, _tokenizer_file(folder))
         what = f"glassformer checkpoint with {args.kv_heads} key/value heads"
     p = next(model.parameters())

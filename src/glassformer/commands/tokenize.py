@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 HELP = "show the tokens of a text: ids and the bytes each stands for"
+NO_DEFAULT = "%(default).0s"  # formats as nothing: keeps the help formatter from adding "(default: None)"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--tokenizer", required=True,
-                   help="a tokenizer.json, a prepared data folder, a checkpoint or run folder")
+                   help="a tokenizer.json, a prepared data folder, a checkpoint or run folder" + NO_DEFAULT)
     p.add_argument("text", metavar="TEXT", help="the text to split (use - to read standard input)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table" + NO_DEFAULT)
 
 
 def run(args) -> int:

@@ -1,8 +1,8 @@
 """Import and export of Hugging Face checkpoints (Llama family, GPT-2)."""
 
-from .keymap import LLAMA_KEYS, config_from_hf_llama, llama_state_from_hf
+from .keymap import LLAMA_KEYS, config_from_hf, config_from_hf_llama, llama_state_from_hf
 
-__all__ = ["LLAMA_KEYS", "config_from_hf_llama", "llama_state_from_hf"]
+__all__ = ["LLAMA_KEYS", "config_from_hf", "config_from_hf_llama", "llama_state_from_hf"]
 
 from .heads import convert_kv_heads, pool_heads  # noqa: E402
 

@@ -1,20 +1,11 @@
-"""Per-family key maps and named transforms between Hugging Face checkpoints and ours.
+"""Per-family key maps between Hugging Face checkpoints and ours.
 
 A family is a `model_type` of Hugging Face `transformers`: how its config.json maps onto a
 ModelConfig (both ways) and a declarative list of rules, one per Hugging Face tensor. A
-rule names the tensor on each side and the transform between them:
-
-    copy        same tensor
-    conv1d      GPT-2's Conv1D stores weights [in, out]; nn.Linear stores [out, in]: transpose
-    qkv_conv1d  GPT-2's c_attn fuses Q, K, V into one Conv1D: transpose, then split rows
-    qkv_bias    the fused c_attn bias: split into Q, K, V
-    rope_q/k    Q/K rows in Hugging Face's 'half' RoPE pair order; a model of ours built with
-                rope_pairs='interleaved' permutes them (Meta -> HF order, as HF's own
-                convert_llama_weights_to_hf.py does); our default 'half' copies them as they are
-
-Each transform is a pair of pure functions (to_ours, to_hf); applied to meta tensors,
-to_hf also gives the shape a Hugging Face tensor must have, which is how every shape is
-checked before any data is read.
+rule names the tensor on each side and the transform between them (transforms.py: copy,
+conv1d, qkv_conv1d, qkv_bias, rope_q, rope_k). Run on meta tensors, the rules also give
+the shape of every Hugging Face tensor, which is how every shape is checked before any
+data is read.
 """
 
 from __future__ import annotations
@@ -23,95 +14,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from ..config import ModelConfig
 from ..errors import UserError
 from .keymap import hf_rope
-
-# ----------------------------------------------------------------------------- transforms
-
-
-def _rope_perm(head_dim: int) -> torch.Tensor:
-    """Row order that takes one head from interleaved pairs (2i, 2i+1) to half pairs (i, i+H/2).
-
-    >>> _rope_perm(4).tolist()
-    [0, 2, 1, 3]
-    """
-    return torch.arange(head_dim).view(head_dim // 2, 2).t().reshape(-1)  # (H,)
-
-
-def interleaved_to_half(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """Reorder the rows of a (heads·H, …) Q or K projection from Meta's pair order to Hugging Face's."""
-    rest = w.shape[1:]
-    return w.reshape(n_heads, head_dim, *rest)[:, _rope_perm(head_dim)].reshape(n_heads * head_dim, *rest)
-
-
-def half_to_interleaved(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """Inverse of interleaved_to_half."""
-    rest = w.shape[1:]
-    inv = torch.argsort(_rope_perm(head_dim))  # (H,)
-    return w.reshape(n_heads, head_dim, *rest)[:, inv].reshape(n_heads * head_dim, *rest)
-
-
-def _rope(heads: Callable[[ModelConfig], int]):
-    def to_ours(t, cfg):
-        if cfg.rope_pairs == "half":
-            return (t,)
-        return (half_to_interleaved(t, heads(cfg), cfg.head_dim),)
-
-    def to_hf(ts, cfg):
-        if cfg.rope_pairs == "half":
-            return ts[0]
-        return interleaved_to_half(ts[0], heads(cfg), cfg.head_dim)
-
-    return to_ours, to_hf
-
-
-def _qkv_sizes(cfg: ModelConfig) -> list[int]:
-    return [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]
-
-
-# name -> (to_ours(hf_tensor, cfg) -> tuple of our tensors, to_hf(our tensors, cfg) -> hf tensor)
-TRANSFORMS: dict[str, tuple[Callable, Callable]] = {
-    "copy": (lambda t, cfg: (t,), lambda ts, cfg: ts[0]),
-    "conv1d": (lambda t, cfg: (t.t(),), lambda ts, cfg: ts[0].t()),  # [in, out] <-> [out, in]
-    "qkv_conv1d": (
-        lambda t, cfg: tuple(t.t().split(_qkv_sizes(cfg), dim=0)),  # [D, 3D] -> 3 × [D, D]
-        lambda ts, cfg: torch.cat(ts, dim=0).t(),  # 3 × [D, D] -> [D, 3D]
-    ),
-    "qkv_bias": (
-        lambda t, cfg: tuple(t.split(_qkv_sizes(cfg), dim=0)),  # (3D,) -> 3 × (D,)
-        lambda ts, cfg: torch.cat(ts, dim=0),
-    ),
-    "rope_q": _rope(lambda cfg: cfg.n_heads),
-    "rope_k": _rope(lambda cfg: cfg.n_kv_heads),
-}
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One Hugging Face tensor <-> one or more of ours. '{i}' stands for the layer index."""
-
-    hf: str
-    ours: tuple[str, ...]
-    transform: str = "copy"
-
-    def at(self, i: int) -> "Rule":
-        return Rule(self.hf.replace("{i}", str(i)), tuple(o.replace("{i}", str(i)) for o in self.ours), self.transform)
-
-    def to_ours(self, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        out = TRANSFORMS[self.transform][0](t, cfg)
-        assert len(out) == len(self.ours), (self, len(out))
-        return dict(zip(self.ours, out))
-
-    def to_hf(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-        return TRANSFORMS[self.transform][1](tuple(state[k] for k in self.ours), cfg)
-
-
-def R(hf: str, *ours: str, transform: str = "copy") -> Rule:
-    return Rule(hf, ours, transform)
-
+from .transforms import R, Rule
 
 # ----------------------------------------------------------------------------- families
 
@@ -265,9 +171,12 @@ def _qwen2_from_hf(hf: dict) -> ModelConfig:
 def _rope_fields(cfg: ModelConfig) -> dict:
     """Both spellings: transformers < 5 reads rope_theta/rope_scaling, >= 5 reads rope_parameters
     (and converts the old spelling too); an older reader ignores the newer key."""
-    params = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": float(cfg.rope_theta)}
-    params.pop("type", None)
-    return {"rope_theta": float(cfg.rope_theta), "rope_scaling": cfg.rope_scaling, "rope_parameters": params}
+    scaling = None
+    if cfg.rope_scaling is not None:
+        scaling = {k: v for k, v in cfg.rope_scaling.items() if k != "type"}
+        scaling["rope_type"] = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))  # old configs say "type"
+    params = {"rope_type": "default", **(scaling or {}), "rope_theta": float(cfg.rope_theta)}
+    return {"rope_theta": float(cfg.rope_theta), "rope_scaling": scaling, "rope_parameters": params}
 
 
 def _llama_like_to_hf(cfg: ModelConfig, model_type: str, arch: str) -> dict:

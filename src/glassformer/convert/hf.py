@@ -22,7 +22,8 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .families import Family, Rule, family_for, family_named
+from .families import Family, family_for, family_named
+from .transforms import Rule
 
 SAFE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"

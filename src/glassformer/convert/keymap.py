@@ -48,34 +48,28 @@ def hf_to_ours_key(key: str) -> str | None:
 
 def hf_rope(hf: dict[str, Any]) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from a config.json of either era: transformers < 5 writes
-    `rope_theta` and `rope_scaling`, transformers >= 5 one `rope_parameters` dict."""
+    `rope_theta` and `rope_scaling`, transformers >= 5 one `rope_parameters` dict.
+    A scaling whose type is 'default' is plain RoPE and comes back as None."""
     params = dict(hf.get("rope_parameters") or {})
-    theta = float(hf.get("rope_theta", params.pop("rope_theta", 10000.0)))
+    theta = float(hf.get("rope_theta") or params.pop("rope_theta", None) or 10000.0)
     params.pop("rope_theta", None)
-    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    return theta, (dict(scaling) if scaling else None)
+    scaling = dict(hf.get("rope_scaling") or params)
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return theta, None
+    return theta, scaling
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from any supported Hugging Face config.json dict (llama, mistral, qwen2, gpt2),
+    refusing by name what glassformer cannot express."""
+    from .families import family_named
+
+    return family_named(hf.get("model_type")).config_from_hf(hf)
 
 
 def config_from_hf_llama(hf: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from a Hugging Face Llama-family config.json dict."""
-    n_heads = hf["num_attention_heads"]
-    rope_theta, rope_scaling = hf_rope(hf)
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        ffn_dim=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=bool(hf.get("attention_bias", False)),
-        sliding_window=hf.get("sliding_window"),
-    )
+    """ModelConfig from a Hugging Face Llama-family config.json dict (model_type llama if absent)."""
+    return config_from_hf({"model_type": "llama", **hf})
 
 
 def llama_state_from_hf(hf_state: dict, config: ModelConfig) -> dict:

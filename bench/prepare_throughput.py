@@ -1,0 +1,233 @@
+"""Prepare throughput: `glassformer prepare` against raw `tokenizers` batch encoding, side by side.
+
+1. The embedded Shakespeare corpus (~9.5 MB): one tokenizer (trained here on the training
+   split) encodes the same documents three ways, interleaved over several rounds:
+     raw encode_batch       tokenizers' Tokenizer.encode_batch(docs), ids collected
+     raw encode_batch_fast  the same without offsets (the fastest path tokenizers offers)
+     prepare                glassformer.data.prepare(): read, decode, cut, encode, write
+                            train.bin/val.bin/meta.json, fsync, rename
+   Overhead = median over rounds of prepare's time / encode_batch_fast's time, minus 1
+   (target: at most 10%), in wall time and in CPU time (the machine may be shared).
+   Machine limits from the same run: how many of the cores each path keeps busy (CPU
+   seconds / wall seconds), one thread's encode speed, sequential write+fsync bandwidth.
+2. Bounded memory: synthetic corpora of growing size (Shakespeare's lines reshuffled into
+   one file), each prepared in a fresh process reusing the tokenizer; peak RSS should stay
+   flat as the corpus grows. One more run trains the tokenizer on the largest corpus.
+
+    python bench/prepare_throughput.py [--rounds 6] [--synthetic-mb 8,32]
+    python bench/prepare_throughput.py --synthetic-mb 1024   # the full 1 GB run (slow on 2 cores)
+
+Prints a table and writes bench/results/prepare_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from glassformer.corpus import default_corpus, read_text  # noqa: E402
+from glassformer.data import prepare  # noqa: E402
+from glassformer.tokenizer import Tokenizer  # noqa: E402
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process, all threads (tokenizers' worker threads included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def timed_cpu(fn):
+    t, c = time.perf_counter(), cpu_seconds()
+    out = fn()
+    return time.perf_counter() - t, cpu_seconds() - c, out
+
+
+def write_bandwidth(folder: Path, mb: int = 64) -> float:
+    """Sequential write + fsync, MB/s."""
+    data = os.urandom(1 << 20)
+    path = folder / "bw.bin"
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(mb):
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t
+    path.unlink()
+    return mb / dt
+
+
+def synthetic_corpus(path: Path, mb: int, lines: list[str], seed: int = 0) -> int:
+    """Shakespeare's lines in random order (with random line numbers mixed in) until mb MB."""
+    rng = random.Random(seed)
+    target, n = mb * 1_000_000, 0
+    with open(path, "w", encoding="utf-8") as f:
+        while n < target:
+            block = "".join(f"{rng.choice(lines)} {rng.randrange(10**6)}\n" for _ in range(20000))
+            f.write(block)
+            n += len(block.encode("utf-8"))
+    return n
+
+
+CHILD = """
+import sys
+from glassformer.cli import main
+rc = main(sys.argv[1:])
+# VmHWM: this process's own peak resident memory (ru_maxrss would include the parent's, inherited at fork)
+hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")][0].split()[1]
+print("VmHWM_kB", hwm, file=sys.stderr)
+sys.exit(rc)
+"""
+
+
+def run_child(argv: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in MB) of `glassformer ...` in a fresh process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", CHILD, *argv], env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True)
+    dt = time.perf_counter() - t
+    if r.returncode != 0:
+        raise SystemExit(f"child failed: {r.stderr[-500:]}")
+    hwm = [ln for ln in r.stderr.splitlines() if ln.startswith("VmHWM_kB")][-1].split()[1]
+    return dt, int(hwm) / 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--vocab-size", type=int, default=2048)
+    ap.add_argument("--synthetic-mb", default="8,32", help="comma-separated sizes; empty to skip")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "prepare_throughput.json"))
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="gf-prepare-bench-"))
+    try:
+        corpus = default_corpus()
+        docs = corpus.train + corpus.val
+        texts = [read_text(d) for d in docs]
+        mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+        train_s, tok = timed(lambda: Tokenizer.train(iter([read_text(d) for d in corpus.train]), args.vocab_size))
+        tk = tok.tk
+
+        # Machine limits in this run: one thread's encode speed, cores, disk.
+        one_s, _ = timed(lambda: [tk.encode(t, add_special_tokens=False).ids for t in texts[:8]])
+        one_mbps = sum(len(t.encode()) for t in texts[:8]) / 1e6 / one_s
+        cores = os.cpu_count() or 1
+        disk_mbps = write_bandwidth(work)
+
+        names = ("raw encode_batch", "raw encode_batch_fast", "prepare (encode + write)")
+        times = {k: [] for k in names}
+        cpu = {k: [] for k in names}
+        ref_tokens = None
+        def run_path(k: str, r: int):
+            nonlocal ref_tokens
+            if k == names[0]:
+                return timed_cpu(lambda: len([e.ids for e in tk.encode_batch(texts, add_special_tokens=False)]))
+            if k == names[1]:
+                dt, dc, ids = timed_cpu(lambda: [e.ids for e in tk.encode_batch_fast(texts, add_special_tokens=False)])
+                ref_tokens = sum(len(i) for i in ids) + len(docs)  # + one end-of-text per document
+                return dt, dc, None
+            out = work / f"prep{r}"
+            dt, dc, meta = timed_cpu(lambda: prepare(corpus, out, tokenizer=tok, show_progress=False))
+            assert meta["train_tokens"] + meta["val_tokens"] == ref_tokens, "prepare and raw encoding disagree"
+            shutil.rmtree(out)
+            return dt, dc, None
+
+        # Interleaved rounds in alternating order, so a change in the machine's load (it is
+        # shared) hits both sides; the overhead is the median of each round's ratio.
+        for r in range(args.rounds):
+            order = [names[1], names[2], names[0]] if r % 2 == 0 else [names[2], names[1], names[0]]
+            for k in order:
+                dt, dc, _ = run_path(k, r)
+                times[k].append(dt)
+                cpu[k].append(dc)
+        full_s, _ = timed(lambda: prepare(corpus, work / "full", vocab_size=args.vocab_size, show_progress=False))
+
+        best = {k: min(v) for k, v in times.items()}
+        fastest = names[1]
+        ratio = {k: statistics.median(a / b for a, b in zip(times[k], times[fastest])) for k in names}
+        cpu_ratio = {k: statistics.median(a / b for a, b in zip(cpu[k], cpu[fastest])) for k in names}
+        print(f"default corpus: {mb:.2f} MB, {ref_tokens:,} tokens, vocabulary {tok.vocab_size}, "
+              f"{cores} CPU cores, {args.rounds} interleaved rounds")
+        print(f"{'path':<28} {'MB/s best':>10} {'MB/s median':>12} {'wall / raw fast':>16} {'CPU s':>6} {'CPU / raw fast':>15}")
+        for k in names:
+            print(f"{k:<28} {mb / best[k]:>10.2f} {mb / statistics.median(times[k]):>12.2f} {ratio[k]:>16.3f} "
+                  f"{statistics.median(cpu[k]):>6.2f} {cpu_ratio[k]:>15.3f}")
+        overhead, cpu_overhead = ratio[names[2]] - 1, cpu_ratio[names[2]] - 1
+        print(f"prepare overhead over raw encode_batch_fast (median of per-round ratios): wall {overhead:+.1%}, "
+              f"CPU time {cpu_overhead:+.1%} (target <= +10%)")
+        print(f"tokenizer training on the training split: {mb * 0.91 / train_s:.2f} MB/s ({train_s:.1f} s); "
+              f"prepare with training, end to end: {mb / full_s:.2f} MB/s ({full_s:.1f} s)")
+        busy = {k: statistics.median(c / t for c, t in zip(cpu[k], times[k])) for k in names}
+        print(f"machine limits: cores kept busy (CPU s / wall s, median) raw fast {busy[names[1]]:.2f}, "
+              f"prepare {busy[names[2]]:.2f} of {cores}; one thread alone encodes {one_mbps:.2f} MB/s; "
+              f"write+fsync {disk_mbps:.0f} MB/s (prepare writes {2 * ref_tokens / 1e6 / best[names[2]]:.2f} MB/s of ids)")
+
+        # Bounded memory on synthetic corpora, each in a fresh process.
+        lines = [ln for t in texts for ln in t.splitlines() if ln.strip()]
+        tok_path = work / "full" / "tokenizer.json"
+        synth = []
+        sizes = [int(s) for s in args.synthetic_mb.split(",") if s.strip()]
+        for size in sizes:
+            path = work / f"synthetic-{size}mb.txt"
+            nbytes = synthetic_corpus(path, size, lines)
+            dt, rss = run_child(["prepare", "--corpus", str(path), "--tokenizer", str(tok_path), "--out", str(work / "s")])
+            synth.append({"mb": nbytes / 1e6, "mode": "reuse tokenizer", "seconds": dt, "mb_per_s": nbytes / 1e6 / dt,
+                          "peak_rss_mb": rss})
+            shutil.rmtree(work / "s")
+            if size == max(sizes):
+                dt, rss = run_child(["prepare", "--corpus", str(path), "--vocab-size", str(args.vocab_size),
+                                     "--out", str(work / "s")])
+                synth.append({"mb": nbytes / 1e6, "mode": "train tokenizer", "seconds": dt,
+                              "mb_per_s": nbytes / 1e6 / dt, "peak_rss_mb": rss})
+                shutil.rmtree(work / "s")
+            path.unlink()
+        if synth:
+            print(f"\n{'synthetic corpus':>16} {'mode':<16} {'seconds':>8} {'MB/s':>6} {'peak RSS MB':>12}")
+            for s in synth:
+                print(f"{s['mb']:>13.0f} MB {s['mode']:<16} {s['seconds']:>8.1f} {s['mb_per_s']:>6.2f} {s['peak_rss_mb']:>12.0f}")
+            reuse = [s for s in synth if s["mode"] == "reuse tokenizer"]
+            rate = statistics.median(s["mb_per_s"] for s in reuse)
+            print(f"extrapolated 1 GB (1000 MB) with a given tokenizer: {1000 / rate / 60:.0f} min at {rate:.2f} MB/s, "
+                  f"peak RSS about {max(s['peak_rss_mb'] for s in reuse):.0f} MB (flat in corpus size)")
+
+        result = {
+            "machine": {"cpu_cores": cores, "one_thread_encode_mb_per_s": one_mbps, "write_fsync_mb_per_s": disk_mbps,
+                        "cores_busy_median": busy, "load_average_1min_at_end": os.getloadavg()[0]},
+            "default_corpus": {"mb": mb, "tokens": ref_tokens, "vocab_size": tok.vocab_size, "rounds": args.rounds,
+                               "seconds": times, "cpu_seconds": cpu, "best_mb_per_s": {k: mb / v for k, v in best.items()},
+                               "median_wall_ratio_vs_encode_batch_fast": ratio, "median_cpu_ratio_vs_encode_batch_fast": cpu_ratio,
+                               "overhead_vs_fastest_raw": overhead, "cpu_overhead_vs_fastest_raw": cpu_overhead, "train_tokenizer_seconds": train_s,
+                               "prepare_with_training_seconds": full_s},
+            "synthetic": synth,
+            "command": "python bench/prepare_throughput.py " + " ".join(sys.argv[1:]),
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {Path(args.out).relative_to(ROOT) if Path(args.out).is_relative_to(ROOT) else args.out}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Forward FLOPs by part: matrix products only, 2 FLOPs per multiply-add.
+
+Over a batch of B rows of T tokens (design.md, MHA case):
+    C = L(8BTD² + 4BT²D + 6BTDF) + 2BTDV
+generalised here to GQA and head_dim ≠ D/N (Q and O are D·N·H, K and V are D·K·H each),
+two-matrix FFNs (4BTDF instead of 6BTDF) and any kernel's share of the T×T score grid.
+Norms, softmax, RoPE and residual additions are elementwise: O(BTD) against the O(BTD²)
+products, left out, as torch.utils.flop_counter.FlopCounterMode leaves them out. Biases
+are additions too (FlopCounterMode counts `addmm` as its product only).
+
+The score terms: QKᵀ costs 2·B·N·Tq·Tk·H and weights·V the same again. Which (query, key)
+pairs a kernel computes depends on the kernel, not the mask:
+  - naive computes the full grid, T² pairs, masked or not, whatever the sliding window;
+  - tiled computes every tile that is not fully masked: about half the grid when causal,
+    and a band about (window + tile) wide with a sliding window;
+  - "causal" counts only the pairs the mask lets through (T(T+1)/2, or about T·W with a
+    window): the least work any exact kernel can do.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..config import ModelConfig
+from .params import ffn_matrices
+
+KERNELS = ("naive", "tiled", "sdpa")
+
+
+def causal_pairs(T: int, window: int | None = None) -> int:
+    """(query, key) pairs the causal (and sliding-window) mask lets through for T tokens from position 0.
+
+    >>> causal_pairs(4), causal_pairs(4, window=2)
+    (10, 7)
+    """
+    if window is None or window >= T:
+        return T * (T + 1) // 2
+    # The first W queries see 1..W keys; each later one sees exactly W.
+    return window * (window + 1) // 2 + (T - window) * window
+
+
+def tiled_pairs(T: int, tile: int, window: int | None = None) -> dict[str, int]:
+    """Pairs (and tiles) that the tiled kernel computes for T tokens from position 0.
+
+    Mirrors attention/tiled.py's `_tile_is_hidden`: a (query tile, key tile) block is
+    skipped when every key lies after every query, or has slid out of every query's window.
+    Whole tiles are computed, so the diagonal tiles are computed in full (masked inside).
+
+    >>> p = tiled_pairs(4, tile=2)  # the walkthrough: 3 of 4 tiles computed, 12 of 16 pairs
+    >>> p["pairs"], p["tiles"], p["tiles_skipped"]
+    (12, 3, 1)
+    """
+    n_tiles = math.ceil(T / tile)
+    pairs = tiles = rows = cols = 0
+    for qi in range(n_tiles):
+        q_lo, q_hi = qi * tile, min((qi + 1) * tile, T) - 1
+        j_hi = q_hi // tile  # last key tile that starts at or before the last query
+        j_lo = 0
+        if window is not None:  # first key tile whose last key is still inside q_lo's window
+            j_lo = max(0, math.ceil((q_lo - window + 2) / tile) - 1)
+        tq, width = q_hi - q_lo + 1, min((j_hi + 1) * tile, T) - j_lo * tile
+        tiles += j_hi - j_lo + 1
+        pairs += tq * width
+        rows += tq * (j_hi - j_lo + 1)  # query rows summed over computed tiles
+        cols += width  # key columns summed over computed tiles
+    return {"pairs": pairs, "tiles": tiles, "tiles_skipped": n_tiles * n_tiles - tiles,
+            "pairs_skipped": T * T - pairs, "rows": rows, "cols": cols}
+
+
+def score_pairs(cfg: ModelConfig, T: int, kernel: str) -> int:
+    """(query, key) pairs per head per row whose scores `kernel` computes in a forward over T tokens.
+
+    sdpa is counted as the full grid: that is what FlopCounterMode's formula for the fused
+    kernels counts on a GPU (on the CPU it counts nothing). Real flash kernels skip masked
+    blocks as the tiled one does.
+    """
+    if kernel == "tiled":
+        return tiled_pairs(T, cfg.attention_tile, cfg.sliding_window)["pairs"]
+    if kernel == "causal":
+        return causal_pairs(T, cfg.sliding_window)
+    if kernel in ("naive", "sdpa"):
+        return T * T
+    raise ValueError(f"unknown kernel {kernel!r}; choose one of: naive, tiled, sdpa, causal")
+
+
+def forward_flops(cfg: ModelConfig, B: int, T: int, kernel: str = "naive") -> dict[str, int]:
+    """FLOPs of the matrix products of one forward over (B, T), by part, with 'total'.
+
+    kernel chooses how many score pairs are counted (see score_pairs); 'naive' is the
+    full T×T grid, the figure FlopCounterMode gives on the naive kernel.
+    """
+    L, D, F, V = cfg.n_layers, cfg.dim, cfg.ffn_dim, cfg.vocab_size
+    NH, KH, BT = cfg.q_dim, cfg.kv_dim, B * T
+    pairs = score_pairs(cfg, T, kernel)
+    parts = {
+        "attn_qkv": L * 2 * BT * D * (NH + 2 * KH),
+        "attn_o": L * 2 * BT * NH * D,
+        "attn_scores": L * 2 * B * pairs * NH,  # QKᵀ: each pair is an H-long dot product, for N heads
+        "attn_values": L * 2 * B * pairs * NH,  # weights · V: the same shape of product
+        "ffn": L * 2 * ffn_matrices(cfg) * BT * D * F,
+        "lm_head": 2 * BT * D * V,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def train_step_flops(forward_total: int) -> int:
+    """A training step ≈ 3 forwards: each product Y = XW needs two more in backward,
+    dX = dY·Wᵀ and dW = Xᵀ·dY, of the same size (Kaplan et al., 2020, section 2.1)."""
+    return 3 * forward_total
+
+
+def decode_flops(cfg: ModelConfig, context: int) -> int:
+    """FLOPs of the matrix products to decode one token that reads `context` cached positions."""
+    f = forward_flops(cfg, 1, 1)
+    per_pair = 4 * cfg.n_layers * cfg.q_dim  # scores and values, all layers, one key
+    return f["total"] - f["attn_scores"] - f["attn_values"] + per_pair * context
+
+
+def crossover_seq(cfg: ModelConfig, kernel: str = "naive") -> int | None:
+    """Smallest T at which a layer's score FLOPs reach its feed-forward FLOPs.
+
+    Full grid (naive): 4·N·H·T² ≥ 2·m·D·F·T, so T = m·D·F / (2·N·H): 1.5·F for MHA SwiGLU.
+    Causal pairs only: about twice that. With a sliding window W, each query reads at most W
+    keys, so if W is below that point the scores never overtake the FFN: None.
+    """
+    m, NH = ffn_matrices(cfg), cfg.q_dim
+    if kernel in ("naive", "sdpa"):
+        return math.ceil(m * cfg.dim * cfg.ffn_dim / (2 * NH))
+    ffn_per_token = 2 * m * cfg.dim * cfg.ffn_dim
+    hi = 4 * math.ceil(m * cfg.dim * cfg.ffn_dim / NH) + 4 * cfg.attention_tile + 4
+
+    def scores_win(T: int) -> bool:
+        return 4 * NH * score_pairs(cfg, T, kernel) >= ffn_per_token * T
+
+    if not scores_win(hi):
+        return None
+    lo = 1  # binary search: pairs/T grows with T (up to the window)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if scores_win(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -1,0 +1,177 @@
+"""Memory: activations saved for backward, training memory, KV cache, the largest batch.
+
+Activations are counted the way this code base's model saves them (measured with
+torch.autograd.graph.saved_tensors_hooks, tensors deduplicated by storage), not a
+textbook model. design.md's A ≈ L(8BTD + 4BTF + 2BNT²) + BTD + 2BTV is the same count
+in round numbers; here, per layer and kernel:
+
+  norms        RMSNorm saves its input, the normalised x and 1/rms (2·BTD + BT);
+               LayerNorm its input, mean and 1/std (BTD + 2·BT)
+  linear_in    the inputs of the Q/K/V and of the FFN's first products (2·BTD)
+  attn_z       the heads' output, input of O (B·T·N·H)
+  attn_kernel  naive: contiguous copies of q, k, v for its einsums (BT(NH + 2KH)) and
+               two T×T grids per head (the softmax output and the masked weights that
+               multiply V): 2·B·N·T², plus a bool mask of B·T² bytes;
+               sdpa: q, k, v and the log-sum-exp (B·N·T): no grid. With a sliding window
+               it is given a mask, kept as a B·T² float, and its raw output (B·T·N·H);
+               tiled: in plain PyTorch autograd the online softmax does NOT save memory:
+               every computed tile keeps its scores and exp-weights (2·B·N·tq·tk), copies
+               of its q, k, v slices and the running o and statistics, so it stores about
+               the computed half of the grid twice over. FlashAttention's saving comes
+               from recomputing the tiles in backward, which this kernel does not do.
+  ffn          SwiGLU: gate, up, silu(gate), their product (4·BTF); GELU: input and
+               output (2·BTF); ReLU: output only (BTF)
+and once: the final norm, the LM head's input (BTD), the log-softmax of the loss in fp32
+(BTV) and RoPE's cos and sin (B·T·H, fp32). With dropout > 0, each of its 2L + 1 sites
+keeps its noise (BTD).
+
+Bytes: most tensors are in the training dtype, but RMSNorm's input copy and 1/rms, RoPE's
+angles, softmax statistics and the loss's log-probabilities are fp32 whatever the dtype.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .flops import tiled_pairs
+from .params import num_weights
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZERS = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per weight (AdamW: m and v)
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(BYTES)}; got {dtype!r}")
+    return BYTES[dtype]
+
+
+def _norm(cfg: ModelConfig, BT: int) -> tuple[int, int]:
+    """(elements in the training dtype, elements in fp32) that one norm saves."""
+    D = cfg.dim
+    if cfg.norm == "rms":
+        return BT * D, BT * D + BT  # normalised x; the fp32 input copy and 1/rms
+    return BT * D, 2 * BT  # LayerNorm: the input; mean and 1/std
+
+
+def _kernel(cfg: ModelConfig, B: int, T: int, kernel: str) -> tuple[int, int, int]:
+    """(dtype elements, fp32 elements, bool bytes) one attention kernel saves in one layer."""
+    N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv = B * T * (N + 2 * K) * H
+    if kernel == "naive":
+        return qkv + 2 * B * N * T * T, 0, B * T * T
+    if kernel == "sdpa":
+        lse = B * N * T
+        if cfg.sliding_window is None:  # plain causal: is_causal, no mask tensor
+            return qkv, lse, 0
+        return qkv + B * T * T + B * T * N * H + B * T, lse, 0
+    if kernel == "tiled":
+        p = tiled_pairs(T, cfg.attention_tile, cfg.sliding_window)
+        per_tile = (
+            2 * B * N * p["pairs"]  # scores (for the running max) and exp-weights of every computed tile
+            + B * N * H * p["rows"] * 2  # a copy of the q slice, and the running o before each update
+            + 2 * B * K * H * p["cols"]  # copies of the k and v slices
+            + 4 * B * N * p["rows"]  # running max, alpha, l and the new max per query row
+        )
+        per_q_tile = B * N * T * H + 2 * B * N * T  # the final o / l division
+        return per_tile + per_q_tile, 0, B * p["pairs"]
+    raise ValueError(f"unknown attention kernel {kernel!r}; choose one of: naive, tiled, sdpa")
+
+
+def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> dict[str, int]:
+    """Elements autograd saves for backward in one training forward over (B, T), by part.
+
+    Keys: the parts (elements), 'total' (elements, all floating point), 'fp32' (how many
+    of them are kept in fp32 whatever the dtype) and 'mask_bytes' (bool masks).
+    """
+    kernel = cfg.attention if kernel is None else kernel
+    L, D, F, V = cfg.n_layers, cfg.dim, cfg.ffn_dim, cfg.vocab_size
+    BT = B * T
+    n_act, n_32 = _norm(cfg, BT)
+    k_act, k_32, k_mask = _kernel(cfg, B, T, kernel)
+    ffn_saved = {"swiglu": 4, "gelu": 2, "gelu_tanh": 2, "relu": 1}[cfg.ffn]
+    parts_act = {  # in the training dtype
+        "norms": (2 * L + 1) * n_act,
+        "linear_in": (2 * L + 1) * BT * D,
+        "attn_z": L * BT * cfg.q_dim,
+        "attn_kernel": L * k_act,
+        "ffn": L * ffn_saved * BT * F,
+        # Dropout keeps its noise per site (the embedding and both sublayers of every block):
+        # a float tensor on the CPU; CUDA's fused dropout keeps a bool mask instead (1 byte).
+        "dropout": (2 * L + 1) * BT * D if cfg.dropout > 0 else 0,
+    }
+    parts_32 = {  # fp32 whatever the dtype
+        "norms": (2 * L + 1) * n_32,
+        "attn_kernel": L * k_32,
+        "logits": BT * V,
+        "rope": BT * cfg.head_dim if cfg.pos == "rope" else 0,
+    }
+    order = ("norms", "linear_in", "attn_z", "attn_kernel", "ffn", "dropout", "logits", "rope")
+    parts = {k: parts_act.get(k, 0) + parts_32.get(k, 0) for k in order}
+    parts["total"] = sum(parts.values())
+    parts["fp32"] = sum(parts_32.values())
+    parts["mask_bytes"] = L * k_mask
+    return parts
+
+
+def activation_bytes(cfg: ModelConfig, B: int, T: int, dtype: str = "fp32", kernel: str | None = None) -> int:
+    """Bytes of the saved activations: dtype-sized elements, fp32 ones, and bool masks."""
+    a = activations(cfg, B, T, kernel)
+    return (a["total"] - a["fp32"]) * dtype_bytes(dtype) + 4 * a["fp32"] + a["mask_bytes"]
+
+
+def train_memory(
+    cfg: ModelConfig, B: int, T: int, dtype: str = "fp32", kernel: str | None = None,
+    optimizer: str = "adamw", master_weights: bool | None = None,
+) -> dict[str, int]:
+    """Bytes held during a training step, by part, with 'total'.
+
+    fp32: weights, gradients and AdamW's two moments, 4 bytes each: 16 bytes per weight.
+    bf16/fp16 (mixed precision, master_weights=True, the default): 2-byte weights and
+    gradients, an fp32 master copy and fp32 moments: again 16 bytes per weight (Rajbhandari
+    et al., 2020, "ZeRO", section 3.1). master_weights=False: everything in the dtype, as
+    when a bf16 model is trained directly with torch.optim.AdamW (8 bytes per weight).
+    Not counted: temporaries of the backward pass, the allocator's slack, the CUDA context.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
+    P, nb = num_weights(cfg), dtype_bytes(dtype)
+    master = dtype != "fp32" if master_weights is None else (master_weights and dtype != "fp32")
+    state_bytes = 4 if master or dtype == "fp32" else nb
+    parts = {
+        "weights": P * nb,
+        "grads": P * nb,
+        "master_weights": P * 4 if master else 0,
+        "optimizer": P * OPTIMIZERS[optimizer] * state_bytes,
+        "activations": activation_bytes(cfg, B, T, dtype, kernel),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
+    """2 (k and v) · L · K · H numbers per token. Llama 3 8B in bf16: 2·32·8·128·2 = 131,072 bytes."""
+    return 2 * cfg.n_layers * cfg.kv_dim * dtype_bytes(dtype)
+
+
+def kv_cache_bytes(cfg: ModelConfig, tokens: int, batch: int = 1, dtype: str = "bf16") -> int:
+    """Bytes of a cache holding `tokens` positions for each of `batch` rows (Llama 3 8B: 1 GiB at 8192)."""
+    return batch * tokens * kv_cache_bytes_per_token(cfg, dtype)
+
+
+def max_batch(memory_bytes: int, fixed_bytes: int, bytes_per_row: int) -> int:
+    """Largest B with fixed + B·per_row ≤ memory (0 when not even one row fits)."""
+    if bytes_per_row <= 0:
+        raise ValueError("bytes_per_row must be positive")
+    return max(0, (memory_bytes - fixed_bytes) // bytes_per_row)
+
+
+def max_train_batch(cfg: ModelConfig, T: int, memory_bytes: int, dtype: str = "fp32", kernel: str | None = None,
+                    optimizer: str = "adamw", master_weights: bool | None = None) -> int:
+    """Largest batch of T-token rows whose training step fits in memory_bytes (activations grow with B)."""
+    one = train_memory(cfg, 1, T, dtype, kernel, optimizer, master_weights)
+    return max_batch(memory_bytes, one["total"] - one["activations"], one["activations"])
+
+
+def max_inference_batch(cfg: ModelConfig, T: int, memory_bytes: int, dtype: str = "bf16") -> int:
+    """Largest batch that can generate up to T tokens each: weights plus a T-position KV cache per row."""
+    return max_batch(memory_bytes, num_weights(cfg) * dtype_bytes(dtype), kv_cache_bytes(cfg, T, 1, dtype))

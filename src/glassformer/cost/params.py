@@ -1,0 +1,69 @@
+"""Weights by part: what `Transformer(cfg)` allocates, counted from the config alone.
+
+For MHA without tying or biases this is design.md's P = L(4D² + 3·D·F + 2D) + D + 2VD;
+here every switch is counted: GQA (Q is D·N·H, K and V are D·K·H each, O is N·H·D),
+head_dim ≠ D/N, SwiGLU's three matrices against two for ReLU/GELU, biases (`bias`
+everywhere, `qkv_bias` on Q/K/V only), RMSNorm (a weight) or LayerNorm (weight, and a
+bias when `bias`), learned positions (max_seq_len·D), tying (one V·D less).
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+
+
+def ffn_matrices(cfg: ModelConfig) -> int:
+    """3 for SwiGLU (up, gate, down), 2 for ReLU/GELU (up, down)."""
+    return 3 if cfg.ffn == "swiglu" else 2
+
+
+def norm_weights(cfg: ModelConfig) -> int:
+    """Weights in one norm over D: a gain γ, plus a bias β when cfg.bias (RMSNorm or LayerNorm alike)."""
+    return cfg.dim * (2 if cfg.bias else 1)
+
+
+def layer_weights(cfg: ModelConfig) -> dict[str, int]:
+    """Weights of one block, by part (every block is the same)."""
+    D, F, NH, KH = cfg.dim, cfg.ffn_dim, cfg.q_dim, cfg.kv_dim
+    m = ffn_matrices(cfg)
+    qkv_bias = cfg.bias or cfg.qkv_bias
+    return {
+        "attn_q": D * NH,
+        "attn_k": D * KH,
+        "attn_v": D * KH,
+        "attn_o": NH * D,
+        "attn_bias": (NH + 2 * KH if qkv_bias else 0) + (D if cfg.bias else 0),
+        "ffn": m * D * F,
+        # up (and gate) biases are F wide, down's is D wide
+        "ffn_bias": ((m - 1) * F + D) if cfg.bias else 0,
+        "norms": 2 * norm_weights(cfg),
+    }
+
+
+def weights(cfg: ModelConfig) -> dict[str, int]:
+    """Every weight of the model by part, summed over layers, with 'total' and 'non_embedding'.
+
+    >>> weights(ModelConfig.from_preset("llama3-8b"))["total"]
+    8030261248
+    """
+    L, D, V = cfg.n_layers, cfg.dim, cfg.vocab_size
+    per = layer_weights(cfg)
+    parts = {
+        "embedding": V * D,
+        "positions": cfg.max_seq_len * D if cfg.pos == "learned" else 0,
+        **{k: L * v for k, v in per.items()},
+        "final_norm": norm_weights(cfg),
+        # A tied head is the embedding matrix itself: no weights of its own.
+        "lm_head": 0 if cfg.tie_embeddings else V * D,
+    }
+    parts["norms"] += parts.pop("final_norm")
+    total = sum(parts.values())
+    # nanoGPT's convention: token and position tables are lookups, not matrix products.
+    parts["total"] = total
+    parts["non_embedding"] = total - parts["embedding"] - parts["positions"]
+    return parts
+
+
+def num_weights(cfg: ModelConfig) -> int:
+    """The total: equals `Transformer(cfg).num_params()` (tied matrices once)."""
+    return weights(cfg)["total"]

@@ -1,0 +1,170 @@
+"""One call that prices a model: `estimate(cfg, ...)` -> the dict `glassformer cost --json` prints."""
+
+from __future__ import annotations
+
+import math
+
+from ..config import ModelConfig
+from . import flops as fl
+from . import memory as mem
+from .hardware import get_hardware, parse_bytes
+from .params import weights
+
+CHINCHILLA_TOKENS_PER_WEIGHT = 20  # Hoffmann et al., 2022: compute-optimal training data
+
+
+def estimate(
+    cfg: ModelConfig,
+    batch: int = 1,
+    seq: int | None = None,
+    dtype: str | None = None,
+    hardware: str = "h100",
+    mfu: float = 0.4,
+    tokens: int | None = None,
+    steps: int | None = None,
+    memory: int | str | None = None,
+    attention: str | None = None,
+    optimizer: str = "adamw",
+    master_weights: bool | None = None,
+) -> dict:
+    """Every cost of `cfg` for a batch of `batch` rows of `seq` tokens; see docs/cost.md for each key.
+
+    seq defaults to the model's context, dtype to bf16 on a GPU and fp32 on the CPU,
+    memory to the hardware's, attention to the config's kernel, tokens to 20 per weight.
+    """
+    T = cfg.max_seq_len if seq is None else int(seq)
+    B = int(batch)
+    if B < 1 or T < 1:
+        raise ValueError(f"batch and seq must be positive, got batch={B}, seq={T}")
+    if T > cfg.max_seq_len:
+        raise ValueError(f"seq {T} exceeds the model's context of {cfg.max_seq_len} tokens: choose --seq <= {cfg.max_seq_len}")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    kernel = cfg.attention if attention is None else attention
+    if kernel not in fl.KERNELS:
+        raise ValueError(f"attention must be one of {', '.join(fl.KERNELS)}; got {kernel!r}")
+    hw = get_hardware(hardware)
+    dtype = ("fp32" if hardware == "cpu" else "bf16") if dtype is None else dtype
+    mem.dtype_bytes(dtype)  # validates
+    mem_bytes = hw.memory_bytes if memory is None else parse_bytes(memory)
+
+    w = weights(cfg)
+    P = w["total"]
+    fwd = fl.forward_flops(cfg, B, T, "naive")
+    no_scores = fwd["total"] - fwd["attn_scores"] - fwd["attn_values"]
+    tiles = fl.tiled_pairs(T, cfg.attention_tile, cfg.sliding_window)
+    score_flops = {k: 4 * cfg.n_layers * B * cfg.q_dim * fl.score_pairs(cfg, T, k) for k in ("naive", "tiled", "causal")}
+    act = mem.activations(cfg, B, T, kernel)
+    train = mem.train_memory(cfg, B, T, dtype, kernel, optimizer, master_weights)
+    step_flops = fl.train_step_flops(fwd["total"])
+
+    if tokens is not None and steps is not None:
+        raise ValueError("give --tokens or --steps, not both")
+    if steps is None:
+        tokens = CHINCHILLA_TOKENS_PER_WEIGHT * P if tokens is None else int(tokens)
+        steps = math.ceil(tokens / (B * T))
+    tokens = steps * B * T
+    peak = hw.peak(dtype)
+    kv_tok = mem.kv_cache_bytes_per_token(cfg, dtype)
+    decode_bytes = P * mem.dtype_bytes(dtype) + kv_tok * T  # weights and the whole cache are read per token
+    return {
+        "config": cfg.to_dict(),
+        "inputs": {"batch": B, "seq": T, "dtype": dtype, "attention": kernel, "hardware": hw.name,
+                   "mfu": mfu, "optimizer": optimizer, "memory_bytes": mem_bytes},
+        "params": P,
+        "params_non_embedding": w["non_embedding"],
+        "params_by_part": {k: v for k, v in w.items() if k not in ("total", "non_embedding")},
+        "flops_forward": fwd["total"],
+        "flops_forward_by_part": {k: v for k, v in fwd.items() if k != "total"},
+        "flops_forward_no_scores": no_scores,
+        "flops_per_token": fwd["total"] / (B * T),
+        "flops_per_token_no_scores": no_scores / (B * T),
+        "flops_scores": score_flops,
+        "tiled_tiles": {"tile": cfg.attention_tile, "computed": tiles["tiles"], "skipped": tiles["tiles_skipped"],
+                        "flops_skipped": score_flops["naive"] - score_flops["tiled"]},
+        "flops_train_step": step_flops,
+        "crossover_seq": fl.crossover_seq(cfg, "naive"),
+        "crossover_seq_causal": fl.crossover_seq(cfg, "causal"),
+        "activations": act["total"],
+        "activations_by_part": {k: v for k, v in act.items() if k != "total"},
+        "activation_bytes": train["activations"],
+        "train_memory_bytes": train["total"],
+        "train_memory_by_part": {k: v for k, v in train.items() if k != "total"},
+        "kv_cache_bytes_per_token": kv_tok,
+        "kv_cache_numbers_per_token_per_layer": 2 * cfg.kv_dim,
+        "kv_cache_bytes": mem.kv_cache_bytes(cfg, T, B, dtype),
+        "train_tokens": tokens,
+        "train_steps": steps,
+        "train_flops": step_flops * steps,
+        "peak_flops": peak,
+        "train_time_seconds": step_flops * steps / (mfu * peak),
+        "max_batch": mem.max_train_batch(cfg, T, mem_bytes, dtype, kernel, optimizer, master_weights),
+        "max_batch_inference": mem.max_inference_batch(cfg, T, mem_bytes, dtype),
+        "decode": {"context": T, "flops_per_token": fl.decode_flops(cfg, T), "bytes_per_token": decode_bytes,
+                   "tokens_per_second_bound": hw.bandwidth / decode_bytes, "bandwidth": hw.bandwidth},
+        "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "memory_bytes": hw.memory_bytes,
+                     "bandwidth": hw.bandwidth, "source": hw.source},
+    }
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def human(n: float, unit: str = "", base: int = 1000) -> str:
+    """1234567 -> '1.23 M'; with base=1024 and unit 'B' -> '1.18 MiB'."""
+    prefixes = ["", "K", "M", "G", "T", "P", "E"]
+    i = 0
+    x = float(n)
+    while abs(x) >= base and i < len(prefixes) - 1:
+        x /= base
+        i += 1
+    p = prefixes[i] + ("i" if base == 1024 and i else "")
+    return f"{x:.3g} {p}{unit}".rstrip()
+
+
+def duration(seconds: float) -> str:
+    for unit, s in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= s:
+            return f"{seconds / s:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def format_table(r: dict) -> str:
+    """The readable table `glassformer cost` prints."""
+    i = r["inputs"]
+    B, T = i["batch"], i["seq"]
+    rows: list[tuple[str, str]] = []
+
+    def add(name: str, value: str) -> None:
+        rows.append((name, value))
+
+    add("weights", f"{r['params']:,} ({human(r['params'])}; {r['params_non_embedding']:,} non-embedding)")
+    for k, v in r["params_by_part"].items():
+        if v:
+            add(f"  {k}", f"{v:,}")
+    add(f"forward FLOPs, B={B} T={T}", f"{human(r['flops_forward'])}FLOP (full T×T score grid, matrix products)")
+    for k, v in r["flops_forward_by_part"].items():
+        add(f"  {k}", f"{human(v)}FLOP ({v / r['flops_forward']:.1%})")
+    add("  without scores", f"{human(r['flops_forward_no_scores'])}FLOP")
+    s = r["flops_scores"]
+    add("  score FLOPs by kernel", f"naive {human(s['naive'])} · tiled {human(s['tiled'])} · causal pairs only {human(s['causal'])}")
+    t = r["tiled_tiles"]
+    add("  tiled kernel skips", f"{t['skipped']:,} of {t['skipped'] + t['computed']:,} tiles of {t['tile']} ({human(t['flops_skipped'])}FLOP)")
+    add("forward FLOPs per token", f"{human(r['flops_per_token'])}FLOP ({human(r['flops_per_token_no_scores'])} without scores)")
+    add("training step FLOPs", f"{human(r['flops_train_step'])}FLOP (3 × forward)")
+    cs, cc = r["crossover_seq"], r["crossover_seq_causal"]
+    add("scores pass FFN at T", f"{cs:,} (full grid); {'never (window)' if cc is None else f'{cc:,}'} (causal pairs)")
+    add(f"activations ({i['attention']})", f"{human(r['activations'])} numbers, {human(r['activation_bytes'], 'B', 1024)}")
+    add(f"training memory ({i['dtype']}, {i['optimizer']})", human(r["train_memory_bytes"], "B", 1024))
+    for k, v in r["train_memory_by_part"].items():
+        if v:
+            add(f"  {k}", human(v, "B", 1024))
+    add("KV cache per token", f"{r['kv_cache_bytes_per_token']:,} B ({i['dtype']}); {human(r['kv_cache_bytes'], 'B', 1024)} for {B}×{T} tokens")
+    add(f"training on {i['hardware']}", f"{human(r['train_tokens'])} tokens = {r['train_steps']:,} steps: "
+        f"{duration(r['train_time_seconds'])} at MFU {i['mfu']:.0%} of {human(r['peak_flops'])}FLOP/s")
+    add(f"largest batch in {human(i['memory_bytes'], 'B')}", f"training {r['max_batch']:,}; inference {r['max_batch_inference']:,} (T={T})")
+    d = r["decode"]
+    add(f"decode at context {d['context']:,}", f"≤ {d['tokens_per_second_bound']:.3g} tokens/s per row "
+        f"({human(d['bytes_per_token'], 'B', 1024)} read per token at {human(d['bandwidth'], 'B/s')})")
+    width = max(len(a) for a, _ in rows)
+    return "\n".join(f"{a.ljust(width)}  {b}" for a, b in rows)

@@ -1,0 +1,78 @@
+"""Every switch is a real path: it changes the output, and the model still learns."""
+
+import pytest
+import torch
+
+from glassformer import ModelConfig, Transformer
+
+VARIANTS = {
+    "post-norm": dict(norm_placement="post"),
+    "layernorm": dict(norm="layer"),
+    "relu": dict(ffn="relu"),
+    "gelu": dict(ffn="gelu"),
+    "gelu_tanh": dict(ffn="gelu_tanh"),
+    "learned-pos": dict(pos="learned"),
+    "no-pos": dict(pos="none"),
+    "bias": dict(bias=True),
+    "qkv-bias": dict(qkv_bias=True),
+    "tied": dict(tie_embeddings=True),
+    "sliding-window": dict(sliding_window=4),
+    "interleaved-rope": dict(rope_pairs="interleaved"),
+}
+BASE = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+
+
+def _build(**kw):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**BASE, **kw}))
+    with torch.no_grad():  # non-trivial biases and gains, so that switching them on matters
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+            else:
+                p.mul_(5.0)
+    return model
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_switch_changes_output(name):
+    ids = torch.randint(0, 64, (2, 16))
+    base, variant = _build(), _build(**VARIANTS[name])
+    # Same weights wherever both have them, so only the switch can make the difference.
+    shared = {k: v for k, v in base.state_dict().items() if k in variant.state_dict()
+              and variant.state_dict()[k].shape == v.shape}
+    variant.load_state_dict(shared, strict=False)
+    with torch.no_grad():
+        a, _ = base.eval()(ids)
+        b, _ = variant.eval()(ids)
+    assert (a - b).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_switch_trains(name):
+    """Loss on a fixed batch of 4 random sequences falls by more than half in 60 AdamW steps."""
+    torch.manual_seed(1)
+    model = Transformer(ModelConfig(**{**BASE, **VARIANTS[name]}))
+    data = torch.randint(0, 64, (4, 17))
+    x, y = data[:, :-1], data[:, 1:]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(60):
+        _, loss = model(x, y)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.5 * first, (first, loss.item())
+
+
+def test_sliding_window_sees_only_recent_tokens():
+    """With a window of 4, the logit at position 10 ignores a change at position 5."""
+    model = _build(sliding_window=4, n_layers=1).eval()
+    ids = torch.randint(0, 64, (1, 12))
+    other = ids.clone()
+    other[0, 5] = (ids[0, 5] + 1) % 64
+    with torch.no_grad():
+        a, b = model(ids)[0], model(other)[0]
+    assert (a[0, 10] - b[0, 10]).abs().max() < 1e-6  # 10 - 5 >= 4: out of the window
+    assert (a[0, 7] - b[0, 7]).abs().max() > 1e-4  # 7 - 5 < 4: inside it
