@@ -29,25 +29,21 @@ def sample_ids(model, ids: list[int], n: int, seed: int, temperature: float = 0.
         from ..generate import generate
     except ImportError:
         generate = None
-    if generate is not None:
+    if generate is not None and len(ids) + n <= model.config.max_seq_len:
         return list(generate(model, ids, max_new_tokens=n, temperature=temperature, top_k=top_k, seed=seed))
-    from ..kv_cache import KVCache
-
+    # A plain loop: each token from a forward over the last max_seq_len tokens (the context
+    # may be shorter than prompt + sample, so the window slides).
     g = torch.Generator().manual_seed(seed)
-    ctx = model.config.max_seq_len
-    ids = ids[-(ctx - n):] if len(ids) + n > ctx else ids
-    cache = KVCache.for_model(model, 1, len(ids) + n)
+    ctx, seq, out = model.config.max_seq_len, list(ids), []
     with torch.no_grad():
-        logits, _ = model(torch.tensor([ids]), cache=cache, pos=0)
-        out, pos = [], len(ids)
         for _ in range(n):
+            logits, _ = model(torch.tensor([seq[-ctx:]]))  # (1, T, V)
             last = logits[0, -1] / temperature  # (V,)
             kth = torch.topk(last, min(top_k, last.numel())).values[-1]
             probs = torch.softmax(last.masked_fill(last < kth, float("-inf")), -1)
             nxt = int(torch.multinomial(probs, 1, generator=g))
             out.append(nxt)
-            logits, _ = model(torch.tensor([[nxt]]), cache=cache, pos=pos)
-            pos += 1
+            seq.append(nxt)
     return out
 
 
