@@ -31,4 +31,4 @@ bench: venv
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info runs
+	rm -rf $(VENV) build dist *.egg-info runs demo-out

@@ -74,13 +74,22 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def write_model_files(folder: Path, model: torch.nn.Module, tokenizer: Any = None, extra: dict | None = None) -> None:
+    write_state_files(folder, model.config, model_state(model), tokenizer, extra)
+
+
+def write_state_files(folder: Path, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Any = None,
+                      extra: dict | None = None) -> None:
+    """config.json + model.safetensors (+ tokenizer.json) from a config and a full state dict."""
     from safetensors.torch import save_file
 
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model.config.to_dict()}
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": config.to_dict()}
     if extra:
         meta.update(extra)
+    if config.tie_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    state = {k: v.detach().contiguous() for k, v in state.items()}
     (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    save_file(model_state(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         if isinstance(tokenizer, (str, Path)):
             shutil.copyfile(tokenizer, folder / "tokenizer.json")
@@ -164,3 +173,133 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
 
         tokenizer = Tokenizer.from_file(folder / "tokenizer.json")
     return model.eval(), tokenizer
+
+
+# ----------------------------------------------------------------------------- training checkpoints
+# A training checkpoint adds train_state.safetensors (optimizer moments by parameter name, RNG
+# states as byte tensors) and train_state.json (step, schedule, RNG scalars, data position,
+# the TrainConfig) to the model files. Run folder: step-NNNNNN/ checkpoints and `latest` /
+# `best` pointer files naming one of them.
+
+STEP_PREFIX = "step-"
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+def _flatten_optimizer(osd: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """A name-keyed optimizer state dict as safetensors tensors + JSON param groups."""
+    tensors = {}
+    for name, entry in osd.get("state", {}).items():
+        for key, value in entry.items():
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            tensors[f"optim/{name}/{key}"] = t.detach().contiguous().cpu()
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in osd.get("param_groups", [])]
+    return tensors, groups
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict]) -> dict:
+    state: dict[str, dict] = {}
+    for key, t in tensors.items():
+        if key.startswith("optim/"):
+            name, _, field_ = key[len("optim/"):].rpartition("/")
+            state.setdefault(name, {})[field_] = t
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+    return {"state": state, "param_groups": groups}
+
+
+def write_pointer(run: Path, name: str, target: str) -> None:
+    """Atomically point run/name (`latest` or `best`) at a checkpoint folder name."""
+    tmp = run / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as fh:
+        fh.write(target + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, run / name)
+    fsync_dir(run)
+
+
+def read_pointer(run: Path, name: str) -> str | None:
+    p = Path(run) / name
+    return p.read_text().strip() if p.is_file() else None
+
+
+def save_training(run: str | Path, step: int, config: ModelConfig, model_state_: dict, tokenizer: Any,
+                  optim_state: dict, state: dict, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write run/step-NNNNNN atomically (COMPLETE last), then move `latest` to it.
+
+    state: JSON-able training state; tensors: extra tensors (RNG states). If any write fails
+    the temporary folder is removed, `latest` is unchanged, and the error is raised.
+    """
+    from safetensors.torch import save_file
+
+    run = Path(run)
+    opt_tensors, groups = _flatten_optimizer(optim_state)
+
+    def write(tmp: Path) -> None:
+        write_state_files(tmp, config, model_state_, tokenizer)
+        save_file({**opt_tensors, **(tensors or {})}, str(tmp / "train_state.safetensors"))
+        (tmp / "train_state.json").write_text(json.dumps({**state, "param_groups": groups}, indent=2) + "\n")
+
+    folder = atomic_folder(run / step_name(step), write)
+    write_pointer(run, "latest", folder.name)
+    return folder
+
+
+def load_training(folder: str | Path) -> tuple[dict, dict, dict, dict]:
+    """(model state, optimizer state, train_state.json dict, extra tensors) of a training checkpoint."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / "COMPLETE").is_file() or not (folder / "train_state.json").is_file():
+        raise UserError(f"{folder} is not a complete training checkpoint (no COMPLETE or train_state.json)")
+    state = json.loads((folder / "train_state.json").read_text())
+    tensors = load_file(str(folder / "train_state.safetensors"))
+    optim = _unflatten_optimizer(tensors, state.pop("param_groups"))
+    extra = {k: v for k, v in tensors.items() if not k.startswith("optim/")}
+    model_sd = load_file(str(folder / "model.safetensors"))
+    return model_sd, optim, state, extra
+
+
+def complete_checkpoints(run: str | Path) -> list[Path]:
+    """The run's complete step-NNNNNN folders, oldest first."""
+    run = Path(run)
+    if not run.is_dir():
+        return []
+    found = [p for p in run.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
+             and p.name[len(STEP_PREFIX):].isdigit() and is_complete(p) and (p / "train_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+
+
+def newest_checkpoint(run: str | Path) -> Path | None:
+    """The checkpoint --resume continues from: `latest` if complete, else the newest complete one."""
+    run = Path(run)
+    name = read_pointer(run, "latest")
+    if name and is_complete(run / name) and (run / name / "train_state.json").is_file():
+        return run / name
+    found = complete_checkpoints(run)
+    return found[-1] if found else None
+
+
+def remove_leftovers(run: str | Path) -> list[str]:
+    """Delete temporary folders/files a crashed save left behind (never a complete checkpoint)."""
+    run, removed = Path(run), []
+    if run.is_dir():
+        for p in run.iterdir():
+            if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                removed.append(p.name)
+            elif p.is_dir() and p.name.startswith(STEP_PREFIX) and not is_complete(p):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+    return removed
+
+
+def prune(run: str | Path, keep_last: int, keep: set[str]) -> None:
+    """Keep the newest keep_last checkpoints and those named in keep (the best, the latest)."""
+    found = complete_checkpoints(run)
+    doomed = found[:-keep_last] if keep_last > 0 else found
+    for p in doomed:
+        if p.name not in keep:
+            shutil.rmtree(p, ignore_errors=True)

@@ -188,10 +188,11 @@ _LLAMA = dict(norm="rms", ffn="swiglu", pos="rope", norm_eps=1e-5)
 PRESETS: dict[str, dict[str, Any]] = {
     # For tests: a few thousand weights, every feature on the default path.
     "tiny": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, max_seq_len=128),
-    # The CPU demo model: sized so that two CPU minutes of training give the lowest held-out
-    # bits per byte on Shakespeare; its vocab_size is replaced by the prepared tokenizer's.
+    # The CPU demo model, tuned for held-out bits per byte on Shakespeare after about two CPU
+    # minutes (docs/benchmarks.md): at that compute a narrow model seeing many small batches
+    # beats a wider one; its vocab_size is replaced by the prepared tokenizer's.
     "small": dict(
-        vocab_size=2048, dim=192, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=512, max_seq_len=128,
+        vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=64,
         tie_embeddings=True,
     ),
     # GPT-2 small (Radford et al., 2019; Hugging Face gpt2/config.json): LayerNorm, tanh GELU,
@@ -234,3 +235,138 @@ PRESETS: dict[str, dict[str, Any]] = {
 REFERENCE_SHAPE = dict(
     vocab_size=8192, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=2048,
 )
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainConfig:
+    """Everything `glassformer train` needs besides the model; each field's doc is its --help text.
+
+    Resolution order: these defaults < a --config FILE (JSON or TOML) < flags given on the
+    command line. With --resume the run's saved TrainConfig replaces the defaults.
+    """
+
+    data: str = ""
+    """Prepared data folder (from `glassformer prepare`): tokenizer.json, train.bin, val.bin, meta.json."""
+    out: str = "runs/run"
+    """Run folder: checkpoints step-NNNNNN/, latest, best, metrics.jsonl, loss.png."""
+    preset: str = "small"
+    """Model preset (its vocab_size is replaced by the prepared tokenizer's)."""
+    model: str = ""
+    """Model overrides of the preset as comma-separated key=value pairs, e.g. 'dim=256,n_layers=6'."""
+    init_from: str | None = None
+    """Start from the weights of this checkpoint (checkpoint, run or Hugging Face folder) instead of random ones."""
+    resume: bool = False
+    """Continue the run in --out exactly from its newest complete checkpoint (starts fresh if there is none)."""
+    device: str = "auto"
+    """'cpu', 'cuda', 'mps' or 'auto' (cuda if present, else cpu)."""
+    seed: int = 1337
+    """Seeds the weights, the batches (drawn from (seed, step)) and dropout."""
+    batch_size: int = 8
+    """Sequences per optimizer step, over all processes together (the global batch)."""
+    micro_batch: int = 0
+    """Sequences per forward pass in each process (0 = the whole global batch share); the rest is gradient accumulation."""
+    seq_len: int = 0
+    """Tokens per training sequence (0 = the model's max_seq_len)."""
+    max_steps: int = 1000
+    """Optimizer steps to run (ignored when --time-budget is given)."""
+    time_budget: float = 0.0
+    """Seconds of wall time for the whole run (0 = off): the speed of the first steps fixes the step count and schedule."""
+    calibrate_steps: int = 20
+    """Steps timed to fix the step count under --time-budget (must not exceed warmup_steps)."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after the warm-up."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Steps of linear warm-up from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to tensors of 2+ dims only (matrices and embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.99
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off); the norm before clipping is logged."""
+    dropout: float = 0.0
+    """Dropout probability while training (overrides the model config's)."""
+    eval_every: int = 250
+    """Evaluate on held-out data (loss, bits per byte) and save a checkpoint every N steps (0 = only at the end)."""
+    eval_tokens: int = 16384
+    """Held-out tokens scored at each evaluation (0 = the whole validation split)."""
+    log_every: int = 10
+    """Write a metrics.jsonl line every N steps."""
+    keep_last: int = 2
+    """Checkpoints kept besides the best one."""
+    compile: bool = False
+    """torch.compile the model."""
+    dtype: str = "auto"
+    """Autocast dtype: 'auto' (bf16 on CUDA, fp32 elsewhere), 'bf16' or 'fp32'."""
+    fsdp: bool = False
+    """Under torchrun, shard weights, gradients and optimizer state with FSDP2 (fully_shard) instead of DDP."""
+    skip_nonfinite: bool = False
+    """Skip an optimizer step whose loss or gradient norm is not finite instead of stopping."""
+    progress: bool = True
+    """Show a progress bar."""
+    threads: int = 0
+    """CPU threads for PyTorch (0 = PyTorch's default); 1 is fastest for tiny models on a busy machine."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size",):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("micro_batch", "seq_len", "max_steps", "warmup_steps", "eval_every", "eval_tokens",
+                     "keep_last", "log_every", "calibrate_steps", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.time_budget < 0:
+            raise ValueError(f"time_budget must be 0 (off) or a number of seconds, got {self.time_budget}")
+        if self.device not in ("auto", "cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu, cuda, mps or auto; got {self.device!r}")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"dtype must be auto, bf16 or fp32; got {self.dtype!r}")
+        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0; got lr={self.lr}, min_lr={self.min_lr}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown training settings {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def model_overrides(self) -> dict[str, Any]:
+        """The --model string as a dict of ModelConfig fields, values parsed as JSON where they can be."""
+        out: dict[str, Any] = {}
+        for item in filter(None, (s.strip() for s in self.model.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--model expects key=value pairs separated by commas; got {item!r}")
+            try:
+                out[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                out[key.strip()] = value.strip()
+        return out
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each dataclass field (the --help text), read from the source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = str(b.value.value)
+    return docs

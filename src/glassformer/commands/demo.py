@@ -1,38 +1,92 @@
-"""`glassformer demo`: the main job (what `make demo` runs)."""
+"""`glassformer demo`: the main job (what `make demo` runs).
+
+Prepare the default corpus (cached after the first time), train the `small` preset on the
+CPU for a couple of minutes, print samples, and write a trace page when tracing is installed.
+"""
 
 from __future__ import annotations
 
-HELP = "the main job: build the small model, run it and show what it costs"
+HELP = "the main job: prepare Shakespeare, train the small model for ~2 CPU minutes, print samples"
+
+PROMPTS = ["ROMEO:", "To be, or not to be", "The king"]
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--out", default="demo-out", help="folder for everything the demo writes")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="demo-out", help="folder for everything the demo writes (data/, run/, trace.html)")
+    p.add_argument("--corpus", default=None, help="a text file or folder to use instead of the embedded Shakespeare")
+    p.add_argument("--budget", type=float, default=120.0, help="seconds of training (the step count is fixed from the first steps)")
+    p.add_argument("--preset", default="small", help="model preset to train")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto")
+    p.add_argument("--tokens", type=int, default=100, help="tokens to sample after each prompt")
+    p.add_argument("--seed", type=int, default=0, help="seed of the training run and of the sampling")
+
+
+def sample_ids(model, ids: list[int], n: int, seed: int, temperature: float = 0.8, top_k: int = 40) -> list[int]:
+    """n sampled token ids after ids (the generation module's `generate` when present)."""
+    import torch
+
+    try:
+        from ..generate import generate
+    except ImportError:
+        generate = None
+    if generate is not None and len(ids) + n <= model.config.max_seq_len:
+        return list(generate(model, ids, max_new_tokens=n, temperature=temperature, top_k=top_k, seed=seed))
+    # A plain loop: each token from a forward over the last max_seq_len tokens (the context
+    # may be shorter than prompt + sample, so the window slides).
+    g = torch.Generator().manual_seed(seed)
+    ctx, seq, out = model.config.max_seq_len, list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = model(torch.tensor([seq[-ctx:]]))  # (1, T, V)
+            last = logits[0, -1] / temperature  # (V,)
+            kth = torch.topk(last, min(top_k, last.numel())).values[-1]
+            probs = torch.softmax(last.masked_fill(last < kth, float("-inf")), -1)
+            nxt = int(torch.multinomial(probs, 1, generator=g))
+            out.append(nxt)
+            seq.append(nxt)
+    return out
 
 
 def run(args) -> int:
-    import torch
+    import importlib.util
+    import shutil
+    from pathlib import Path
 
-    from ..config import ModelConfig
-    from ..kv_cache import KVCache
-    from ..model import Transformer
+    from ..checkpoint import load
+    from ..cli import main
 
-    torch.manual_seed(args.seed)
-    cfg = ModelConfig.from_preset("small")
-    model = Transformer(cfg).eval()
-    print(f"small preset: {model.num_params():,} weights, {cfg.n_layers} layers, width {cfg.dim}, "
-          f"{cfg.n_heads} query heads / {cfg.n_kv_heads} KV heads")
-    ids = torch.randint(0, cfg.vocab_size, (1, 16))
-    with torch.no_grad():
-        logits, _ = model(ids)
-        print(f"forward: ids {tuple(ids.shape)} -> logits {tuple(logits.shape)}")
-        cache = KVCache.for_model(model, 1, 64)
-        logits, _ = model(ids, cache=cache, pos=0)
-        out, pos = [], ids.shape[1]
-        for _ in range(16):
-            nxt = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
-            out.append(int(nxt))
-            logits, _ = model(nxt, cache=cache, pos=pos)
-            pos += 1
-    print(f"greedy ids from random weights: {out}")
+    out = Path(args.out)
+    data, run_dir = out / "data", out / "run"
+    out.mkdir(parents=True, exist_ok=True)
+
+    print("== 1/3 data", flush=True)
+    if (data / "meta.json").is_file() and (data / "train.bin").is_file():
+        print(f"using the prepared corpus in {data} (delete it to prepare again)")
+    else:
+        argv = ["prepare", "--out", str(data)] + (["--corpus", args.corpus] if args.corpus else [])
+        if main(argv) != 0:
+            return 2
+
+    print(f"\n== 2/3 training the {args.preset} preset for {args.budget:g} s on {args.device}", flush=True)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a fresh run each time: the demo shows training from scratch
+    status = main(["train", "--data", str(data), "--out", str(run_dir), "--preset", args.preset,
+                   "--time-budget", str(args.budget), "--device", args.device, "--seed", str(args.seed)])
+    if status != 0:
+        return status
+
+    print("\n== 3/3 samples (temperature 0.8, top-k 40)", flush=True)
+    model, tok = load(run_dir)
+    for i, prompt in enumerate(PROMPTS):
+        ids = tok.encode(prompt)
+        text = tok.decode(sample_ids(model, ids, args.tokens, args.seed + i))
+        print(f"--- {prompt}{text}\n")
+
+    if importlib.util.find_spec("glassformer.commands.trace") is not None:
+        page = out / "trace.html"
+        if main(["trace", "--checkpoint", str(run_dir), "--text", "To be, or not to be", "--html", str(page)]) == 0:
+            print(f"trace page: {page} (open it in a browser, or `glassformer view --checkpoint {run_dir}`)")
+    print(f"\nrun folder: {run_dir} (loss.png, metrics.jsonl, checkpoints)")
+    print(f"next: glassformer generate --checkpoint {run_dir} --prompt 'ROMEO:'   |   "
+          f"glassformer eval --checkpoint {run_dir} --data {data}")
     return 0

@@ -1,0 +1,144 @@
+"""Training tokens/s on CPU (fp32) against Hugging Face LlamaForCausalLM, side by side in one process.
+
+The reference shape (config.REFERENCE_SHAPE: vocabulary 8192, width 384, FFN 1024, 6 layers,
+6 heads, 2 KV heads, untied), batch 8 × 256 tokens, AdamW, gradient clipping, the same
+weights in both. Rounds alternate between the two models so a change in machine load hits
+both alike; the best round of each is reported. MFU = model FLOPs (metrics.flops_per_token)
+× tokens/s ÷ the fp32 matmul peak measured in the same run with the same threads.
+
+    flock /tmp/glassformer-bench.lock python bench/train_throughput.py [--steps 3] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from glassformer import ModelConfig, Transformer  # noqa: E402
+from glassformer.config import REFERENCE_SHAPE  # noqa: E402
+from glassformer.metrics import cpu_matmul_peak, flops_per_token, pick_threads  # noqa: E402
+from glassformer.optim import make_optimizer  # noqa: E402
+
+
+def hf_twin(model: Transformer):
+    """LlamaForCausalLM with the same shape and the same weights."""
+    import transformers
+
+    from glassformer.convert import LLAMA_KEYS
+
+    c = model.config
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, max_position_embeddings=c.max_seq_len,
+        rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=False, attention_bias=False))
+    ours = model.state_dict()
+    state = {}
+    for k, hk in LLAMA_KEYS.items():
+        for i in range(c.n_layers):
+            if k.replace("{i}", str(i)) in ours:
+                state[hk.replace("{i}", str(i))] = ours[k.replace("{i}", str(i))]
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return hf
+
+
+def timed_steps(step, n: int) -> float:
+    """Seconds per step, the best of n (after one untimed warm-up step)."""
+    step()
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=0, help="0: the faster of 1 and all (as `glassformer train` picks)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    else:
+        pick_threads(torch.get_num_threads())
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    cfg = ModelConfig(**REFERENCE_SHAPE)
+    ours = Transformer(cfg).train()
+    hf = hf_twin(ours).train()
+    B, T = args.batch, args.seq
+    x = torch.randint(0, cfg.vocab_size, (B, T))
+    y = torch.randint(0, cfg.vocab_size, (B, T))
+    with torch.no_grad():  # same weights, same loss: the comparison is like for like
+        l_ours = float(ours(x, y)[1])
+        lg = hf(input_ids=x).logits
+        l_hf = float(torch.nn.functional.cross_entropy(lg.reshape(-1, lg.size(-1)), y.reshape(-1)))
+    assert abs(l_ours - l_hf) < 1e-4, (l_ours, l_hf)
+
+    opt_ours = make_optimizer(ours, 1e-4, 0.1, (0.9, 0.95), torch.device("cpu"))
+    # Hugging Face's usual training set-up: torch AdamW (foreach), decay on the same tensors.
+    decay = [p for p in hf.parameters() if p.dim() >= 2]
+    no_decay = [p for p in hf.parameters() if p.dim() < 2]
+    opt_hf = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                               lr=1e-4, betas=(0.9, 0.95))
+
+    def step_ours():
+        _, loss = ours(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ours.parameters(), 1.0)
+        opt_ours.step()
+        opt_ours.zero_grad(set_to_none=True)
+
+    def step_hf():
+        logits = hf(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        opt_hf.step()
+        opt_hf.zero_grad(set_to_none=True)
+
+    peak = cpu_matmul_peak(seconds=1.0)
+    best = {"glassformer": float("inf"), "transformers": float("inf")}
+    for _ in range(args.rounds):
+        best["glassformer"] = min(best["glassformer"], timed_steps(step_ours, args.steps))
+        best["transformers"] = min(best["transformers"], timed_steps(step_hf, args.steps))
+    peak = max(peak, cpu_matmul_peak(seconds=1.0))  # the best of two measurements, before and after
+    fpt = flops_per_token(cfg, T)
+    rows = {}
+    for name, sec in best.items():
+        tok_s = B * T / sec
+        rows[name] = {"sec_per_step": round(sec, 4), "tok_s": round(tok_s, 1), "mfu": round(fpt * tok_s / peak, 4)}
+    ratio = rows["glassformer"]["tok_s"] / rows["transformers"]["tok_s"]
+    import transformers
+
+    result = {"shape": REFERENCE_SHAPE, "batch": B, "seq": T, "dtype": "fp32", "threads": threads,
+              "cpu_count": os.cpu_count(), "matmul_peak_gflops": round(peak / 1e9, 1), "flops_per_token": fpt,
+              "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows,
+              "ratio": round(ratio, 3)}
+    print(f"training throughput, reference shape, B {B} × T {T}, fp32, {threads} thread(s); "
+          f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    print(f"{'engine':14} {'s/step':>8} {'tokens/s':>10} {'MFU':>6}")
+    for name, r in rows.items():
+        print(f"{name:14} {r['sec_per_step']:8.3f} {r['tok_s']:10.1f} {100 * r['mfu']:5.1f}%")
+    print(f"glassformer / transformers: {ratio:.2f}x")
+    out = REPO / "bench" / "results" / "train_throughput.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""`glassformer eval`: held-out loss, perplexity and bits per byte of any text under a checkpoint."""
+
+from __future__ import annotations
+
+HELP = "held-out loss, perplexity and bits per byte of a text file or a prepared folder's validation split"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", required=True, metavar="CKPT",
+                   help="checkpoint folder, training run folder (its latest checkpoint) or Hugging Face folder")
+    p.add_argument("--data", required=True, metavar="PATH",
+                   help="a UTF-8 text file, or a prepared data folder (its val.bin is scored)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
+    p.add_argument("--batch-size", type=int, default=8, help="windows scored per forward pass")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = the faster of one and all, measured)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json to encode a text file with (default: the checkpoint's)")
+
+
+def run(args) -> int:
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from ..checkpoint import load
+    from ..errors import UserError
+    from ..evaluate import score, summary
+    from ..train import resolve_device
+
+    device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif device.type == "cpu":
+        from ..metrics import pick_threads
+
+        pick_threads(torch.get_num_threads())
+    model, tokenizer = load(args.checkpoint, device=device)
+    model.float().eval()
+    data = Path(args.data)
+    if data.is_dir():
+        from ..data import TokenFile, read_meta
+
+        meta = read_meta(data)
+        if meta["vocab_size"] != model.config.vocab_size:
+            raise UserError(f"{data} was tokenized with {meta['vocab_size']} token ids but the model has "
+                            f"{model.config.vocab_size}: use the data folder the model was trained on, or a text file")
+        ids = np.asarray(TokenFile(data / "val.bin", meta["dtype"]).array)
+        n_bytes = int(meta["val_bytes"])
+    elif data.is_file():
+        if args.tokenizer:
+            from ..tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_file(args.tokenizer)
+        if tokenizer is None:
+            raise UserError(f"{args.checkpoint} has no tokenizer.json: pass --tokenizer PATH")
+        try:
+            text = data.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{data} is not UTF-8 text ({e})") from None
+        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        n_bytes = len(text.encode("utf-8"))
+        if len(ids) and int(ids.max()) >= model.config.vocab_size:
+            raise UserError(f"the tokenizer makes ids up to {int(ids.max())} but the model has only "
+                            f"{model.config.vocab_size}: use the checkpoint's own tokenizer")
+    else:
+        raise UserError(f"--data {data} does not exist: give a text file or a prepared data folder")
+    if len(ids) < 2:
+        raise UserError(f"{data} holds {len(ids)} token(s): at least 2 are needed to score anything")
+    with torch.no_grad():
+        nats, n = score(model, ids, model.config.max_seq_len, device, batch_size=args.batch_size)
+    result = summary(nats, n, n_bytes)
+    print(f"{data}: {n:,} tokens scored in windows of {model.config.max_seq_len}, {n_bytes:,} bytes")
+    print(json.dumps(result))
+    return 0

@@ -1,0 +1,66 @@
+"""Tiny prepared data folders for the training tests, made here (no corpus outside the repository)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+
+WORDS = ("the king and queen walk to the castle where a knight waits with his sword while "
+         "the old man sings of the sea and the stars above the hill").split()
+
+
+def synthetic_text(n_sentences: int, seed: int) -> str:
+    """Sentences from a tiny vocabulary with some structure (a model can learn to predict it)."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_sentences):
+        k = rng.randint(4, 10)
+        start = rng.randrange(len(WORDS))
+        words = [WORDS[(start + i * rng.choice((1, 1, 1, 2))) % len(WORDS)] for i in range(k)]
+        lines.append(" ".join(words).capitalize() + ".")
+    return "\n".join(lines) + "\n"
+
+
+def make_prepared(folder: Path, vocab_size: int = 300, n_train: int = 1500, n_val: int = 200) -> Path:
+    """A prepared folder in the data contract's layout: tokenizer.json, train.bin, val.bin, meta.json."""
+    from glassformer.tokenizer import Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    train_text, val_text = synthetic_text(n_train, 1), synthetic_text(n_val, 2)
+    tok = Tokenizer.train([train_text], vocab_size)
+    tok.save(folder / "tokenizer.json")
+    train_ids = np.asarray(tok.encode(train_text), dtype=np.uint16)
+    val_ids = np.asarray(tok.encode(val_text), dtype=np.uint16)
+    train_ids.tofile(folder / "train.bin")
+    val_ids.tofile(folder / "val.bin")
+    meta = {"dtype": "uint16", "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+            "train_tokens": len(train_ids), "val_tokens": len(val_ids),
+            "train_bytes": len(train_text.encode()), "val_bytes": len(val_text.encode()),
+            "corpus": "synthetic", "val_fraction": n_val / (n_train + n_val)}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+def make_token_stream(folder: Path, vocab_size: int = 512, n_train: int = 20000, n_val: int = 2000) -> Path:
+    """A prepared folder whose ids come from a fixed arithmetic rule, independent of any tokenizer
+    (for the golden trajectory, which must not move when the tokenizer trainer changes)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    # A noisy counting pattern: each next id is (a·id + b) mod V, with a deterministic jump every 7 tokens.
+    def stream(n: int, start: int) -> np.ndarray:
+        out = np.empty(n, dtype=np.uint16)
+        x = start
+        for i in range(n):
+            x = (5 * x + 3 + (i % 7 == 0) * (i % 11)) % vocab_size
+            out[i] = x
+        return out
+
+    stream(n_train, 1).tofile(folder / "train.bin")
+    stream(n_val, 2).tofile(folder / "val.bin")
+    meta = {"dtype": "uint16", "vocab_size": vocab_size, "eot_id": 0, "train_tokens": n_train,
+            "val_tokens": n_val, "train_bytes": 3 * n_train, "val_bytes": 3 * n_val, "corpus": "arithmetic"}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    (folder / "tokenizer.json").write_text("{}")  # never read in training; copied into checkpoints
+    return folder
