@@ -16,3 +16,6 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert out.count("--- ") == 3 and "ROMEO:" in out
     assert (tmp_path / "demo" / "run" / "latest").is_file()
     assert (tmp_path / "demo" / "run" / "loss.png").is_file()
+    page = tmp_path / "demo" / "trace.html"
+    assert page.is_file() and "To be, or not to be" in page.read_text()
+    assert "KV cache" in out  # the cost summary

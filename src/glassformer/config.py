@@ -248,7 +248,7 @@ class TrainConfig:
     command line. With --resume the run's saved TrainConfig replaces the defaults.
     """
 
-    data: str = ""
+    data: str = "data"
     """Prepared data folder (from `glassformer prepare`): tokenizer.json, train.bin, val.bin, meta.json."""
     out: str = "runs/run"
     """Run folder: checkpoints step-NNNNNN/, latest, best, metrics.jsonl, loss.png."""

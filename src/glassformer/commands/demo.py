@@ -22,33 +22,14 @@ def add_arguments(p) -> None:
 
 
 def sample_ids(model, ids: list[int], n: int, seed: int, temperature: float = 0.8, top_k: int = 40) -> list[int]:
-    """n sampled token ids after ids (the generation module's `generate` when present)."""
-    import torch
+    """n sampled token ids after ids; the window slides when prompt + sample outgrow the context."""
+    from ..generate import generate
 
-    try:
-        from ..generate import generate
-    except ImportError:
-        generate = None
-    if generate is not None and len(ids) + n <= model.config.max_seq_len:
-        return list(generate(model, ids, max_new_tokens=n, temperature=temperature, top_k=top_k, seed=seed))
-    # A plain loop: each token from a forward over the last max_seq_len tokens (the context
-    # may be shorter than prompt + sample, so the window slides).
-    g = torch.Generator().manual_seed(seed)
-    ctx, seq, out = model.config.max_seq_len, list(ids), []
-    with torch.no_grad():
-        for _ in range(n):
-            logits, _ = model(torch.tensor([seq[-ctx:]]))  # (1, T, V)
-            last = logits[0, -1] / temperature  # (V,)
-            kth = torch.topk(last, min(top_k, last.numel())).values[-1]
-            probs = torch.softmax(last.masked_fill(last < kth, float("-inf")), -1)
-            nxt = int(torch.multinomial(probs, 1, generator=g))
-            out.append(nxt)
-            seq.append(nxt)
-    return out
+    return list(generate(model, ids, max_new_tokens=n, temperature=temperature, top_k=top_k, seed=seed,
+                         context_policy="slide"))
 
 
 def run(args) -> int:
-    import importlib.util
     import shutil
     from pathlib import Path
 
@@ -82,10 +63,14 @@ def run(args) -> int:
         text = tok.decode(sample_ids(model, ids, args.tokens, args.seed + i))
         print(f"--- {prompt}{text}\n")
 
-    if importlib.util.find_spec("glassformer.commands.trace") is not None:
-        page = out / "trace.html"
-        if main(["trace", "--checkpoint", str(run_dir), "--text", "To be, or not to be", "--html", str(page)]) == 0:
-            print(f"trace page: {page} (open it in a browser, or `glassformer view --checkpoint {run_dir}`)")
+    print("== what this model costs (batch 8 at its full context, on this CPU)", flush=True)
+    from ..cost import estimate, format_table
+
+    print(format_table(estimate(model.config, batch=8, seq=model.config.max_seq_len, hardware="cpu")))
+
+    page = out / "trace.html"
+    if main(["trace", "--checkpoint", str(run_dir), "--text", "To be, or not to be", "--html", str(page)]) == 0:
+        print(f"\ntrace page: {page.resolve()} (open it in a browser, or `glassformer view --checkpoint {run_dir}`)")
     print(f"\nrun folder: {run_dir} (loss.png, metrics.jsonl, checkpoints)")
     print(f"next: glassformer generate --checkpoint {run_dir} --prompt 'ROMEO:'   |   "
           f"glassformer eval --checkpoint {run_dir} --data {data}")
