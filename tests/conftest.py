@@ -21,6 +21,15 @@ def _seed():
     yield
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One CPU thread: much faster for tiny models on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

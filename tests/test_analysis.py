@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from glassformer.analysis import analysis_for, decode_step, flash_walkthrough, head_summary, norm_placement, norm_rms
-from glassformer.attention import naive_attention
 from glassformer.errors import UserError
 from glassformer.trace import trace
 

@@ -4,7 +4,6 @@ the KV cache's buffers, the tiled kernel's own tile log, and published figures."
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest

@@ -10,39 +10,12 @@ transformers = pytest.importorskip("transformers")
 
 from glassformer.cli import main  # noqa: E402
 
-from .train_fixtures import make_prepared  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One CPU thread: much faster for these tiny models on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from .train_fixtures import hf_llama_with_data, hf_loss  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, one_thread):
-    root = tmp_path_factory.mktemp("hf")
-    data = make_prepared(root / "data")
-    meta = __import__("json").loads((data / "meta.json").read_text())
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=meta["vocab_size"], hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=64, tie_word_embeddings=False)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger weights than the default init, so the loss is far from uniform
-        for p in hf.parameters():
-            p.normal_(0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    hf.save_pretrained(root / "hf", safe_serialization=True)
-    return root, data, hf
-
-
-def hf_loss(hf, x, y) -> float:
-    with torch.no_grad():
-        logits = hf(input_ids=x).logits
-    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1)))
+    return hf_llama_with_data(tmp_path_factory.mktemp("hf"))
 
 
 def test_eval_matches_hugging_face_on_windows(setup, tmp_path, capsys):

@@ -64,3 +64,33 @@ def make_token_stream(folder: Path, vocab_size: int = 512, n_train: int = 20000,
     (folder / "meta.json").write_text(json.dumps(meta))
     (folder / "tokenizer.json").write_text("{}")  # never read in training; copied into checkpoints
     return folder
+
+
+def hf_llama_with_data(root: Path):
+    """A prepared data folder and a tiny random Hugging Face Llama over its vocabulary, saved
+    to root/hf: (root, data, hf). Weights larger than the default init, so the loss is far
+    from uniform."""
+    import torch
+    import transformers
+
+    data = make_prepared(root / "data")
+    meta = json.loads((data / "meta.json").read_text())
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=meta["vocab_size"], hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    hf.save_pretrained(root / "hf", safe_serialization=True)
+    return root, data, hf
+
+
+def hf_loss(hf, x, y) -> float:
+    """Hugging Face's mean cross-entropy of y given x."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf(input_ids=x).logits
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1)))

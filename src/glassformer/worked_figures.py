@@ -150,7 +150,6 @@ def figures() -> dict:
         "decode_step": _decode(one, ids, words, too, cats, p),
         "llama3_8b_kv_cache": llama3_8b_kv_cache(),
     }
-    return fig
 
 
 def _plain(x, digits: int = 6) -> str:
