@@ -9,6 +9,7 @@ A screenshot of the worked page is written to test-artifacts/.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -90,6 +91,53 @@ def lane_labels(page):
     return page.locator("#lanes .lane-label").all_text_contents()
 
 
+def shown_number(text):
+    """The exact number a button shows: '1.106'; '158,016 (158 k)', '1.09 kFLOP (1.088e+3)'."""
+    head, _, inner = text.partition(" (")
+    for part in (inner.rstrip(")"), head.split(" ")[0]):
+        try:
+            return float(part.replace(",", ""))
+        except ValueError:
+            continue
+    raise AssertionError(f"no number in {text!r}")
+
+
+def check_rms_click(page, kind, step):
+    """Click the table's RMS of `kind` at `step` for the selected token: the panel shows its
+    calculation, and its terms, recomputed here, give the number clicked."""
+    button = page.locator(f'#norm .num[data-rms="{kind}"][data-step="{step}"]')
+    shown = shown_number(button.text_content())
+    button.click()
+    page.wait_for_function("document.querySelector('#explain-body .calc-title').textContent.startsWith('RMS(')")
+    body = page.locator("#explain-body").text_content()
+    assert "√(Σ_i x[i]²/D)" in body and "= the traced value ✓" in body
+    data = page.evaluate("JSON.parse(document.getElementById('glass-data').textContent)")
+    t = int(button.get_attribute("data-token"))
+    calc = data["norm"]["calc"][kind][t][step]
+    st = calc["steps"][-1]
+    total = sum(math.prod(o["value"] ** o.get("power", 1) for o in term) for term in st["terms"])
+    total += (st.get("rest") or {}).get("value", 0.0)
+    assert math.sqrt(total) == pytest.approx(shown, abs=5e-4)
+    assert page.locator("#explain-body .calc-title").text_content().endswith(f"= {button.text_content()}".rstrip("0"))
+    return calc
+
+
+def check_cost_click(page, key):
+    """Click a cost: the panel shows its formula with the numbers put in; evaluated here, it
+    is the figure shown."""
+    button = page.locator(f'#costs .num[data-cost="{key}"]')
+    shown = shown_number(button.text_content())
+    button.click()
+    page.wait_for_function(f"document.querySelector('#explain-body .calc-title').textContent.startsWith('{key} =')")
+    lines = page.locator("#explain-body .calc-text").text_content().splitlines()
+    filled = lines[1].strip().removeprefix("= ")
+    assert re.fullmatch(r"[0-9+\-·/(). ceil]*", filled), filled
+    got = eval(filled.replace("·", "*"), {"__builtins__": {}, "ceil": math.ceil})  # noqa: S307
+    assert got == pytest.approx(shown, rel=1e-9)
+    assert "glassformer.cost’s figure ✓" in page.locator("#explain-body").text_content()
+    return got
+
+
 def heatmap_cells(page):
     """Per head card: {(q, k): (masked, text)}."""
     cards = []
@@ -124,6 +172,13 @@ def test_worked_page_live(browser, worked_server):
     assert "RMS" in calc.text_content()
     page.locator("#explain-back").click()
     page.wait_for_function("document.querySelector('#explain-body .calc-title').textContent.includes('q[cats]')")
+
+    # The pre/post-norm table's RMS and the costs are clickable too. The comparison's models
+    # are the walkthrough's two-block ones, not this page's: their operands are not links.
+    calc = check_rms_click(page, "post", 2)
+    assert page.locator("#explain-body .link").count() == 0 and len(calc["steps"][-1]["terms"]) == 4
+    assert check_cost_click(page, "kv_cache_bytes_per_token") == 2 * 1 * 1 * 2 * 4  # 2·L·K·H·b
+    check_cost_click(page, "flops_forward")
 
     # One heatmap per head, T×T cells, exactly the upper triangle masked; the cats row is
     # the walkthrough's weights.
@@ -200,8 +255,28 @@ def test_saved_pages_offline_and_hostile_tokens_are_text(browser, tmp_path):
     assert page.locator("#sentence").is_disabled()
     page.close()
 
-    # A page whose tokens are themselves HTML shows them as text.
+    # The page of a trace file: its RMS operands are its own stream numbers, and link to
+    # their calculations (stored in the file).
     model = tiny_model()
+    tr = fixture_trace(model, [1, 2, 3, 4], ["a", "b", "c", "d"])
+    out = source.write_trace_page(tr, tmp_path / "trace.html")
+    page = open_page(browser, out.as_uri())
+    check_rms_click(page, model.config.norm_placement, 1)
+    link = page.locator("#explain-body .link").first
+    name, idx = link.get_attribute("data-probe"), json.loads(link.get_attribute("data-index"))
+    assert name == "blocks.0.resid_mid" and idx[0] == 3
+    value = float(link.locator("xpath=..").locator(".val").text_content().lstrip("="))
+    link.click()
+    page.wait_for_function("(t => t.includes('resid_mid[d]') && !t.startsWith('RMS('))"
+                           "(document.querySelector('#explain-body .calc-title').textContent)")
+    title = page.locator("#explain-body .calc-title").text_content()
+    assert shown_number(title.rsplit("= ", 1)[1]) == pytest.approx(value, abs=5e-4)
+    assert "= the traced value ✓" in page.locator("#explain-body").text_content()
+    check_cost_click(page, "params")
+    assert page.events["errors"] == []
+    page.close()
+
+    # A page whose tokens are themselves HTML shows them as text.
     toks = ["the", HOSTILE, "</script><script>alert(2)</script>", "mat"]
     out = render.write_html(tmp_path / "hostile.html", fixture_trace(model, [1, 2, 3, 4], toks), sentence=" ".join(toks))
     page = open_page(browser, out.as_uri())

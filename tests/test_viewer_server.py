@@ -241,3 +241,69 @@ def test_view_from_a_checkpoint_folder(tmp_path):
         ex.payload("I " * 20)  # longer than the model's context of 16
     with pytest.raises(UserError, match="cannot read"):
         ex.payload("I like birds")  # not in the checkpoint's word-level vocabulary
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"bias": True}, {"qkv_bias": True, "tie_embeddings": True}, {"pos": "learned", "ffn": "gelu", "n_kv_heads": 4},
+    {"sliding_window": 3, "norm": "layer"},
+])
+def test_cost_formulas_shown_equal_the_estimate(overrides):
+    """Each cost the page lists carries its formula with the config's numbers put in; that
+    string, evaluated here on its own, gives cost.estimate's figure."""
+    import math
+
+    from glassformer.config import ModelConfig
+    from glassformer.cost import estimate
+    from glassformer.viewer import source
+    from glassformer.viewer.cost_calc import figure
+
+    cfg = ModelConfig.from_preset("tiny", **overrides)
+    T = 7
+    view = source.costs_view(cfg, T)
+    r = estimate(cfg, batch=1, seq=T, dtype="fp32", hardware="h100")
+    rows = {row["key"]: row for row in view["rows"]}
+    # Every figure the page lists has its calculation (crossover_seq can be None: no formula then).
+    assert all("calc" in row for row in view["rows"] if row["value"] is not None), \
+        [k for k, row in rows.items() if "calc" not in row]
+    for key, row in rows.items():
+        if "calc" not in row:
+            continue
+        c = row["calc"]
+        filled = c["substituted"]
+        assert re.fullmatch(r"[0-9+\-·/(). ceil]*", filled), filled  # only numbers are left
+        got = eval(filled.replace("·", "*"), {"__builtins__": {}, "ceil": math.ceil})  # noqa: S307
+        want = figure(r, key)
+        assert got == pytest.approx(want, rel=1e-12), (key, c["text"])
+        assert c["value"] == want == row["value"] and c["result"] == pytest.approx(want, rel=1e-12)
+        assert c["text"].splitlines()[1].strip() == f"= {filled}"
+        for o in c["operands"]:  # each operand is a config number or another figure
+            assert o["source"] == "const" and isinstance(o["value"], (int, float))
+
+
+def test_rms_calculations_of_the_comparison():
+    """Each RMS in the pre/post table carries explain_rms's calculation: recomputed from its
+    operands it is the table's number, and its operands are the stream's own numbers."""
+    from glassformer.analysis import norm_rms
+    from glassformer.explain import explain, step_value
+    from glassformer.viewer import source
+
+    model = tiny_model()
+    ids = [5, 9, 2, 7]
+    toks = [f"w{i}" for i in ids]
+    tr = source.trace_for_page(model, ids, toks)
+    view = source.norm_view(source.norm_models(model), ids, toks, model, tr)
+    own = model.config.norm_placement
+    ref = norm_rms(tr)
+    for kind in ("pre", "post"):
+        for t in range(len(ids)):
+            for s, calc in enumerate(view["calc"][kind][t]):
+                assert calc["result"] == pytest.approx(view["rms"][kind][t][s], rel=1e-6)
+                assert step_value(calc["steps"][-1]) == pytest.approx(calc["value"], rel=1e-6)  # operands kept to 7 digits
+                srcs = {o["source"] for term in calc["steps"][-1]["terms"] for o in term if o["label"] != "D"}
+                assert srcs == ({"probe"} if kind == own else {"twin"})
+    # The page model's RMS operands are the traced stream numbers, each explained in turn.
+    calc = view["calc"][own][2][1]
+    assert calc["value"] == pytest.approx(float(ref["rms"][1][2]), rel=1e-6)
+    o = calc["steps"][-1]["terms"][0][0]
+    assert o["name"] == ref["points"][1] and o["index"][0] == 2
+    assert explain(tr, o["name"], o["index"], model=model).value == pytest.approx(o["value"], abs=1e-6)

@@ -255,3 +255,26 @@ def explain(trace, probe: str, index: Sequence[int] | int, model=None, *, max_te
     rule(ctx, probe, index)
     label = ctx.steps.steps[-1]["label"]
     return Explanation(probe, index, label, None if math.isnan(value) else value, ctx.steps.steps)
+
+
+def explain_rms(trace, probe: str, token: int, model=None, *, max_terms: int = MAX_TERMS) -> Explanation:
+    """The calculation of the RMS √(Σ_i x[i]²/D) of token `token`'s vector in `probe` (a stream
+    probe: embed, resid_mid, resid_out, or a norm's output), as in glassformer.analysis.norm_rms.
+
+    Its operands are the probe's numbers, each with its own calculation (`explain`).
+    """
+    from .explain_rules import Context, rms_of_stream
+
+    tr = as_trace(trace)
+    p = tr.probe(probe)
+    if p.axes[0] != "token" or len(p.axes) != 2:
+        raise UserError(f"the RMS of a stream needs a (token, feature) probe; {probe} has axes {p.axes}")
+    t = int(token)
+    if not 0 <= t < p.data.shape[0]:
+        raise UserError(f"{probe} has {p.data.shape[0]} tokens; token {t} is out of range")
+    x = p.data[t].double()
+    value = float(x.pow(2).mean().sqrt())
+    ctx = Context(tr, model, Steps(max_terms))
+    rms_of_stream(ctx, probe, t)
+    label = ctx.steps.steps[-1]["label"]
+    return Explanation(f"rms:{probe}", [t], label, value, ctx.steps.steps)

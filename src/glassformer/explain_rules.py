@@ -131,6 +131,15 @@ def rule_embed(ctx, probe, idx):
     ctx.steps.sum(ctx.lab(probe, idx), formula, terms, wide=False)
 
 
+def rms_of_stream(ctx: Context, probe: str, t: int) -> None:
+    """RMS √(Σ_i x[i]²/D) of token t's stream vector `probe` (no ε: the stream itself, as
+    glassformer.analysis.norm_rms measures it, not a norm's denominator)."""
+    D = int(ctx.tr.probe(probe).data.shape[-1])
+    xs = [ctx.p(probe, [t, i]) for i in range(D)]
+    inv_d = operand("D", D, power=-1)
+    ctx.steps.sum(f"RMS({ctx.lab(probe, [t])})", "√(Σ_i x[i]²/D)", [[x, x, inv_d] for x in xs], post="sqrt")
+
+
 def norm(ctx: Context, probe: str, idx, x_probe: str, wname: str):
     """RMSNorm: x[j] / √(mean(x²) + ε) · γ[j]; LayerNorm: (x[j] − μ) / √(var + ε) · γ[j] + β[j]."""
     t, j = idx

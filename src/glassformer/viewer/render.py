@@ -18,6 +18,7 @@ import base64
 import dataclasses
 import hashlib
 import html
+import itertools
 import json
 import math
 from pathlib import Path
@@ -137,9 +138,14 @@ def stream_rms(trace: dict) -> tuple[list[str], list[list[float]]]:
 def norm_comparison(traces: dict[str, dict], about: str | None = None) -> dict:
     """{'pre': trace, 'post': trace} of one text → the RMS tables the page plots side by side."""
     out: dict[str, Any] = {"rms": {}, "about": about}
+    from ..trace_format import as_trace
+    from .source import rms_calcs
+
     for kind, tr in traces.items():
         labels, table = stream_rms(tr)
         out["rms"][kind] = table
+        points = [n for _, n in _stream_probes(tr["config"]) if _probe(tr, n) is not None]
+        out.setdefault("calc", {})[kind] = rms_calcs(as_trace(tr), points)
         out["steps"], out["tokens"] = labels, list(tr["tokens"])
     return out
 
@@ -216,6 +222,18 @@ def shown_numbers(trace: dict, focus: int, nxt: list[list[dict]]) -> Iterator[tu
                 yield "logits", [t, c["id"]]
 
 
+def rms_operands(norm: dict | None) -> Iterator[tuple[str, list[int]]]:
+    """(probe, index) of the stream numbers that the comparison's RMS calculations link to."""
+    for rows in ((norm or {}).get("calc") or {}).values():
+        for row in rows:
+            for calc in row:
+                for st in calc.get("steps", []):
+                    for term in st.get("terms") or []:
+                        for o in term:
+                            if o.get("source") == "probe":
+                                yield o["name"], o["index"]
+
+
 def precompute_explain(trace: dict, explain: Explainer, numbers: Iterable[tuple[str, list[int]]],
                        limit: int = EXPLAIN_LIMIT) -> tuple[dict[str, Any], int]:
     """{'probe|i,j,k': calculation} for the first `limit` numbers; also how many were left out."""
@@ -277,7 +295,8 @@ def build_payload(
     notes = list(notes or [])
     explained: dict[str, Any] = {}
     if explain is not None and mode == "static":
-        explained, left = precompute_explain(trace, explain, shown_numbers(trace, focus, nxt), explain_limit)
+        numbers = itertools.chain(shown_numbers(trace, focus, nxt), rms_operands(norm))
+        explained, left = precompute_explain(trace, explain, numbers, explain_limit)
         if left:
             notes.append(f"This file stores the calculations of {len(explained)} numbers; "
                          f"{left} more are computed live by `glassformer view`.")

@@ -125,7 +125,42 @@ def norm_view(models: dict, ids: list[int], tokens: list[str], model=None, trace
         tr = traced if (traced is not None and models[kind] is model) else trace(models[kind], ids, tokens=tokens, top_k=1)
         r = norm_rms(tr)
         out["rms"][kind] = [list(row) for row in zip(*r["rms"])]  # [token][step]
+        out.setdefault("calc", {})[kind] = rms_calcs(tr, r["points"], own=models[kind] is model,
+                                                     model=f"the {kind}-norm model")
         out["steps"], out["tokens"] = [lab.replace(": + ", " +").replace("attention", "attn") for lab in r["labels"]], list(tokens)
+    return out
+
+
+def rms_calcs(tr, points: list[str], own: bool = True, model: str | None = None) -> list[list[dict]]:
+    """The calculation (explain_rms) of every RMS of the comparison, [token][step].
+
+    model: a few words naming the model traced (shown with the calculation).
+    own=False: the trace is of the twin model, not of the page's trace, so its operands
+    cannot be explained on this page: they are marked source 'twin' (shown, not linked).
+    """
+    from ..explain import explain_rms
+    from .render import to_plain
+
+    out = []
+    for t in range(len(tr.tokens)):
+        row = []
+        for p in points:
+            c = to_plain(explain_rms(tr, p, t))
+            for st in c["steps"]:  # kept small: a long sentence has hundreds of these
+                st.pop("text", None)  # the one step's text is the calculation's own text
+                for term in st.get("terms") or []:
+                    for o in term:
+                        o["value"] = float(f"{o['value']:.7g}")  # the page shows 4 digits
+            if model:
+                c["model"] = model  # whose stream: the page says so under the title
+            if not own:
+                for st in c["steps"]:
+                    for term in st.get("terms") or []:
+                        for o in term:
+                            if o.get("source") == "probe":
+                                o["source"] = "twin"
+            row.append(c)
+        out.append(row)
     return out
 
 
@@ -150,7 +185,10 @@ def costs_view(cfg, T: int) -> dict | None:
         return None
     from .render import cost_rows
 
+    from .cost_calc import cost_calcs
+
     r = estimate(cfg, batch=1, seq=T, dtype="fp32", hardware="h100")
+    calcs = cost_calcs(cfg, r)  # each figure's formula, numbers put in: shown on a click
     rows = []
     for key, what in COST_ROWS:
         if key not in r:
@@ -158,6 +196,8 @@ def costs_view(cfg, T: int) -> dict | None:
         part = cost_rows({key: r[key]})["rows"]
         for row in part:
             row["what"] = what if row["key"] == key else ""
+            if row["key"] in calcs:
+                row["calc"] = calcs[row["key"]]
         rows.extend(part)
     return {"rows": rows, "about": f"For one row of {T} tokens in fp32 (glassformer cost --seq {T} --dtype fp32 prints them all)."}
 

@@ -124,6 +124,20 @@
     });
     return b;
   }
+  // A number whose calculation the page already holds (an RMS of the comparison, a cost):
+  // a click shows it; its operands link on as any calculation's do.
+  function calcNum(text, calc, data) {
+    const b = el('button', { class: 'num', type: 'button', text, title: calc ? (calc.title || '') + ': click for its calculation' : '' });
+    Object.assign(b.dataset, data || {});
+    if (!calc) { b.disabled = true; return b; }
+    b.addEventListener('click', (ev) => {
+      ev.stopPropagation();
+      document.querySelectorAll('.num.active').forEach((x) => x.classList.remove('active'));
+      b.classList.add('active');
+      showCalc(calc, true);
+    });
+    return b;
+  }
   function idxLabel(probeName, index) {
     const axes = axesOf(probeName);
     const parts = index.map((v, d) => {
@@ -455,7 +469,11 @@
     box.append(el('p', { class: 'note', text: `Token “${nm.tokens[t]}”${nm.about ? ' · ' + nm.about : ''}` }), root);
     const table = el('table', { class: 'grid' });
     table.append(el('tr', {}, [el('th', { text: '' })].concat(steps.map((s) => el('th', { text: s })))));
-    for (const k of kinds) table.append(el('tr', {}, [el('td', { class: 'probe', text: `${k}-norm` })].concat(nm.rms[k][t].map((v) => el('td', { text: fmt(v) })))));
+    const calc = (k, i) => nm.calc && nm.calc[k] && nm.calc[k][t] ? nm.calc[k][t][i] : null;
+    for (const k of kinds) {
+      table.append(el('tr', {}, [el('td', { class: 'probe', text: `${k}-norm` })].concat(
+        nm.rms[k][t].map((v, i) => el('td', {}, calcNum(fmt(v), calc(k, i), { rms: k, token: String(t), step: String(i) }))))));
+    }
     box.append(table);
   }
 
@@ -655,7 +673,7 @@
     if (typeof v !== 'number') return String(v);
     if (/bytes/.test(k)) return `${fmtBytes(v)} (${fmtInt(v)})`;
     if (/seconds/.test(k)) return v < 120 ? `${fmt(v)} s` : v < 7200 ? `${fmt(v / 60)} min` : v < 172800 ? `${fmt(v / 3600)} h` : `${fmt(v / 86400)} days`;
-    if (/flops/.test(k)) return `${fmtBig(v)}FLOP (${v.toExponential(3)})`;
+    if (/flops/.test(k)) return `${fmtBig(v)}${Math.abs(v) < 1000 ? ' ' : ''}FLOP (${v.toExponential(3)})`;
     if (Number.isInteger(v) && Math.abs(v) >= 1000) return `${fmtInt(v)} (${fmtBig(v)})`;
     return fmt(v);
   }
@@ -668,7 +686,8 @@
     table.append(el('tr', {}, ['figure', 'value'].map((h) => el('th', { text: h }))));
     const rows = c.rows || [];
     for (const r of rows) {
-      const tr = el('tr', {}, [el('td', { class: 'probe', text: r.key }), el('td', { text: costValue(r.key, r.value) }), el('td', { class: 'what', text: r.what || '' })]);
+      const val = r.calc ? calcNum(costValue(r.key, r.value), r.calc, { cost: r.key }) : costValue(r.key, r.value);
+      const tr = el('tr', {}, [el('td', { class: 'probe', text: r.key }), el('td', {}, val), el('td', { class: 'what', text: r.what || '' })]);
       tr.dataset.key = r.key;
       table.append(tr);
     }
@@ -710,7 +729,7 @@
     const idx = Array.isArray(o.index) ? o.index : null;
     const isProbe = (o.source === 'probe' || (!o.source && name)) && name && idx;
     const label = o.label || (name ? `${name}${idx ? idxLabel(name, idx) : ''}` : '?');
-    const where = o.source === 'weight' ? `weight ${name}[${idx ? idx.join(', ') : ''}]` : o.source === 'step' ? `the value of step ${idx ? idx[0] + 1 : ''}` : o.source === 'const' ? 'a constant' : `${name}${idx ? idxLabel(name, idx) : ''}: click for its calculation`;
+    const where = o.source === 'twin' ? `${name}${idx ? '[' + idx.join(', ') + ']' : ''} of the other model traced for this comparison (not this page’s trace)` : o.what ? `${o.label}: ${o.what}` : o.source === 'weight' ? `weight ${name}[${idx ? idx.join(', ') : ''}]` : o.source === 'step' ? `the value of step ${idx ? idx[0] + 1 : ''}` : o.source === 'const' ? 'a constant' : `${name}${idx ? idxLabel(name, idx) : ''}: click for its calculation`;
     const span = el('span', { class: 'operand', title: where });
     const shown = o.power === -1 ? `1/${label}` : label;
     if (isProbe) {
@@ -720,6 +739,7 @@
       span.append(a);
     } else span.append(el('span', { class: o.source === 'weight' ? 'w' : 'c', text: shown }));
     if (o.value !== undefined && o.value !== null) span.append(el('span', { class: 'val', text: `=${Array.isArray(o.value) ? '[' + o.value.map(fmt).join(', ') + ']' : fmt(o.value)}` }));
+    if (o.what) span.append(el('span', { class: 'what', text: o.what }));
     return span;
   }
   function termsOf(step) {
@@ -741,7 +761,9 @@
     const head = r.title || ((r.label || (probeName ? `${probeName}${Array.isArray(index) ? idxLabel(probeName, index) : ''}` : 'calculation')) +
       (r.value !== undefined && r.value !== null ? ` = ${fmt(r.value)}` : ''));
     body.append(el('div', { class: 'calc-title', text: head }));
-    if (probeName && r.label) body.append(el('div', { class: 'muted', style: { fontSize: '12px' }, text: `${probeName}${Array.isArray(index) ? idxLabel(probeName, index) : ''}` }));
+    const rmsOf = typeof probeName === 'string' && probeName.startsWith('rms:') ? probeName.slice(4) : null;
+    const where = rmsOf ? `RMS of ${rmsOf}[${tokenLabel(index[0])}], the stream after an addition${r.model ? ', in ' + r.model : ''}` : `${probeName}${Array.isArray(index) ? idxLabel(probeName, index) : ''}`;
+    if (probeName && r.label) body.append(el('div', { class: 'muted', style: { fontSize: '12px' }, text: where }));
     const steps = r.steps || [];
     const text = r.text || r.formula;
     if (text) body.append(el('pre', { class: 'calc-text', text }));
@@ -775,7 +797,8 @@
     }
     if (typeof r.result === 'number' && typeof r.value === 'number') {
       const same = Math.abs(r.result - r.value) <= 1e-5 * (1 + Math.abs(r.value));
-      body.append(el('p', { class: same ? 'ok' : 'bad', text: `recomputed ${fmt(r.result)} ${same ? '= the traced value ✓' : '≠ traced ' + fmt(r.value)}` }));
+      const ref = r.key ? 'glassformer.cost’s figure' : 'the traced value';
+      body.append(el('p', { class: same ? 'ok' : 'bad', text: `recomputed ${fmt(r.result)} ${same ? '= ' + ref + ' ✓' : '≠ ' + ref + ' ' + fmt(r.value)}` }));
     }
   }
   $('explain-back').addEventListener('click', () => {
