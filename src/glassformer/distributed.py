@@ -48,8 +48,12 @@ def setup(device_type: str) -> Dist:
     return Dist(rank=rank, world_size=world, local_rank=local)
 
 
-def teardown(d: Dist) -> None:
+def teardown(d: Dist, clean: bool = True) -> None:
+    """Leave the process group. After a clean run every rank first waits for the others, so no
+    rank tears its connections down while a peer still talks to it (gloo then aborts the peer)."""
     if d.enabled and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 

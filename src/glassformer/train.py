@@ -140,11 +140,14 @@ def train(cfg: TrainConfig) -> dict:
     """Run (or resume) one training run; returns a summary (steps, losses, last evaluation, stop reason)."""
     d = gdist.setup("cuda" if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
     threads = torch.get_num_threads()
+    clean = False
     try:
-        return _train(cfg, d)
+        result = _train(cfg, d)
+        clean = True
+        return result
     finally:
         torch.set_num_threads(threads)
-        gdist.teardown(d)
+        gdist.teardown(d, clean)
 
 
 def _say(d: gdist.Dist, msg: str) -> None:
