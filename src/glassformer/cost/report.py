@@ -142,16 +142,16 @@ def format_table(r: dict) -> str:
     for k, v in r["params_by_part"].items():
         if v:
             add(f"  {k}", f"{v:,}")
-    add(f"forward FLOPs, B={B} T={T}", f"{human(r['flops_forward'])}FLOP (full T×T score grid, matrix products)")
+    add(f"forward FLOPs, B={B} T={T}", f"{human(r['flops_forward'], 'FLOP')} (full T×T score grid, matrix products)")
     for k, v in r["flops_forward_by_part"].items():
-        add(f"  {k}", f"{human(v)}FLOP ({v / r['flops_forward']:.1%})")
-    add("  without scores", f"{human(r['flops_forward_no_scores'])}FLOP")
+        add(f"  {k}", f"{human(v, 'FLOP')} ({v / r['flops_forward']:.1%})")
+    add("  without scores", f"{human(r['flops_forward_no_scores'], 'FLOP')}")
     s = r["flops_scores"]
     add("  score FLOPs by kernel", f"naive {human(s['naive'])} · tiled {human(s['tiled'])} · causal pairs only {human(s['causal'])}")
     t = r["tiled_tiles"]
-    add("  tiled kernel skips", f"{t['skipped']:,} of {t['skipped'] + t['computed']:,} tiles of {t['tile']} ({human(t['flops_skipped'])}FLOP)")
-    add("forward FLOPs per token", f"{human(r['flops_per_token'])}FLOP ({human(r['flops_per_token_no_scores'])} without scores)")
-    add("training step FLOPs", f"{human(r['flops_train_step'])}FLOP (3 × forward)")
+    add("  tiled kernel skips", f"{t['skipped']:,} of {t['skipped'] + t['computed']:,} tiles of {t['tile']} ({human(t['flops_skipped'], 'FLOP')})")
+    add("forward FLOPs per token", f"{human(r['flops_per_token'], 'FLOP')} ({human(r['flops_per_token_no_scores'])} without scores)")
+    add("training step FLOPs", f"{human(r['flops_train_step'], 'FLOP')} (3 × forward)")
     cs, cc = r["crossover_seq"], r["crossover_seq_causal"]
     add("scores pass FFN at T", f"{cs:,} (full grid); {'never (window)' if cc is None else f'{cc:,}'} (causal pairs)")
     add(f"activations ({i['attention']})", f"{human(r['activations'])} numbers, {human(r['activation_bytes'], 'B', 1024)}")
@@ -161,7 +161,7 @@ def format_table(r: dict) -> str:
             add(f"  {k}", human(v, "B", 1024))
     add("KV cache per token", f"{r['kv_cache_bytes_per_token']:,} B ({i['dtype']}); {human(r['kv_cache_bytes'], 'B', 1024)} for {B}×{T} tokens")
     add(f"training on {i['hardware']}", f"{human(r['train_tokens'])} tokens = {r['train_steps']:,} steps: "
-        f"{duration(r['train_time_seconds'])} at MFU {i['mfu']:.0%} of {human(r['peak_flops'])}FLOP/s")
+        f"{duration(r['train_time_seconds'])} at MFU {i['mfu']:.0%} of {human(r['peak_flops'], 'FLOP/s')}")
     add(f"largest batch in {human(i['memory_bytes'], 'B')}", f"training {r['max_batch']:,}; inference {r['max_batch_inference']:,} (T={T})")
     d = r["decode"]
     add(f"decode at context {d['context']:,}", f"≤ {d['tokens_per_second_bound']:.3g} tokens/s per row "
