@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from .config import ModelConfig
-from .errors import UserError
+from .errors import UserError, read_json
 
 FORMAT = "glassformer"
 FORMAT_VERSION = 1
@@ -126,10 +126,7 @@ def resolve(path: str | Path) -> Path:
 
 def read_config(folder: str | Path) -> dict:
     folder = resolve(folder)
-    try:
-        return json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+    return read_json(folder / "config.json")
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):

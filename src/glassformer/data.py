@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import UserError
+from .errors import UserError, read_json
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -66,10 +66,7 @@ def read_meta(folder: str | Path) -> dict:
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
         raise UserError(f"{folder} is not a prepared data folder (no meta.json): run `glassformer prepare --out {folder}`")
-    try:
-        return json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{meta_path} is not valid JSON ({e}); prepare the folder again") from None
+    return read_json(meta_path, "; prepare the folder again")
 
 
 def load_split(folder: str | Path, split: str) -> TokenFile:

@@ -31,11 +31,10 @@ def add_arguments(p) -> None:
 
 def load_config(args):
     """The ModelConfig that --preset, --config or --checkpoint names."""
-    import json
     from pathlib import Path
 
     from ..config import ModelConfig
-    from ..errors import UserError
+    from ..errors import UserError, read_json
 
     if args.preset:
         return ModelConfig.from_preset(args.preset)
@@ -43,11 +42,7 @@ def load_config(args):
         path = Path(args.config)
         if not path.is_file():
             raise UserError(f"config file {path} does not exist: give a JSON file of ModelConfig fields")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not valid JSON ({e})") from None
-        return _config_from_json(data, path)
+        return _config_from_json(read_json(path), path)
     from ..checkpoint import read_config
 
     return _config_from_json(read_config(args.checkpoint), Path(args.checkpoint))

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import ModelConfig
-from ..errors import UserError
+from ..errors import UserError, read_json
 from .families import Family, family_for, family_named
 from .transforms import Rule
 
@@ -159,10 +159,7 @@ def read_hf_config(folder: str | Path) -> dict:
         raise UserError(f"{folder} is not a folder: give a Hugging Face model folder (config.json + *.safetensors)")
     if not path.is_file():
         raise UserError(f"{folder} has no config.json: give a Hugging Face model folder (config.json + *.safetensors)")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e})") from None
+    hf = read_json(path)
     if not isinstance(hf, dict) or "model_type" not in hf:
         raise UserError(f"{path} has no model_type: it is not a Hugging Face transformers config")
     return hf
