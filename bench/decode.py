@@ -124,11 +124,13 @@ def main() -> None:
     same = a == b
     bw = bandwidth()
 
-    # Roofline: each decoded token reads every weight once and the cache up to its position.
+    # Roofline: each decoded token reads every weight once, except the embedding table of which
+    # it reads one row (the head is a matrix of its own here: untied), and the cache up to its position.
     bpn = next(model.parameters()).element_size()
     kv_per_pos = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * bpn
     mean_ctx = args.prompt_tokens + N / 2
-    bytes_per_token = n_weights * bpn + kv_per_pos * mean_ctx
+    weights_read = n_weights - model.embed.weight.numel() + cfg.dim
+    bytes_per_token = weights_read * bpn + kv_per_pos * mean_ctx
     tok_s, hf_tok_s = N / min(t_ours), N / min(t_hf)
     roof = bw["read"] / bytes_per_token
 

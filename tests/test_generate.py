@@ -245,6 +245,30 @@ def test_packed_forward_equals_the_model(over):
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_packed_column_blocks_give_the_same_steps(threads):
+    """One column block per thread (3 blocks do not divide every matrix: those stay whole)."""
+    from glassformer import KVCache
+    from glassformer.packed import pack, packed_forward
+
+    model = tiny_model()
+    ids = torch.randint(0, 512, (1, 10))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            ref, _ = model(ids)
+            cache = KVCache.for_model(model, 1, 16)
+            got = [packed_forward(model, ids[:, :4], cache, 0)]
+            got += [packed_forward(model, ids[:, t:t + 1], cache, t) for t in range(4, 10)]  # matrix-vector steps
+        blocks = {w.shape[0] for layer in pack(model)["layers"] for w in (layer["qkv"], layer["gu"])}
+    finally:
+        torch.set_num_threads(before)
+    assert blocks == {threads} or (threads == 3 and 1 in blocks)
+    got = torch.cat(got, dim=1)
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
 def test_packed_weights_follow_the_model_and_unpacked_path_agrees():
     model = tiny_model()
     prompt = [3, 1, 4, 1, 5]

@@ -8,7 +8,15 @@ single number of the model:
   (D, 2F) matrix (gpt-fast's wqkv), so a layer runs 4 products instead of 7;
 - (in, out) storage: x @ W reads W row after row, each row a long contiguous run that
   updates the whole output vector, where nn.Linear's (out, in) layout computes one short
-  dot product per output. On a CPU that streams ~1.4x more bytes per second (bench/decode.py).
+  dot product per output. On a CPU that streams ~1.4x more bytes per second (bench/decode.py);
+- one column block per CPU thread: each matrix is kept as P blocks (P, in, out/P), so a
+  matrix-vector product becomes one batched product whose P blocks run on P threads side
+  by side (a plain x @ W with one row runs on one thread whatever the thread count). The
+  blocks' outputs, laid end to end, are the product's output in order: no copy.
+
+RoPE reads precomputed cos/sin rows and turns each feature pair with one multiply-add
+(x·cos + swap(x)·sin, the pair's two features swapped and the sine signed to match), the
+same rotation as model.apply_rope in three operations instead of eight.
 
 The packed copy costs one more copy of the weights' memory; it is rebuilt when any
 parameter of the model changes (tracked by tensor version counters). The forward below
@@ -23,13 +31,46 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .model import RMSNorm, apply_rope, ffn_activation, rope_angles
+from .model import RMSNorm, ffn_activation
 
 _PACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _t(w: torch.Tensor) -> torch.Tensor:
-    return w.detach().t().contiguous()  # (in, out)
+def _t(w: torch.Tensor, P: int) -> torch.Tensor:
+    """nn.Linear's weight (out, in) as P column blocks (P, in, out/P) of the (in, out) matrix."""
+    w = w.detach().t()  # (in, out)
+    n_in, n_out = w.shape
+    P = P if n_out % P == 0 else 1
+    return w.reshape(n_in, P, n_out // P).transpose(0, 1).contiguous()  # (P, in, out/P)
+
+
+def _blocks_for(device: torch.device) -> int:
+    """Column blocks per matrix: one per CPU thread (on a GPU one kernel already uses the whole chip)."""
+    return torch.get_num_threads() if device.type == "cpu" else 1
+
+
+def _rope_tables(model) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos and signed sin (S, H) for every position, laid out so rotate(x) = x·cos + swap(x)·sin."""
+    cfg = model.config
+    if cfg.pos != "rope":
+        return None
+    pos = torch.arange(cfg.max_seq_len, device=model.rope_inv_freq.device)
+    angles = pos.float()[:, None] * model.rope_inv_freq  # (S, H/2), as model.rope_angles computes them
+    cos, sin = angles.cos(), angles.sin()
+    if cfg.rope_pairs == "half":  # pair (i, i + H/2): swap(x) = (b, a)
+        return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)  # (S, H) each
+    return torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)  # pairs (2i, 2i+1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str) -> torch.Tensor:
+    """model.apply_rope(x) for x (B, T, heads, H) with cos/sin rows (B or 1, T, 1, H), in fp32."""
+    xf = x.float()
+    H = x.shape[-1]
+    if pairs == "half":
+        swapped = xf.roll(H // 2, dims=-1)  # (b, a) for each pair (a, b)
+    else:
+        swapped = xf.unflatten(-1, (H // 2, 2)).flip(-1).flatten(-2)
+    return torch.addcmul(xf * cos, swapped, sin).to(x.dtype)  # (a cos - b sin, b cos + a sin)
 
 
 def _cat_bias(*linears):
@@ -42,10 +83,23 @@ def _signature(model) -> tuple:
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
 
 
-def pack(model) -> dict:
-    """The packed weights of `model` (cached; rebuilt when a parameter changed)."""
-    sig = _signature(model)
+def _quick_signature(params) -> tuple:
+    """What can change under a pack between two decode steps: storage (.to) and values (in place)."""
+    return tuple((p.data_ptr(), p._version) for p in params)
+
+
+def pack(model, quick: bool = False) -> dict:
+    """The packed weights of `model` (cached; rebuilt when a parameter changed).
+
+    quick=True (a decode step) checks only the parameters packed last time, for new values
+    or storage: walking the module tree to find them anew costs ~0.1 ms, 3% of a step.
+    """
     hit = _PACKS.get(model)
+    if quick and hit is not None and hit["P"] == _blocks_for(hit["device"]):
+        if _quick_signature(hit["params"]) == hit["quick"]:
+            return hit
+    P = _blocks_for(next(model.parameters()).device)
+    sig = (P, _signature(model))
     if hit is not None and hit["sig"] == sig:
         return hit
     layers = []
@@ -54,42 +108,56 @@ def pack(model) -> dict:
             a, f = b.attn, b.ffn
             gu = (f.w_gate, f.w_up) if f.w_gate is not None else (f.w_up,)
             layers.append(dict(
-                qkv=_t(torch.cat([a.wq.weight, a.wk.weight, a.wv.weight])),  # (D, (N+2K)H)
+                qkv=_t(torch.cat([a.wq.weight, a.wk.weight, a.wv.weight]), P),  # (P, D, (N+2K)H/P)
                 qkv_b=_cat_bias(a.wq, a.wk, a.wv),
-                o=_t(a.wo.weight), o_b=None if a.wo.bias is None else a.wo.bias.detach(),  # (NH, D)
-                gu=_t(torch.cat([lin.weight for lin in gu])),  # (D, 2F) or (D, F)
+                o=_t(a.wo.weight, P), o_b=None if a.wo.bias is None else a.wo.bias.detach(),  # (P, NH, D/P)
+                gu=_t(torch.cat([lin.weight for lin in gu]), P),  # (P, D, 2F/P) or (P, D, F/P)
                 gu_b=_cat_bias(*gu),
-                down=_t(f.w_down.weight), down_b=None if f.w_down.bias is None else f.w_down.bias.detach(),  # (F, D)
+                down=_t(f.w_down.weight, P), down_b=None if f.w_down.bias is None else f.w_down.bias.detach(),  # (P, F, D/P)
             ))
-        head = _t(model.lm_head.weight)  # (D, V)
-    hit = dict(sig=sig, layers=layers, head=head)
+        head = _t(model.lm_head.weight, P)  # (P, D, V/P)
+        rope = _rope_tables(model)
+    params = list(model.parameters())
+    hit = dict(sig=sig, layers=layers, head=head, rope=rope, P=P, device=params[0].device, params=params,
+               quick=_quick_signature(params))
     _PACKS[model] = hit
     return hit
 
 
 def _lin(x, w, b):
-    return x @ w if b is None else torch.addmm(b, x.flatten(0, -2), w).view(*x.shape[:-1], w.shape[1])
+    """x (..., in) times the blocked matrix w (P, in, out/P), plus bias b: (..., out)."""
+    P, n_in, n = w.shape
+    x2 = x.reshape(-1, n_in)  # (M, in)
+    if P == 1:
+        y = x2 @ w[0]  # (M, out)
+    elif x2.shape[0] == 1:  # a matrix-vector product: the P blocks on P threads at once
+        y = torch.bmm(x2.expand(P, 1, n_in), w).view(1, P * n)  # (P, 1, out/P) end to end = (1, out)
+    else:
+        y = torch.cat([x2 @ w[p] for p in range(P)], dim=1)  # (M, out): each product uses every thread
+    if b is not None:
+        y = y + b
+    return y.view(*x.shape[:-1], P * n)  # (..., out)
 
 
 def _attention(block, p, x, rope, q_pos, cache, start):
     cfg = block.cfg
     B, T, _ = x.shape
-    qkv = _lin(x, p["qkv"], p["qkv_b"])  # (B, T, (N+2K)H)
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qk = qkv[..., : (N + K) * H].view(B, T, N + K, H)  # (B, T, N+K, H): queries and keys side by side
+    qkv = _lin(x, p["qkv"], p["qkv_b"]).view(B, T, N + 2 * K, H)  # (B, T, N+2K, H)
+    qk, v = qkv[:, :, : N + K], qkv[:, :, N + K:]  # (B, T, N+K, H) queries and keys side by side, (B, T, K, H)
     if rope is not None:
-        qk = apply_rope(qk, *rope, cfg.rope_pairs)  # one rotation for both (same angles per position)
-    q, k = qk[:, :, :N], qk[:, :, N:]  # (B, T, N, H), (B, T, K, H)
-    v = qkv[..., (N + K) * H:].view(B, T, K, H)  # (B, T, K, H)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, H)
-    k, v = cache.update(q_pos, k, v)  # (B, K, Tk, H)
-    z = block.attn.kernel(q, k, v, q_pos=q_pos, window=cfg.sliding_window, start=start)  # (B, N, T, H)
+        qk = _rotate(qk, *rope, cfg.rope_pairs)  # one rotation for both (same angles per position)
+    qk, v = qk.transpose(1, 2), v.transpose(1, 2)  # (B, N+K, T, H), (B, K, T, H)
+    k, v = cache.update(q_pos, qk[:, N:], v)  # (B, K, Tk, H)
+    z = block.attn.kernel(qk[:, :N], k, v, q_pos=q_pos, window=cfg.sliding_window, start=start)  # (B, N, T, H)
     return _lin(z.transpose(1, 2).reshape(B, T, cfg.q_dim), p["o"], p["o_b"])  # (B, T, D)
 
 
 def _norm(norm, x):
     """The block's norm; RMSNorm as one fused op (same formula: fp32, then the weight)."""
     if isinstance(norm, RMSNorm) and norm.bias is None:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, x.shape[-1:], norm.weight, eps=norm.eps)
         return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.eps).to(x.dtype)
     return norm(x)
 
@@ -98,8 +166,8 @@ def _ffn(block, p, x):
     kind = block.cfg.ffn
     h = _lin(x, p["gu"], p["gu_b"])  # (B, T, 2F) or (B, T, F)
     if kind == "swiglu":
-        gate, up = h.chunk(2, dim=-1)  # (B, T, F) each
-        act = ffn_activation(kind, up, gate)
+        F_ = h.shape[-1] // 2
+        act = ffn_activation(kind, h[..., F_:], h[..., :F_])  # gate first, then up
     else:
         act = ffn_activation(kind, h)
     return _lin(act, p["down"], p["down_b"])  # (B, T, D)
@@ -107,16 +175,22 @@ def _ffn(block, p, x):
 
 def packed_forward(model, idx: torch.Tensor, cache, pos=0) -> torch.Tensor:
     """Logits (B, T, V) of Transformer.forward(idx, cache=cache, pos=pos), in eval mode."""
-    P = pack(model)
     cfg = model.config
     B, T = idx.shape
+    P = pack(model, quick=T == 1)
     q_pos = model._positions(pos, B, T, idx.device)  # (B, T)
     start = None if isinstance(pos, torch.Tensor) and pos.dim() > 0 else int(pos)
     cache.prepare(pos, T)
     x = model.embed(idx)  # (B, T, D)
     if model.pos_embed is not None:
         x = x + model.pos_embed(q_pos)
-    rope = rope_angles(q_pos, model.rope_inv_freq) if cfg.pos == "rope" else None
+    rope = None
+    if P["rope"] is not None:
+        cos, sin = P["rope"]  # (S, H) each
+        if start is not None:
+            rope = cos[start:start + T, None], sin[start:start + T, None]  # (T, 1, H): every row alike
+        else:
+            rope = cos[q_pos][:, :, None], sin[q_pos][:, :, None]  # (B, T, 1, H)
     for i, (block, p) in enumerate(zip(model.blocks, P["layers"])):
         layer_cache = cache.layer(i)
         if cfg.norm_placement == "pre":
@@ -125,4 +199,4 @@ def packed_forward(model, idx: torch.Tensor, cache, pos=0) -> torch.Tensor:
         else:
             h = _norm(block.attn_norm, x + _attention(block, p, x, rope, q_pos, layer_cache, start))
             x = _norm(block.ffn_norm, h + _ffn(block, p, h))
-    return _norm(model.final_norm, x) @ P["head"]  # (B, T, V)
+    return _lin(_norm(model.final_norm, x), P["head"], None)  # (B, T, V)

@@ -11,6 +11,22 @@ from .mask import allowed
 _HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
+def _decode_step(q, k, v, scale):
+    """One query per row reading every cached key: two batched products per key/value head.
+
+    The fused kernel reads a key/value head once for each query head of its group; here
+    the group's queries share one pass over it, which is what a decode step at a long
+    context is bound by (bench/decode.py: 1.1-1.27x latency growth from 128 to 2000
+    cached positions, against 1.33x with the fused kernel). Same math as the fused kernel.
+    """
+    B, N, _, H = q.shape
+    K = k.shape[1]
+    qg = q.reshape(B * K, N // K, H)  # (B·K, G, H): each KV head's group of queries
+    kg, vg = k.reshape(B * K, -1, H), v.reshape(B * K, -1, H)  # (B·K, Tk, H)
+    scores = torch.bmm(qg, kg.transpose(1, 2)).mul_(H ** -0.5 if scale is None else scale)  # (B·K, G, Tk)
+    return torch.bmm(torch.softmax(scores, -1), vg).view(B, N, 1, H)  # (B, N, 1, H)
+
+
 def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, start=None):
     """Fused attention; the mask is only built when it is not plain causal."""
     B, N, Tq, H = q.shape
@@ -23,7 +39,7 @@ def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, st
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
     if key_mask is None and window is None and Tq == 1 and start is not None and Tk == start + 1:
         # One decode step over a cache filled up to it: the query may read every key, no mask.
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa)
+        return _decode_step(q, k, v, scale)
     ok = allowed(q_pos, torch.arange(Tk, device=q.device), key_mask, window)  # (B, Tq, Tk)
     any_ok = ok.any(-1, keepdim=True)  # (B, Tq, 1)
     # Rows with no readable key: let them read everything (finite), then zero their output.
