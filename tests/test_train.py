@@ -207,6 +207,32 @@ def test_time_budget_fixes_and_records_the_schedule(data, tmp_path):
     assert lrs == [lr_at(s, 3e-3, 3e-4, 3, state["total_steps"]) for s in range(len(lrs))]
 
 
+def test_time_budget_counts_a_real_evaluation_and_checkpoint(data, tmp_path, monkeypatch):
+    """The plan's cost of an evaluation is measured (here: a slow disk), not guessed from a forward."""
+    import time
+
+    import glassformer.train as train_mod
+    from glassformer.train import plan_steps
+
+    real_save = train_mod.save_training
+
+    def slow_save(*a, **k):
+        time.sleep(0.4)
+        return real_save(*a, **k)
+
+    monkeypatch.setattr(train_mod, "save_training", slow_save)
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--out", str(out), *ARGS, "--time-budget", "8",
+                 "--calibrate-steps", "2", "--eval-every", "5"]) == 0
+    state = json.loads((out / read_pointer(out, "latest") / "train_state.json").read_text())
+    plan = state["time_budget_plan"]
+    assert plan["sec_per_eval"] >= 0.4
+    more = plan_steps(8 - plan["spent"], plan["sec_per_step"], 5, plan["sec_per_eval"])
+    assert state["total_steps"] == plan["calibrated_at"] + more
+    evals = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r]
+    assert evals[0] == plan["calibrated_at"]  # the timed evaluation is a point of the curve too
+
+
 def test_train_help_comes_from_the_field_docs():
     from glassformer.cli import build_parser
 

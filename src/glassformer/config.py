@@ -292,7 +292,7 @@ class TrainConfig:
     """Clip the global gradient norm to this (0 = off); the norm before clipping is logged."""
     dropout: float = 0.0
     """Dropout probability while training (overrides the model config's)."""
-    eval_every: int = 250
+    eval_every: int = 500
     """Evaluate on held-out data (loss, bits per byte) and save a checkpoint every N steps (0 = only at the end)."""
     eval_tokens: int = 16384
     """Held-out tokens scored at each evaluation (0 = the whole validation split)."""

@@ -117,6 +117,17 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
 
 
+def load_plotting() -> None:
+    """Import matplotlib now (if installed), so that the first loss picture costs what later ones do."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except ImportError:
+        pass
+
+
 def plot_losses(metrics_path: str | Path, png_path: str | Path) -> bool:
     """Draw train and held-out loss against step into png_path (atomically); False without matplotlib."""
     try:

@@ -40,7 +40,7 @@ from .checkpoint import (
 from .config import ModelConfig, TrainConfig
 from .errors import UserError
 from .evaluate import score, summary
-from .metrics import MetricsLog, flops_per_token, machine_peak, plot_losses
+from .metrics import MetricsLog, flops_per_token, load_plotting, machine_peak, plot_losses
 from .optim import lr_at, make_optimizer, set_lr
 from .runstate import StopFlag, rng_state, set_rng_state
 
@@ -380,17 +380,31 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
                     t_calib = time.perf_counter()
                 elif step == start_step + 1 + cfg.calibrate_steps or step >= cfg.warmup_steps:
                     sec_per_step = (time.perf_counter() - t_calib) / (step - start_step - 1)
-                    eval_tok = len(eval_ids) * (1 if not (cfg.fsdp and d.enabled) else d.world_size)
-                    sec_per_eval = sec_per_step * eval_tok / max(1, tokens_per_step) / 3 / d.world_size  # forward ≈ 1/3 of a step
-                    spent = time.perf_counter() - t_start
+                    # One real evaluation and checkpoint, timed: each later one costs the same, and a
+                    # forward-only estimate would miss the writing and the loss picture (budget overrun).
+                    if d.main:
+                        load_plotting()  # a one-off cost: not part of each evaluation's
+                    t_eval = time.perf_counter()
+                    last_val = evaluate()
+                    if d.main:
+                        metrics.write({"step": step, "val_loss": last_val["loss"], "val_bpb": last_val["bpb"],
+                                       "time": round(elapsed0 + time.perf_counter() - t_start, 3)})
+                    after_eval_checkpoint(last_val)
+                    now = time.perf_counter()
+                    # Every rank plans with the same numbers, so all stop at the same step.
+                    timing = gdist.all_mean(torch.tensor([sec_per_step, now - t_eval, elapsed0 + now - t_start],
+                                                         dtype=torch.float64, device=device), d)
+                    sec_per_step, sec_per_eval, spent = (float(v) for v in timing)
                     more = plan_steps(cfg.time_budget - spent, sec_per_step, cfg.eval_every, sec_per_eval)
                     total_steps = step + more
-                    plan = {"sec_per_step": sec_per_step, "sec_per_eval": sec_per_eval, "calibrated_at": step,
+                    plan = {"sec_per_step": sec_per_step, "sec_per_eval": sec_per_eval, "spent": spent, "calibrated_at": step,
                             "total_steps": total_steps, "budget": cfg.time_budget}
                     bar.total = total_steps
                     bar.refresh()
-                    _say(d, f"time budget {cfg.time_budget:g} s: {sec_per_step * 1000:.0f} ms per step, so "
-                            f"{total_steps} steps in all (schedule fixed)")
+                    _say(d, f"time budget {cfg.time_budget:g} s: {sec_per_step * 1000:.0f} ms per step, "
+                            f"{sec_per_eval:.1f} s per evaluation and checkpoint, so {total_steps} steps in all "
+                            "(schedule fixed)")
+                    t_log += now - t_eval  # tokens/s measures training, not evaluation
 
             # ---- log
             now = time.perf_counter()
