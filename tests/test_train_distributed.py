@@ -70,3 +70,25 @@ def test_two_processes_match_one(mode, data, single, tmp_path):
     write_pointer(resumed, "latest", "step-000010")
     assert main(["train", "--data", str(data), "--out", str(resumed), "--resume", "--no-progress"]) == 0
     assert train_losses(resumed) == pytest.approx(one, abs=1e-5, rel=0)
+
+
+def test_time_budget_under_torchrun_every_rank_plans_the_same_steps(data, tmp_path):
+    """Ranks average their calibration timings, so all stop at one step (different counts would hang)."""
+    import json
+
+    from glassformer.checkpoint import read_pointer
+
+    out = tmp_path / "budget"
+    args = list(ARGS)
+    i = args.index("--max-steps")
+    del args[i:i + 2]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "glassformer", "train", "--data", str(data), "--out", str(out), *args,
+           "--time-budget", "6", "--calibrate-steps", "2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads((out / read_pointer(out, "latest") / "train_state.json").read_text())
+    assert state["step"] == state["total_steps"] == state["time_budget_plan"]["total_steps"]
+    assert proc.stderr.count(f"done: {state['step']} steps") == 1
+    assert len(train_losses(out)) == state["step"]
