@@ -1,7 +1,7 @@
 """The model's forward with its weights packed for generation: same math, fewer and faster matmuls.
 
 At batch 1 a decode step is a chain of matrix-vector products, bound by how fast the
-weights stream from memory. Two layout changes make them stream faster without changing a
+weights stream from memory. Three layout changes make them stream faster without changing a
 single number of the model:
 
 - fusion: Q, K and V become one (D, (N+2K)·H) matrix and SwiGLU's gate and up one

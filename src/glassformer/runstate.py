@@ -1,4 +1,5 @@
-"""What a run needs to stop and resume exactly: every RNG state, and a flag set by SIGINT/SIGTERM."""
+"""What a run needs to stop and resume exactly: every RNG state, a flag set by SIGINT/SIGTERM,
+and the step count that fits a time budget."""
 
 from __future__ import annotations
 
@@ -59,3 +60,13 @@ class StopFlag:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+def plan_steps(budget_left: float, sec_per_step: float, eval_every: int, sec_per_eval: float) -> int:
+    """How many more steps fit in budget_left seconds with an evaluation every eval_every steps and one at the end.
+
+    >>> plan_steps(100.0, 1.0, 10, 5.0)  # n + (n/10 + 1)·5 ≤ 100  ->  n = 95/1.5
+    63
+    """
+    per_step = sec_per_step + (sec_per_eval / eval_every if eval_every else 0.0)
+    return max(1, int((budget_left - sec_per_eval) / per_step))

@@ -42,7 +42,7 @@ from .errors import UserError
 from .evaluate import score, summary
 from .metrics import MetricsLog, flops_per_token, load_plotting, machine_peak, plot_losses
 from .optim import lr_at, make_optimizer, set_lr
-from .runstate import StopFlag, rng_state, set_rng_state
+from .runstate import StopFlag, plan_steps, rng_state, set_rng_state
 
 
 class NonFiniteLoss(UserError):
@@ -121,16 +121,6 @@ def build_model(cfg: TrainConfig, meta: dict):
         model = Transformer(ModelConfig.from_preset(cfg.preset, **overrides))
     set_dropout(model, cfg.dropout)
     return model
-
-
-def plan_steps(budget_left: float, sec_per_step: float, eval_every: int, sec_per_eval: float) -> int:
-    """How many more steps fit in budget_left seconds with an evaluation every eval_every steps and one at the end.
-
-    >>> plan_steps(100.0, 1.0, 10, 5.0)  # n + (n/10 + 1)·5 ≤ 100  ->  n = 95/1.5
-    63
-    """
-    per_step = sec_per_step + (sec_per_eval / eval_every if eval_every else 0.0)
-    return max(1, int((budget_left - sec_per_eval) / per_step))
 
 
 # ----------------------------------------------------------------------------- the loop
