@@ -269,6 +269,23 @@ def test_packed_column_blocks_give_the_same_steps(threads):
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
+def test_prefill_runs_the_head_on_each_rows_last_token_only():
+    from glassformer import KVCache
+    from glassformer.generate import PackedForward, prefill
+
+    model = tiny_model()
+    ids = torch.randint(0, 512, (3, 9))
+    lengths = torch.tensor([9, 4, 6])
+    with torch.no_grad():
+        full, _ = model(ids)  # (B, T, V); rows are causal, so padding after a row's end changes nothing before it
+        got = prefill(PackedForward(model), ids, KVCache.for_model(model, 3, 16), 0, lengths)  # (B, V)
+        plain = prefill(model, ids, KVCache.for_model(model, 3, 16), 0, lengths)
+    want = full[torch.arange(3), lengths - 1]
+    assert got.shape == (3, 512)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert (plain - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 def test_packed_weights_follow_the_model_and_unpacked_path_agrees():
     model = tiny_model()
     prompt = [3, 1, 4, 1, 5]

@@ -112,11 +112,12 @@ def prefill(model, ids: torch.Tensor, cache: KVCache, pos=0, lengths: torch.Tens
     Returns the logits (B, V) of each row's last real token: index T-1, or lengths[b]-1
     for right-padded rows.
     """
+    B, T = ids.shape
+    last = torch.full((B,), T - 1, device=ids.device) if lengths is None else lengths.to(ids.device) - 1  # (B,)
+    if isinstance(model, PackedForward):  # the head runs on those positions only
+        return model(ids, cache=cache, pos=pos, last=last)[0][:, 0]  # (B, V)
     logits, _ = model(ids, cache=cache, pos=pos)  # (B, T, V)
-    if lengths is None:
-        return logits[:, -1]  # (B, V)
-    rows = torch.arange(ids.shape[0], device=ids.device)
-    return logits[rows, lengths.to(ids.device) - 1]  # (B, V)
+    return logits[torch.arange(B, device=ids.device), last]  # (B, V)
 
 
 def decode_step(model, tok: torch.Tensor, cache: KVCache, pos) -> torch.Tensor:
@@ -130,6 +131,16 @@ def decode_step(model, tok: torch.Tensor, cache: KVCache, pos) -> torch.Tensor:
 
 def _packed_call(model, idx, cache=None, pos=0):
     return packed_forward(model, idx, cache, pos), None
+
+
+class PackedForward:
+    """A model's packed forward (packed.py), called like the model itself: (logits, None)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, idx, cache=None, pos=0, last=None):
+        return packed_forward(self.model, idx, cache, pos, last=last), None
 
 
 def _as_rows(ids) -> tuple[list[list[int]], bool]:
@@ -213,7 +224,7 @@ class Session:
             return self.model
         if decode and self._compiled is not None:
             return functools.partial(self._compiled, self.model) if self.packed else self._compiled
-        return functools.partial(_packed_call, self.model) if self.packed else self.model
+        return PackedForward(self.model) if self.packed else self.model
 
     # ---- one forward over whatever is pending --------------------------------------------
     def _forward(self) -> torch.Tensor:

@@ -173,8 +173,13 @@ def _ffn(block, p, x):
     return _lin(act, p["down"], p["down_b"])  # (B, T, D)
 
 
-def packed_forward(model, idx: torch.Tensor, cache, pos=0) -> torch.Tensor:
-    """Logits (B, T, V) of Transformer.forward(idx, cache=cache, pos=pos), in eval mode."""
+def packed_forward(model, idx: torch.Tensor, cache, pos=0, last: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits (B, T, V) of Transformer.forward(idx, cache=cache, pos=pos), in eval mode.
+
+    last (B,): only the logits of position last[b] of each row, (B, 1, V). A prefill needs
+    no more, and the head over every prompt position would be most of a long prompt's
+    work at a large vocabulary (Hugging Face's generate does the same: logits_to_keep).
+    """
     cfg = model.config
     B, T = idx.shape
     P = pack(model, quick=T == 1)
@@ -199,4 +204,6 @@ def packed_forward(model, idx: torch.Tensor, cache, pos=0) -> torch.Tensor:
         else:
             h = _norm(block.attn_norm, x + _attention(block, p, x, rope, q_pos, layer_cache, start))
             x = _norm(block.ffn_norm, h + _ffn(block, p, h))
-    return _lin(_norm(model.final_norm, x), P["head"], None)  # (B, T, V)
+    if last is not None:
+        x = x[torch.arange(B, device=x.device), last.to(x.device)][:, None]  # (B, 1, D)
+    return _lin(_norm(model.final_norm, x), P["head"], None)  # (B, T, V) or (B, 1, V)

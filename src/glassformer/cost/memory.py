@@ -92,6 +92,9 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
     parts_act = {  # in the training dtype
         "norms": (2 * L + 1) * n_act,
         "linear_in": (2 * L + 1) * BT * D,
+        # Q, K and V run as one product over their weights joined (model.Attention._qkv): the
+        # joined copy is an activation, kept for the input's gradient; it does not grow with B·T.
+        "qkv_weight": L * (cfg.q_dim + 2 * cfg.kv_dim) * D,
         "attn_z": L * BT * cfg.q_dim,
         "attn_kernel": L * k_act,
         "ffn": L * ffn_saved * BT * F,
@@ -105,7 +108,7 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
         "logits": BT * V,
         "rope": BT * cfg.head_dim if cfg.pos == "rope" else 0,
     }
-    order = ("norms", "linear_in", "attn_z", "attn_kernel", "ffn", "dropout", "logits", "rope")
+    order = ("norms", "linear_in", "qkv_weight", "attn_z", "attn_kernel", "ffn", "dropout", "logits", "rope")
     parts = {k: parts_act.get(k, 0) + parts_32.get(k, 0) for k in order}
     parts["total"] = sum(parts.values())
     parts["fp32"] = sum(parts_32.values())
@@ -169,7 +172,8 @@ def max_train_batch(cfg: ModelConfig, T: int, memory_bytes: int, dtype: str = "f
                     optimizer: str = "adamw", master_weights: bool | None = None) -> int:
     """Largest batch of T-token rows whose training step fits in memory_bytes (activations grow with B)."""
     one = train_memory(cfg, 1, T, dtype, kernel, optimizer, master_weights)
-    return max_batch(memory_bytes, one["total"] - one["activations"], one["activations"])
+    per_row = train_memory(cfg, 2, T, dtype, kernel, optimizer, master_weights)["total"] - one["total"]
+    return max_batch(memory_bytes, one["total"] - per_row, per_row)
 
 
 def max_inference_batch(cfg: ModelConfig, T: int, memory_bytes: int, dtype: str = "bf16") -> int:
