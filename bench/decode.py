@@ -135,7 +135,7 @@ def main() -> None:
 
     # Prefill as each generate runs it: one forward over a long prompt into the cache, the head
     # on the last position only (ours: generate.prefill; Hugging Face: logits_to_keep=1).
-    prefill = {}
+    prefill_rate = {}
     for T in (512, 2048) if not args.quick else (512,):
         ids = torch.randint(0, cfg.vocab_size, (1, T))
         best_o, best_h = float("inf"), float("inf")
@@ -147,7 +147,7 @@ def main() -> None:
             with torch.inference_mode():
                 dt, _ = timed(lambda: hf(ids, use_cache=True, logits_to_keep=1))
             best_h = min(best_h, dt)
-        prefill[T] = {"ours_tokens_per_s": T / best_o, "hf_tokens_per_s": T / best_h}
+        prefill_rate[T] = {"ours_tokens_per_s": T / best_o, "hf_tokens_per_s": T / best_h}
 
     # Decode latency against context length: median step time after prefilling `ctx` tokens.
     latency = {}
@@ -175,7 +175,7 @@ def main() -> None:
         "roofline": {"read_bandwidth_GBps": bw["read"] / 1e9, "copy_bandwidth_GBps": bw["copy"] / 1e9,
                      "bytes_per_token": bytes_per_token, "roofline_tokens_per_s": roof,
                      "ours_fraction": tok_s / roof, "hf_fraction": hf_tok_s / roof},
-        "prefill": prefill,
+        "prefill": prefill_rate,
         "decode_latency_ms": {str(k): v * 1e3 for k, v in latency.items()},
         "latency_growth_long_vs_128": growth,
     }
@@ -189,7 +189,7 @@ def main() -> None:
     print(f"{'fraction of roofline':32}{tok_s / roof:14.1%}{hf_tok_s / roof:14.1%}"
           f"   ({bytes_per_token / 1e6:.1f} MB/token, read bandwidth {bw['read'] / 1e9:.1f} GB/s, "
           f"copy {bw['copy'] / 1e9:.1f} GB/s, roofline {roof:.0f} tokens/s)")
-    for T, r in prefill.items():
+    for T, r in prefill_rate.items():
         print(f"{f'prefill {T} tokens, tokens/s':32}{r['ours_tokens_per_s']:14.0f}{r['hf_tokens_per_s']:14.0f}"
               f"{r['ours_tokens_per_s'] / r['hf_tokens_per_s']:8.2f}x")
     for ctx, v in latency.items():
