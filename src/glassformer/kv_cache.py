@@ -28,14 +28,14 @@ class LayerKV(nn.Module):
         start = parent.start
         if start is not None:  # every row at the same positions: one slice write
             T = k.shape[2]
-            self.k[:, :, start:start + T] = k
-            self.v[:, :, start:start + T] = v
+            self.k.narrow(2, start, T).copy_(k)
+            self.v.narrow(2, start, T).copy_(v)
         else:  # rows at different positions: scatter each row's tokens to its own slots
             rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
             self.k[rows, :, pos] = k.transpose(1, 2)  # (B, T, K, H) into slots pos
             self.v[rows, :, pos] = v.transpose(1, 2)
         end = parent.end
-        return self.k[:, :, :end], self.v[:, :, :end]  # (B, K, end, H)
+        return self.k.narrow(2, 0, end), self.v.narrow(2, 0, end)  # (B, K, end, H)
 
 
 class KVCache(nn.Module):

@@ -196,8 +196,7 @@ def packed_forward(model, idx: torch.Tensor, cache, pos=0, last: torch.Tensor | 
             rope = cos[start:start + T, None], sin[start:start + T, None]  # (T, 1, H): every row alike
         else:
             rope = cos[q_pos][:, :, None], sin[q_pos][:, :, None]  # (B, T, 1, H)
-    for i, (block, p) in enumerate(zip(model.blocks, P["layers"])):
-        layer_cache = cache.layer(i)
+    for block, p, layer_cache in zip(model.blocks, P["layers"], cache.layers):
         if cfg.norm_placement == "pre":
             h = x + _attention(block, p, _norm(block.attn_norm, x), rope, q_pos, layer_cache, start)
             x = h + _ffn(block, p, _norm(block.ffn_norm, h))
