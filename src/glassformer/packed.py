@@ -9,10 +9,11 @@ single number of the model:
 - (in, out) storage: x @ W reads W row after row, each row a long contiguous run that
   updates the whole output vector, where nn.Linear's (out, in) layout computes one short
   dot product per output. On a CPU that streams ~1.4x more bytes per second (bench/decode.py);
-- one column block per CPU thread: each matrix is kept as P blocks (P, in, out/P), so a
-  matrix-vector product becomes one batched product whose P blocks run on P threads side
-  by side (a plain x @ W with one row runs on one thread whatever the thread count). The
-  blocks' outputs, laid end to end, are the product's output in order: no copy.
+- one column block per CPU thread: each matrix is also seen (a view, no copy) as P blocks
+  (P, in, out/P), so a matrix-vector product becomes one batched product whose P blocks
+  run on P threads side by side (a plain x @ W with one row runs on one thread whatever
+  the thread count). The blocks' outputs, laid end to end, are the product's output in
+  order: no copy. Products of many rows (a prefill) use the whole matrix.
 
 RoPE reads precomputed cos/sin rows and turns each feature pair with one multiply-add
 (x·cos + swap(x)·sin, the pair's two features swapped and the sine signed to match), the
@@ -36,12 +37,15 @@ from .model import RMSNorm, ffn_activation
 _PACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _t(w: torch.Tensor, P: int) -> torch.Tensor:
-    """nn.Linear's weight (out, in) as P column blocks (P, in, out/P) of the (in, out) matrix."""
-    w = w.detach().t()  # (in, out)
+def _t(w: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """nn.Linear's weight (out, in) as the (in, out) matrix and, for P > 1, a view of it as P
+    column blocks (P, in, out/P): block p is columns p·out/P .. (p+1)·out/P, each row of a
+    block a contiguous run (strided views stream as fast as copied blocks, measured)."""
+    w = w.detach().t().contiguous()  # (in, out)
     n_in, n_out = w.shape
-    P = P if n_out % P == 0 else 1
-    return w.reshape(n_in, P, n_out // P).transpose(0, 1).contiguous()  # (P, in, out/P)
+    if P == 1 or n_out % P:
+        return w, None
+    return w, w.view(n_in, P, n_out // P).transpose(0, 1)  # (P, in, out/P), no copy
 
 
 def _blocks_for(device: torch.device) -> int:
@@ -108,14 +112,14 @@ def pack(model, quick: bool = False) -> dict:
             a, f = b.attn, b.ffn
             gu = (f.w_gate, f.w_up) if f.w_gate is not None else (f.w_up,)
             layers.append(dict(
-                qkv=_t(torch.cat([a.wq.weight, a.wk.weight, a.wv.weight]), P),  # (P, D, (N+2K)H/P)
+                qkv=_t(torch.cat([a.wq.weight, a.wk.weight, a.wv.weight]), P),  # (D, (N+2K)H)
                 qkv_b=_cat_bias(a.wq, a.wk, a.wv),
-                o=_t(a.wo.weight, P), o_b=None if a.wo.bias is None else a.wo.bias.detach(),  # (P, NH, D/P)
-                gu=_t(torch.cat([lin.weight for lin in gu]), P),  # (P, D, 2F/P) or (P, D, F/P)
+                o=_t(a.wo.weight, P), o_b=None if a.wo.bias is None else a.wo.bias.detach(),  # (NH, D)
+                gu=_t(torch.cat([lin.weight for lin in gu]), P),  # (D, 2F) or (D, F)
                 gu_b=_cat_bias(*gu),
-                down=_t(f.w_down.weight, P), down_b=None if f.w_down.bias is None else f.w_down.bias.detach(),  # (P, F, D/P)
+                down=_t(f.w_down.weight, P), down_b=None if f.w_down.bias is None else f.w_down.bias.detach(),  # (F, D)
             ))
-        head = _t(model.lm_head.weight, P)  # (P, D, V/P)
+        head = _t(model.lm_head.weight, P)  # (D, V)
         rope = _rope_tables(model)
     params = list(model.parameters())
     hit = dict(sig=sig, layers=layers, head=head, rope=rope, P=P, device=params[0].device, params=params,
@@ -125,18 +129,16 @@ def pack(model, quick: bool = False) -> dict:
 
 
 def _lin(x, w, b):
-    """x (..., in) times the blocked matrix w (P, in, out/P), plus bias b: (..., out)."""
-    P, n_in, n = w.shape
-    x2 = x.reshape(-1, n_in)  # (M, in)
-    if P == 1:
-        y = x2 @ w[0]  # (M, out)
-    elif x2.shape[0] == 1:  # a matrix-vector product: the P blocks on P threads at once
-        y = torch.bmm(x2.expand(P, 1, n_in), w).view(1, P * n)  # (P, 1, out/P) end to end = (1, out)
+    """x (..., in) times the packed matrix w = ((in, out), its column blocks or None), plus bias b."""
+    io, blocks = w
+    x2 = x.reshape(-1, io.shape[0])  # (M, in)
+    if blocks is not None and x2.shape[0] == 1:  # a matrix-vector product: the P blocks on P threads at once
+        y = torch.bmm(x2.expand(blocks.shape[0], 1, io.shape[0]), blocks).view(1, io.shape[1])  # (P, 1, out/P) end to end
     else:
-        y = torch.cat([x2 @ w[p] for p in range(P)], dim=1)  # (M, out): each product uses every thread
+        y = x2 @ io  # (M, out): one product, every thread inside it
     if b is not None:
         y = y + b
-    return y.view(*x.shape[:-1], P * n)  # (..., out)
+    return y.view(*x.shape[:-1], io.shape[1])  # (..., out)
 
 
 def _attention(block, p, x, rope, q_pos, cache, start):
