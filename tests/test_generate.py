@@ -305,3 +305,13 @@ def test_compiled_decode_step_smoke():
     prompt = [2, 7, 1, 8]
     s = Session(model, compile=True)
     assert list(s.send(prompt, max_new_tokens=6, greedy=True)) == greedy_by_full_forward(model, prompt, 6)
+
+
+def test_session_reset_starts_a_new_text_in_the_same_cache():
+    model = tiny_model()
+    s = Session(model, max_len=32)
+    first = list(s.send([5, 6, 7, 8, 9, 10], max_new_tokens=8, greedy=True))
+    s.reset()
+    again = list(s.send([3, 1, 4], max_new_tokens=8, greedy=True))  # shorter: stale slots beyond it stay
+    assert again == greedy_by_full_forward(model, [3, 1, 4], 8) and s.texts[0][:3] == [3, 1, 4]
+    assert first == greedy_by_full_forward(model, [5, 6, 7, 8, 9, 10], 8)

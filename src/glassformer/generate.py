@@ -213,6 +213,13 @@ class Session:
     def _window(self, b: int) -> int:
         return len(self.texts[b]) - self.starts[b]
 
+    def reset(self) -> None:
+        """Forget every row's text: the next send starts new texts in the same cache (and, with
+        compile, the same compiled step). Stale cache slots are rewritten before any query reads them."""
+        self.texts = [[] for _ in range(self.B)]
+        self.starts, self.cached = [0] * self.B, [0] * self.B
+        self.seen = None
+
     def finish(self, b: int) -> None:
         """Stop row b for the rest of this send (a caller's stop rule, e.g. a stop string)."""
         self.active[b] = False
