@@ -12,9 +12,9 @@ _HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def _decode_step(q, k, v, scale):
-    """One query per row reading every cached key: two batched products per key/value head.
+    """One query per row reading every cached key: two batched products per key/value head (CPU).
 
-    The fused kernel reads a key/value head once for each query head of its group; here
+    The fused CPU kernel reads a key/value head once for each query head of its group; here
     the group's queries share one pass over it, which is what a decode step at a long
     context is bound by (bench/decode.py: 1.1-1.27x latency growth from 128 to 2000
     cached positions, against 1.33x with the fused kernel). Same math as the fused kernel.
@@ -39,7 +39,9 @@ def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, st
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
     if key_mask is None and window is None and Tq == 1 and start is not None and Tk == start + 1:
         # One decode step over a cache filled up to it: the query may read every key, no mask.
-        return _decode_step(q, k, v, scale)
+        if q.device.type == "cpu":
+            return _decode_step(q, k, v, scale)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa)  # GPUs' fused kernels serve groups well
     ok = allowed(q_pos, torch.arange(Tk, device=q.device), key_mask, window)  # (B, Tq, Tk)
     any_ok = ok.any(-1, keepdim=True)  # (B, Tq, 1)
     # Rows with no readable key: let them read everything (finite), then zero their output.
