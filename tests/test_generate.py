@@ -303,8 +303,13 @@ def test_packed_weights_follow_the_model_and_unpacked_path_agrees():
 def test_compiled_decode_step_smoke():
     model = tiny_model()
     prompt = [2, 7, 1, 8]
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     s = Session(model, compile=True)
     assert list(s.send(prompt, max_new_tokens=6, greedy=True)) == greedy_by_full_forward(model, prompt, 6)
+    # One graph for every position: no break (CUDA graphs need one), no recompilation per step.
+    assert not counters["graph_break"] and counters["frames"]["total"] == 1
 
 
 def test_session_reset_starts_a_new_text_in_the_same_cache():

@@ -25,7 +25,7 @@ import torch
 from . import probes
 from .errors import UserError
 from .kv_cache import KVCache
-from .packed import packed_forward
+from .packed import packed_forward, step_weights
 
 POLICIES = ("error", "slide")
 
@@ -129,8 +129,9 @@ def decode_step(model, tok: torch.Tensor, cache: KVCache, pos) -> torch.Tensor:
 # ----------------------------------------------------------------------------- sessions
 
 
-def _packed_call(model, idx, cache=None, pos=0):
-    return packed_forward(model, idx, cache, pos), None
+def _packed_step(model, weights, idx, cache=None, pos=0):
+    """The packed forward with its weights passed in: what a session compiles for decode steps."""
+    return packed_forward(model, idx, cache, pos, weights=weights), None
 
 
 class PackedForward:
@@ -200,7 +201,7 @@ class Session:
         self.packed = packed
         self._compiled = None
         if compile:  # the decode step only: one token per row, the shape that repeats
-            self._compiled = torch.compile(_packed_call if packed else model, dynamic=True,
+            self._compiled = torch.compile(_packed_step if packed else model, dynamic=True,
                                            mode="reduce-overhead" if self.device.type == "cuda" else None)
         self.slides = 0  # how many times a window was cut (for reports and tests)
 
@@ -230,7 +231,9 @@ class Session:
         if self.model.training or probes.active():
             return self.model
         if decode and self._compiled is not None:
-            return functools.partial(self._compiled, self.model) if self.packed else self._compiled
+            if self.packed:  # the pack's freshness is checked here, outside the compiled graph
+                return functools.partial(self._compiled, self.model, step_weights(self.model))
+            return self._compiled
         return PackedForward(self.model) if self.packed else self.model
 
     # ---- one forward over whatever is pending --------------------------------------------

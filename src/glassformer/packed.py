@@ -83,6 +83,12 @@ def _cat_bias(*linears):
     return torch.cat([lin.bias.detach() for lin in linears])
 
 
+def step_weights(model) -> dict:
+    """The tensors a forward reads from the pack (checked fresh), for a compiled step's inputs."""
+    P = pack(model, quick=True)
+    return {"layers": P["layers"], "head": P["head"], "rope": P["rope"]}
+
+
 def _signature(model) -> tuple:
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
 
@@ -175,16 +181,19 @@ def _ffn(block, p, x):
     return _lin(act, p["down"], p["down_b"])  # (B, T, D)
 
 
-def packed_forward(model, idx: torch.Tensor, cache, pos=0, last: torch.Tensor | None = None) -> torch.Tensor:
+def packed_forward(model, idx: torch.Tensor, cache, pos=0, last: torch.Tensor | None = None,
+                   weights: dict | None = None) -> torch.Tensor:
     """Logits (B, T, V) of Transformer.forward(idx, cache=cache, pos=pos), in eval mode.
 
     last (B,): only the logits of position last[b] of each row, (B, 1, V). A prefill needs
     no more, and the head over every prompt position would be most of a long prompt's
     work at a large vocabulary (Hugging Face's generate does the same: logits_to_keep).
+    weights: pack(model)'s layers, head and rope, checked by the caller (a compiled step
+    takes them as inputs, so its graph holds no freshness check).
     """
     cfg = model.config
     B, T = idx.shape
-    P = pack(model, quick=T == 1)
+    P = pack(model, quick=T == 1) if weights is None else weights
     q_pos = model._positions(pos, B, T, idx.device)  # (B, T)
     start = None if isinstance(pos, torch.Tensor) and pos.dim() > 0 else int(pos)
     cache.prepare(pos, T)
