@@ -310,6 +310,8 @@ def test_compiled_decode_step_smoke():
     assert list(s.send(prompt, max_new_tokens=6, greedy=True)) == greedy_by_full_forward(model, prompt, 6)
     # One graph for every position: no break (CUDA graphs need one), no recompilation per step.
     assert not counters["graph_break"] and counters["frames"]["total"] == 1
+    # ... and one shape: each step read the whole cache, masked (so a CUDA graph is captured once).
+    assert s.cache.start is None and s.cache.end == s.cache.max_len
 
 
 def test_session_reset_starts_a_new_text_in_the_same_cache():

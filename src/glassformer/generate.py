@@ -254,7 +254,10 @@ class Session:
             self.cached = [0] * self.B  # ragged rows would overrun the cache: re-prefill them together
             return self._forward()
         ids = torch.tensor([p + [0] * (T - len(p)) for p in pending], device=self.device)  # (B, T) right-padded
-        pos = self.cached[0] if len(set(self.cached)) == 1 else torch.tensor(self.cached, device=self.device)
+        # A compiled decode step gets its positions as a tensor: it then reads the whole cache, masked,
+        # so every position has one shape (one CUDA graph, captured once); else an int while rows agree.
+        fixed = T == 1 and self._compiled is not None
+        pos = torch.tensor(self.cached, device=self.device) if fixed or len(set(self.cached)) > 1 else self.cached[0]
         lengths = None if len(set(n)) == 1 else torch.tensor(n, device=self.device)
         fwd = self._model(decode=T == 1)
         logits = prefill(fwd, ids, self.cache, pos, lengths) if T > 1 else decode_step(fwd, ids, self.cache, pos)
