@@ -203,6 +203,9 @@ class Session:
         if compile:  # the decode step only: one token per row, the shape that repeats
             self._compiled = torch.compile(_packed_step if packed else model, dynamic=True,
                                            mode="reduce-overhead" if self.device.type == "cuda" else None)
+            for layer in self.cache.layers:  # written in place every step at fixed addresses: CUDA graphs may keep them
+                torch._dynamo.mark_static_address(layer.k)
+                torch._dynamo.mark_static_address(layer.v)
         self.slides = 0  # how many times a window was cut (for reports and tests)
 
     # ---- bookkeeping on the host -------------------------------------------------------
