@@ -76,3 +76,17 @@ def test_sliding_window_sees_only_recent_tokens():
         a, b = model(ids)[0], model(other)[0]
     assert (a[0, 10] - b[0, 10]).abs().max() < 1e-6  # 10 - 5 >= 4: out of the window
     assert (a[0, 7] - b[0, 7]).abs().max() > 1e-4  # 7 - 5 < 4: inside it
+
+
+def test_rope_frequencies_stay_fp32_in_a_bf16_model():
+    import torch
+
+    from glassformer import ModelConfig, Transformer
+    from glassformer.model import rope_inv_freq
+
+    cfg = ModelConfig.from_preset("tiny")
+    model = Transformer(cfg).to(torch.bfloat16)
+    assert model.embed.weight.dtype == torch.bfloat16
+    assert model.rope_inv_freq.dtype == torch.float32 and torch.equal(model.rope_inv_freq, rope_inv_freq(cfg))
+    assert model.half().rope_inv_freq.dtype == torch.float32
+    assert Transformer(cfg).double().rope_inv_freq.dtype == torch.float64  # never lower than fp32, higher kept

@@ -258,6 +258,15 @@ class Transformer(nn.Module):
         if self.config.pos == "rope" and self.rope_inv_freq.device.type != "meta":
             self.rope_inv_freq.copy_(rope_inv_freq(self.config))
 
+    def _apply(self, fn, recurse=True):
+        # RoPE's frequencies never drop below fp32 whatever .to() makes of the weights (Hugging Face
+        # does the same): in bf16 they keep 3 digits, and late positions would turn by wrong angles.
+        super()._apply(fn, recurse)
+        f = getattr(self, "rope_inv_freq", None)
+        if f is not None and f.element_size() < 4 and f.device.type != "meta":
+            self.rope_inv_freq = rope_inv_freq(self.config).to(f.device)
+        return self
+
     def num_params(self, non_embedding: bool = False) -> int:
         """Weights counted once (tied matrices once). non_embedding drops token and position tables."""
         n = sum(p.numel() for p in self.parameters())
