@@ -1,0 +1,93 @@
+"""The matrix-vector products of one decode step, alone: how fast each way of doing them streams weights.
+
+A batch-1 decode step on the reference shape is 25 products of one row by a weight matrix
+(per layer: fused QKV, O, fused gate-up, down; then the LM head), 50.3 MB of fp32 weights
+in all. This times the 25 in a row, over and over, for each layout packed.py could use:
+
+  linear        F.linear(x, W) with nn.Linear's (out, in) weight
+  x @ W         the (in, out) matrix, one product (runs on one thread whatever the thread count)
+  blocks P      the (in, out) matrix seen as P column blocks (a strided view), one batched product
+  copied P      the same blocks copied to their own memory
+
+and, for scale, a plain sum over a 512 MB tensor (what the memory gives one reader).
+
+    python bench/matvec.py [--threads 1 2] [--blocks 2 4 8]       # bench/results/matvec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from glassformer import ModelConfig  # noqa: E402
+from glassformer.config import REFERENCE_SHAPE  # noqa: E402
+
+
+def step_matrices() -> list[torch.Tensor]:
+    """The (in, out) matrices one decode step multiplies by, in order, as packed.py lays them out."""
+    c = ModelConfig(**REFERENCE_SHAPE)
+    per_layer = [(c.dim, c.q_dim + 2 * c.kv_dim), (c.q_dim, c.dim), (c.dim, 2 * c.ffn_dim), (c.ffn_dim, c.dim)]
+    shapes = per_layer * c.n_layers + [(c.dim, c.vocab_size)]
+    return [torch.randn(i, o) for i, o in shapes]
+
+
+def timed(fn, reps: int = 50) -> float:
+    """Median seconds of fn() over reps calls, after a few untimed ones."""
+    for _ in range(5):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+
+def sum_bandwidth(n_bytes: int = 512 * 2**20) -> float:
+    a = torch.ones(n_bytes // 4)
+    return n_bytes / min(timed(a.sum, 5) for _ in range(2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "matvec.json"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    mats = step_matrices()  # (in, out) each
+    n_bytes = sum(w.numel() for w in mats) * 4
+    xs = {w.shape[0]: torch.randn(1, w.shape[0]) for w in mats}
+    res = {"bytes": n_bytes, "matrices": len(mats), "runs": {}}
+    for th in args.threads:
+        torch.set_num_threads(th)
+        out_in = [w.t().contiguous() for w in mats]
+        ways = {"linear": lambda: [F.linear(xs[w.shape[1]], w) for w in out_in],
+                "x @ W": lambda: [xs[w.shape[0]] @ w for w in mats]}
+        for P in args.blocks:
+            views = [w.view(w.shape[0], P, -1).transpose(0, 1) for w in mats]  # (P, in, out/P)
+            copies = [v.contiguous() for v in views]
+            for name, ws in ((f"blocks {P}", views), (f"copied {P}", copies)):
+                ways[name] = lambda ws=ws: [torch.bmm(xs[w.shape[1]].expand(w.shape[0], 1, -1), w) for w in ws]
+        row = {name: n_bytes / timed(fn) / 1e9 for name, fn in ways.items()}
+        row["sum of a 512 MB tensor"] = sum_bandwidth() / 1e9
+        res["runs"][str(th)] = row
+        print(f"{th} thread(s), {len(mats)} products, {n_bytes / 1e6:.1f} MB of weights; GB/s:")
+        for name, gbs in row.items():
+            print(f"  {name:24}{gbs:8.1f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
