@@ -8,7 +8,7 @@ single number of the model:
   (D, 2F) matrix (gpt-fast's wqkv), so a layer runs 4 products instead of 7;
 - (in, out) storage: x @ W reads W row after row, each row a long contiguous run that
   updates the whole output vector, where nn.Linear's (out, in) layout computes one short
-  dot product per output. On a CPU that streams ~1.4x more bytes per second (bench/decode.py);
+  dot product per output. On a CPU that streams ~1.7x more bytes per second (bench/matvec.py);
 - one column block per CPU thread: each matrix is also seen (a view, no copy) as P blocks
   (P, in, out/P), so a matrix-vector product becomes one batched product whose P blocks
   run on P threads side by side (a plain x @ W with one row runs on one thread whatever
