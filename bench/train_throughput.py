@@ -6,7 +6,7 @@ weights in both. Rounds alternate between the two models so a change in machine 
 both alike; the best round of each is reported. MFU = model FLOPs (metrics.flops_per_token)
 × tokens/s ÷ the fp32 matmul peak measured in the same run with the same threads.
 
-    flock /tmp/glassformer-bench.lock python bench/train_throughput.py [--steps 3] [--rounds 3]
+    flock /tmp/glassformer-bench.lock python bench/train_throughput.py [--steps 3] [--rounds 3] [--profile]
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="0: the faster of 1 and all (as `glassformer train` picks)")
+    ap.add_argument("--profile", action="store_true", help="also print where one of glassformer's steps goes (torch profiler)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,6 +135,16 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:14} {r['sec_per_step']:8.3f} {r['tok_s']:10.1f} {100 * r['mfu']:5.1f}%")
     print(f"glassformer / transformers: {ratio:.2f}x")
+    if args.profile:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            step_ours()
+        ops = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in ops)
+        print("one glassformer step, share of CPU time by operation (self time):")
+        for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:12]:
+            print(f"  {100 * e.self_cpu_time_total / total:5.1f}%  {e.key}")
     out = REPO / "bench" / "results" / "train_throughput.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
