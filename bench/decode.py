@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -28,31 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from glassformer import ModelConfig, Transformer, generate  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
-from glassformer.convert.keymap import LLAMA_KEYS  # noqa: E402
+from glassformer.convert import to_transformers  # noqa: E402
 from glassformer.generate import PackedForward, Session, prefill  # noqa: E402
-
-
-def hf_twin(model: Transformer):
-    """LlamaForCausalLM holding exactly our weights (the key map read backwards)."""
-    import transformers
-
-    c = model.config
-    hc = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
-        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
-        tie_word_embeddings=c.tie_embeddings, attn_implementation="sdpa",
-    )
-    hf = transformers.LlamaForCausalLM(hc).eval()
-    state = {}
-    for key, t in model.state_dict().items():
-        for ours, theirs in LLAMA_KEYS.items():
-            m = re.fullmatch(re.escape(ours).replace(r"\{i\}", r"(\d+)"), key)
-            if m:
-                state[theirs.replace("{i}", m.group(1)) if m.groups() else theirs] = t
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
-    return hf
 
 
 def bandwidth(n_bytes: int = 512 * 2**20, rounds: int = 5) -> dict:
@@ -96,7 +72,7 @@ def main() -> None:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.05)
-    hf = hf_twin(model)
+    hf = to_transformers(model, attn_implementation="sdpa").eval()  # the same weights, via our export
     n_weights = model.num_params()
     prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt_tokens))
     N = args.new_tokens

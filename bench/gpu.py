@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,22 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from glassformer import ModelConfig, Transformer  # noqa: E402
-from glassformer.convert.hf import save_hf  # noqa: E402
+from glassformer.convert import to_transformers  # noqa: E402
 from glassformer.generate import Session  # noqa: E402
 from glassformer.metrics import flops_per_token, gpu_peak  # noqa: E402
 from glassformer.optim import make_optimizer  # noqa: E402
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, NVIDIA H200 SXM datasheet (cost/hardware.py)
-
-
-def hf_twin(model: Transformer, dtype: torch.dtype):
-    """The transformers model of the same family holding exactly our weights (via our own export)."""
-    import transformers
-
-    with tempfile.TemporaryDirectory() as tmp:
-        save_hf(model, Path(tmp) / "hf")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=dtype)
-    return hf.to(next(model.parameters()).device)
 
 
 def sync(device: torch.device) -> None:
@@ -76,7 +65,7 @@ def bench_train(device: torch.device, smoke: bool, rounds: int) -> dict:
     B, T = (2, 32) if smoke else (16, 1024)
     torch.manual_seed(0)
     ours = Transformer(cfg).to(device).train()
-    hf = hf_twin(ours, torch.float32).train()
+    hf = to_transformers(ours, torch.float32).train()
     x = torch.randint(0, cfg.vocab_size, (B, T), device=device)
     y = torch.randint(0, cfg.vocab_size, (B, T), device=device)
     cast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
@@ -139,7 +128,7 @@ def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     model = Transformer(cfg).to(device=device, dtype=dtype).eval()
-    hf = hf_twin(model, dtype).eval()
+    hf = to_transformers(model, dtype).eval()
     prompt = torch.randint(0, cfg.vocab_size, (16,))
     N = new_tokens
     session = Session(model, max_len=len(prompt) + N, compile=not smoke)

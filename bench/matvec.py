@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from glassformer import ModelConfig  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
 
+from decode import bandwidth  # noqa: E402  (bench/ is the script's folder)
+
 
 def step_matrices() -> list[torch.Tensor]:
     """The (in, out) matrices one decode step multiplies by, in order, as packed.py lays them out."""
@@ -50,11 +52,6 @@ def timed(fn, reps: int = 50) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return sorted(ts)[len(ts) // 2]
-
-
-def sum_bandwidth(n_bytes: int = 512 * 2**20) -> float:
-    a = torch.ones(n_bytes // 4)
-    return n_bytes / min(timed(a.sum, 5) for _ in range(2))
 
 
 def main() -> None:
@@ -79,7 +76,7 @@ def main() -> None:
             for name, ws in ((f"blocks {P}", views), (f"copied {P}", copies)):
                 ways[name] = lambda ws=ws: [torch.bmm(xs[w.shape[1]].expand(w.shape[0], 1, -1), w) for w in ws]
         row = {name: n_bytes / timed(fn) / 1e9 for name, fn in ways.items()}
-        row["sum of a 512 MB tensor"] = sum_bandwidth() / 1e9
+        row["sum of a 512 MB tensor"] = bandwidth()["read"] / 1e9
         res["runs"][str(th)] = row
         print(f"{th} thread(s), {len(mats)} products, {n_bytes / 1e6:.1f} MB of weights; GB/s:")
         for name, gbs in row.items():

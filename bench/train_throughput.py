@@ -25,30 +25,9 @@ sys.path.insert(0, str(REPO / "src"))
 
 from glassformer import ModelConfig, Transformer  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
+from glassformer.convert import to_transformers  # noqa: E402
 from glassformer.metrics import cpu_matmul_peak, flops_per_token, pick_threads  # noqa: E402
 from glassformer.optim import make_optimizer  # noqa: E402
-
-
-def hf_twin(model: Transformer):
-    """LlamaForCausalLM with the same shape and the same weights."""
-    import transformers
-
-    from glassformer.convert import LLAMA_KEYS
-
-    c = model.config
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, max_position_embeddings=c.max_seq_len,
-        rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=False, attention_bias=False))
-    ours = model.state_dict()
-    state = {}
-    for k, hk in LLAMA_KEYS.items():
-        for i in range(c.n_layers):
-            if k.replace("{i}", str(i)) in ours:
-                state[hk.replace("{i}", str(i))] = ours[k.replace("{i}", str(i))]
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
-    return hf
 
 
 def timed_steps(step, n: int) -> float:
@@ -79,7 +58,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(**REFERENCE_SHAPE)
     ours = Transformer(cfg).train()
-    hf = hf_twin(ours).train()
+    hf = to_transformers(ours).train()  # LlamaForCausalLM with the same weights, via our export
     B, T = args.batch, args.seq
     x = torch.randint(0, cfg.vocab_size, (B, T))
     y = torch.randint(0, cfg.vocab_size, (B, T))

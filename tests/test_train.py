@@ -18,18 +18,13 @@ from glassformer.checkpoint import complete_checkpoints, load, read_pointer
 from glassformer.cli import main
 from glassformer.metrics import read_metrics
 
-from .train_fixtures import make_prepared
+from .train_fixtures import data  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 # A short run that exercises every RNG (dropout), evaluation and pruning; keep_last large so all stay.
 ARGS = ["--preset", "tiny", "--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--eval-every", "4",
         "--eval-tokens", "512", "--log-every", "1", "--warmup-steps", "3", "--dropout", "0.1", "--keep-last", "10",
         "--no-progress", "--seed", "7", "--threads", "1"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_prepared(tmp_path_factory.mktemp("data") / "prep")
 
 
 @pytest.fixture(scope="module")

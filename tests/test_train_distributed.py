@@ -15,7 +15,7 @@ from glassformer.checkpoint import write_pointer
 from glassformer.cli import main
 from glassformer.metrics import read_metrics
 
-from .train_fixtures import make_prepared
+from .train_fixtures import data  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--preset", "tiny", "--max-steps", "20", "--batch-size", "4", "--seq-len", "32", "--eval-every", "10",
@@ -26,18 +26,13 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_prepared(tmp_path_factory.mktemp("data") / "prep")
-
-
-@pytest.fixture(scope="module")
 def single(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "run"
     assert main(["train", "--data", str(data), "--out", str(out), *ARGS]) == 0
     return out
 
 
-def torchrun(out: Path, data: Path, *extra: str) -> None:
+def torchrun(out: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "glassformer", "train", "--data", str(data), "--out", str(out), *ARGS, *extra]
@@ -79,15 +74,7 @@ def test_time_budget_under_torchrun_every_rank_plans_the_same_steps(data, tmp_pa
     from glassformer.checkpoint import read_pointer
 
     out = tmp_path / "budget"
-    args = list(ARGS)
-    i = args.index("--max-steps")
-    del args[i:i + 2]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "glassformer", "train", "--data", str(data), "--out", str(out), *args,
-           "--time-budget", "6", "--calibrate-steps", "2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(out, data, "--time-budget", "6", "--calibrate-steps", "2")  # --max-steps yields to the budget
     state = json.loads((out / read_pointer(out, "latest") / "train_state.json").read_text())
     assert state["step"] == state["total_steps"] == state["time_budget_plan"]["total_steps"]
     assert proc.stderr.count(f"done: {state['step']} steps") == 1

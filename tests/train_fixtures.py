@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 WORDS = ("the king and queen walk to the castle where a knight waits with his sword while "
          "the old man sings of the sea and the stars above the hill").split()
@@ -42,6 +43,12 @@ def make_prepared(folder: Path, vocab_size: int = 300, n_train: int = 1500, n_va
             "corpus": "synthetic", "val_fraction": n_val / (n_train + n_val)}
     (folder / "meta.json").write_text(json.dumps(meta))
     return folder
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """A prepared folder shared by a test module's training runs (import it by this name)."""
+    return make_prepared(tmp_path_factory.mktemp("data") / "prep")
 
 
 def make_token_stream(folder: Path, vocab_size: int = 512, n_train: int = 20000, n_val: int = 2000) -> Path:

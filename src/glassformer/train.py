@@ -296,6 +296,15 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
             prune(out, cfg.keep_last, {best["name"], name} - {None})
             plot_losses(out / "metrics.jsonl", out / "loss.png")
 
+    def evaluate_and_checkpoint() -> dict:
+        """Score the held-out tokens, log the result, checkpoint: what every evaluation does."""
+        val = evaluate()
+        if d.main:
+            metrics.write({"step": step, "val_loss": val["loss"], "val_bpb": val["bpb"],
+                           "time": round(elapsed0 + time.perf_counter() - t_start, 3)})
+        after_eval_checkpoint(val)
+        return val
+
     # ---- train
     from tqdm import tqdm
 
@@ -375,11 +384,7 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
                     if d.main:
                         load_plotting()  # a one-off cost: not part of each evaluation's
                     t_eval = time.perf_counter()
-                    last_val = evaluate()
-                    if d.main:
-                        metrics.write({"step": step, "val_loss": last_val["loss"], "val_bpb": last_val["bpb"],
-                                       "time": round(elapsed0 + time.perf_counter() - t_start, 3)})
-                    after_eval_checkpoint(last_val)
+                    last_val = evaluate_and_checkpoint()
                     now = time.perf_counter()
                     # Every rank plans with the same numbers, so all stop at the same step.
                     timing = gdist.all_mean(torch.tensor([sec_per_step, now - t_eval, elapsed0 + now - t_start],
@@ -416,12 +421,9 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
             # ---- evaluate + checkpoint
             done = total_steps is not None and step >= total_steps
             if cfg.eval_every and step % cfg.eval_every == 0 and not done:
-                last_val = evaluate()
+                last_val = evaluate_and_checkpoint()
                 if d.main:
-                    metrics.write({"step": step, "val_loss": last_val["loss"], "val_bpb": last_val["bpb"],
-                                   "time": round(elapsed0 + time.perf_counter() - t_start, 3)})
                     bar.write(f"step {step}: held-out loss {last_val['loss']:.4f}, {last_val['bpb']:.4f} bits per byte")
-                after_eval_checkpoint(last_val)
                 t_log, tok_log = time.perf_counter(), 0  # tokens/s measures training, not evaluation
             if gdist.any_rank(stop.signal is not None, d, device):
                 stop_reason = stop.signal or "signal"
@@ -431,11 +433,7 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
             name = save(last_val, stop_reason)
             _say(d, f"stopped by {stop_reason} at step {step}: saved {out}/{name}; `--resume` continues")
         else:
-            last_val = evaluate()
-            if d.main:
-                metrics.write({"step": step, "val_loss": last_val["loss"], "val_bpb": last_val["bpb"],
-                               "time": round(elapsed0 + time.perf_counter() - t_start, 3)})
-            after_eval_checkpoint(last_val)
+            last_val = evaluate_and_checkpoint()
             _say(d, f"done: {step} steps; held-out loss {last_val['loss']:.4f}, {last_val['bpb']:.4f} bits per byte; "
                     f"run in {out}")
     if metrics:

@@ -9,6 +9,6 @@ from .heads import convert_kv_heads, pool_heads  # noqa: E402
 __all__ += ["convert_kv_heads", "pool_heads"]
 
 from .families import FAMILIES, family_for  # noqa: E402
-from .hf import load_hf, save_hf  # noqa: E402
+from .hf import load_hf, save_hf, to_transformers  # noqa: E402
 
-__all__ += ["FAMILIES", "family_for", "load_hf", "save_hf"]
+__all__ += ["FAMILIES", "family_for", "load_hf", "save_hf", "to_transformers"]

@@ -327,3 +327,18 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: Any = None, dtyp
             tokenizer.save(str(tmp / "tokenizer.json"))
 
     return atomic_folder(out, write)
+
+
+def to_transformers(model: torch.nn.Module, dtype: str | torch.dtype | None = None, **kwargs):
+    """A `transformers` model holding exactly `model`'s weights (exported by save_hf and loaded
+    back by transformers itself), on the same device: the twin for side-by-side comparisons.
+    kwargs go to from_pretrained (e.g. attn_implementation="sdpa")."""
+    import tempfile
+
+    import transformers
+
+    dtype = parse_dtype(dtype) or next(model.parameters()).dtype
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_hf(model, Path(tmp) / "hf", dtype=dtype)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+    return hf.to(next(model.parameters()).device)
