@@ -310,8 +310,15 @@ def test_compiled_decode_step_smoke():
     assert list(s.send(prompt, max_new_tokens=6, greedy=True)) == greedy_by_full_forward(model, prompt, 6)
     # One graph for every position: no break (CUDA graphs need one), no recompilation per step.
     assert not counters["graph_break"] and counters["frames"]["total"] == 1
-    # ... and one shape: each step read the whole cache, masked (so a CUDA graph is captured once).
-    assert s.cache.start is None and s.cache.end == s.cache.max_len
+    # On the CPU each step reads only the filled slots (a dynamic length in the one graph); on a GPU
+    # the whole cache, masked, so that every step has one shape and a CUDA graph is captured once.
+    assert s.cache.start == len(prompt) + 4 and s.cache.end == len(prompt) + 5
+    # The one-row products stay library calls: torch.compile would otherwise rewrite each as a
+    # multiply-and-sum loop (slower than the BLAS kernel), leaving no baddbmm in the compiled step.
+    with torch.profiler.profile() as prof:
+        list(s.send(None, max_new_tokens=1, greedy=True))
+    products = ("aten::baddbmm", "aten::addmm", "aten::mm")  # column blocks, or whole matrices on one thread
+    assert sum(e.count for e in prof.key_averages() if e.key in products) == 4 * model.config.n_layers + 1
 
 
 def test_session_reset_starts_a_new_text_in_the_same_cache():

@@ -257,9 +257,10 @@ class Session:
             self.cached = [0] * self.B  # ragged rows would overrun the cache: re-prefill them together
             return self._forward()
         ids = torch.tensor([p + [0] * (T - len(p)) for p in pending], device=self.device)  # (B, T) right-padded
-        # A compiled decode step gets its positions as a tensor: it then reads the whole cache, masked,
-        # so every position has one shape (one CUDA graph, captured once); else an int while rows agree.
-        fixed = T == 1 and self._compiled is not None
+        # A compiled decode step on a GPU gets its positions as a tensor: it then reads the whole cache,
+        # masked, so every position has one shape (one CUDA graph, captured once); else an int while rows
+        # agree (on the CPU a compiled step reads the filled slots only, the length a dynamic size).
+        fixed = T == 1 and self._compiled is not None and self.device.type == "cuda"
         pos = torch.tensor(self.cached, device=self.device) if fixed or len(set(self.cached)) > 1 else self.cached[0]
         lengths = None if len(set(n)) == 1 else torch.tensor(n, device=self.device)
         fwd = self._model(decode=T == 1)

@@ -15,6 +15,9 @@ single number of the model:
   the thread count). The blocks' outputs, laid end to end, are the product's output in
   order: no copy. Products of many rows (a prefill) use the whole matrix.
 
+The residual add rides inside the product that feeds it (baddbmm / addmm add their first
+argument to the product), and a compiled step (torch.compile) keeps every product a library call.
+
 RoPE reads precomputed cos/sin rows and turns each feature pair with one multiply-add
 (x·cos + swap(x)·sin, the pair's two features swapped and the sine signed to match), the
 same rotation as model.apply_rope in three operations instead of eight.
@@ -134,20 +137,30 @@ def pack(model, quick: bool = False) -> dict:
     return hit
 
 
-def _lin(x, w, b):
-    """x (..., in) times the packed matrix w = ((in, out), its column blocks or None), plus bias b."""
+def _lin(x, w, b, add=None):
+    """x (..., in) times the packed matrix w = ((in, out), its column blocks or None), plus bias b,
+    plus `add` (..., out), the residual stream: summed inside the product (one op fewer)."""
     io, blocks = w
     x2 = x.reshape(-1, io.shape[0])  # (M, in)
+    out_shape = (*x.shape[:-1], io.shape[1])
+    base = add if b is None else (b if add is None else add + b)  # what the product adds to
     if blocks is not None and x2.shape[0] == 1:  # a matrix-vector product: the P blocks on P threads at once
-        y = torch.bmm(x2.expand(blocks.shape[0], 1, io.shape[0]), blocks).view(1, io.shape[1])  # (P, 1, out/P) end to end
-    else:
+        P = blocks.shape[0]
+        xs = x2.expand(P, 1, io.shape[0])  # (P, 1, in)
+        # baddbmm rather than bmm: torch.compile keeps it a library call on the CPU, where it
+        # rewrites a one-row bmm as a multiply-and-sum loop that streams the weights slower.
+        if base is None:
+            y = torch.baddbmm(x2.new_zeros(()), xs, blocks, beta=0)  # (P, 1, out/P)
+        else:
+            y = torch.baddbmm(base.reshape(1, P, -1).transpose(0, 1), xs, blocks)  # (P, 1, out/P)
+    elif base is None:
         y = x2 @ io  # (M, out): one product, every thread inside it
-    if b is not None:
-        y = y + b
-    return y.view(*x.shape[:-1], io.shape[1])  # (..., out)
+    else:
+        y = torch.addmm(base.reshape(-1, io.shape[1]), x2, io)  # (M, out)
+    return y.view(out_shape)  # column blocks end to end are the output row
 
 
-def _attention(block, p, x, rope, q_pos, cache, start):
+def _attention(block, p, x, rope, q_pos, cache, start, residual=None):
     cfg = block.cfg
     B, T, _ = x.shape
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -158,7 +171,7 @@ def _attention(block, p, x, rope, q_pos, cache, start):
     qk, v = qk.transpose(1, 2), v.transpose(1, 2)  # (B, N+K, T, H), (B, K, T, H)
     k, v = cache.update(q_pos, qk[:, N:], v)  # (B, K, Tk, H)
     z = block.attn.kernel(qk[:, :N], k, v, q_pos=q_pos, window=cfg.sliding_window, start=start)  # (B, N, T, H)
-    return _lin(z.transpose(1, 2).reshape(B, T, cfg.q_dim), p["o"], p["o_b"])  # (B, T, D)
+    return _lin(z.transpose(1, 2).reshape(B, T, cfg.q_dim), p["o"], p["o_b"], residual)  # (B, T, D), + residual
 
 
 def _norm(norm, x):
@@ -170,7 +183,7 @@ def _norm(norm, x):
     return norm(x)
 
 
-def _ffn(block, p, x):
+def _ffn(block, p, x, residual=None):
     kind = block.cfg.ffn
     h = _lin(x, p["gu"], p["gu_b"])  # (B, T, 2F) or (B, T, F)
     if kind == "swiglu":
@@ -178,7 +191,7 @@ def _ffn(block, p, x):
         act = ffn_activation(kind, h[..., F_:], h[..., :F_])  # gate first, then up
     else:
         act = ffn_activation(kind, h)
-    return _lin(act, p["down"], p["down_b"])  # (B, T, D)
+    return _lin(act, p["down"], p["down_b"], residual)  # (B, T, D), + residual
 
 
 def packed_forward(model, idx: torch.Tensor, cache, pos=0, last: torch.Tensor | None = None,
@@ -209,8 +222,8 @@ def packed_forward(model, idx: torch.Tensor, cache, pos=0, last: torch.Tensor | 
             rope = cos[q_pos][:, :, None], sin[q_pos][:, :, None]  # (B, T, 1, H)
     for block, p, layer_cache in zip(model.blocks, P["layers"], cache.layers):
         if cfg.norm_placement == "pre":
-            h = x + _attention(block, p, _norm(block.attn_norm, x), rope, q_pos, layer_cache, start)
-            x = h + _ffn(block, p, _norm(block.ffn_norm, h))
+            h = _attention(block, p, _norm(block.attn_norm, x), rope, q_pos, layer_cache, start, residual=x)
+            x = _ffn(block, p, _norm(block.ffn_norm, h), residual=h)
         else:
             h = _norm(block.attn_norm, x + _attention(block, p, x, rope, q_pos, layer_cache, start))
             x = _norm(block.ffn_norm, h + _ffn(block, p, h))
