@@ -4,8 +4,8 @@ Hugging Face LlamaForCausalLM.generate (with its cache) on the same weights, in 
 Reports tokens/s of both and their ratio (tokens must be identical), the fraction of the
 memory-bandwidth roofline (bytes of weights + cache read per token / bandwidth measured
 here by streaming a large tensor), prefill tokens/s, and decode latency at context 128 vs
-2048. Rounds alternate between the two implementations and the best round counts, so a
-busy machine penalises both alike.
+2048. Rounds alternate between the implementations and the best round counts, so a
+busy machine penalises all alike. --compile adds glassformer with its decode step compiled.
 
     python bench/decode.py [--new-tokens 128] [--rounds 3] [--threads 2] [--compile] [--quick]
 """
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compile", action="store_true", help="glassformer's decode step compiled (torch.compile)")
+    ap.add_argument("--compile", action="store_true", help="also glassformer with its decode step compiled (torch.compile), in the same rounds")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds (a smoke run)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
     args = ap.parse_args()
@@ -78,10 +78,11 @@ def main() -> None:
     N = args.new_tokens
 
     def ours():
-        if args.compile:
-            s = Session(model, max_len=args.prompt_tokens + N, compile=True)
-            return list(s.send(prompt[0], max_new_tokens=N, greedy=True))
         return list(generate(model, prompt[0], max_new_tokens=N, greedy=True))
+
+    def ours_compiled():  # a session compiled afresh each round (the compiled code is cached after the first)
+        s = Session(model, max_len=args.prompt_tokens + N, compile=True)
+        return list(s.send(prompt[0], max_new_tokens=N, greedy=True))
 
     def theirs():
         with torch.inference_mode():
@@ -89,14 +90,16 @@ def main() -> None:
                               do_sample=False, pad_token_id=0)
         return out[0, prompt.shape[1]:].tolist()
 
-    ours(), theirs()  # warm up both
-    t_ours, t_hf = [], []
-    for _ in range(args.rounds):
-        dt, a = timed(ours)
-        t_ours.append(dt)
-        dt, b = timed(theirs)
-        t_hf.append(dt)
-    same = a == b
+    runs = {"ours": ours, "hf": theirs, **({"ours_compiled": ours_compiled} if args.compile else {})}
+    for fn in runs.values():  # warm up every contender (and compile)
+        fn()
+    times, tokens = {k: [] for k in runs}, {}
+    for _ in range(args.rounds):  # alternate, so a change in machine speed hits every contender
+        for k, fn in runs.items():
+            dt, tokens[k] = timed(fn)
+            times[k].append(dt)
+    same = all(t == tokens["hf"] for t in tokens.values())
+    t_ours, t_hf = times["ours"], times["hf"]
     bw = bandwidth()
 
     # Roofline: each decoded token reads every weight once, except the embedding table of which
@@ -107,6 +110,7 @@ def main() -> None:
     weights_read = n_weights - model.embed.weight.numel() + cfg.dim
     bytes_per_token = weights_read * bpn + kv_per_pos * mean_ctx
     tok_s, hf_tok_s = N / min(t_ours), N / min(t_hf)
+    comp_tok_s = N / min(times["ours_compiled"]) if args.compile else None
     roof = bw["read"] / bytes_per_token
 
     # Prefill as each generate runs it: one forward over a long prompt into the cache, the head
@@ -147,10 +151,13 @@ def main() -> None:
                     "cores": os.cpu_count(), "torch": torch.__version__},
         "decode": {"compile": args.compile, "new_tokens": N, "prompt_tokens": args.prompt_tokens, "ours_tokens_per_s": tok_s,
                    "hf_tokens_per_s": hf_tok_s, "speedup": tok_s / hf_tok_s, "identical_tokens": same,
-                   "rounds_ours_s": t_ours, "rounds_hf_s": t_hf},
+                   "rounds_ours_s": t_ours, "rounds_hf_s": t_hf,
+                   **({"ours_compiled_tokens_per_s": comp_tok_s, "speedup_compiled": comp_tok_s / hf_tok_s,
+                       "rounds_ours_compiled_s": times["ours_compiled"]} if args.compile else {})},
         "roofline": {"read_bandwidth_GBps": bw["read"] / 1e9, "copy_bandwidth_GBps": bw["copy"] / 1e9,
                      "bytes_per_token": bytes_per_token, "roofline_tokens_per_s": roof,
-                     "ours_fraction": tok_s / roof, "hf_fraction": hf_tok_s / roof},
+                     "ours_fraction": tok_s / roof, "hf_fraction": hf_tok_s / roof,
+                     **({"ours_compiled_fraction": comp_tok_s / roof} if args.compile else {})},
         "prefill": prefill_rate,
         "decode_latency_ms": {str(k): v * 1e3 for k, v in latency.items()},
         "latency_growth_long_vs_128": growth,
@@ -158,13 +165,15 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
 
-    print(f"reference shape: {n_weights / 1e6:.1f}M weights, fp32, {args.threads} threads, batch 1, greedy"
-          + (", glassformer compiled" if args.compile else ""))
+    print(f"reference shape: {n_weights / 1e6:.1f}M weights, fp32, {args.threads} threads, batch 1, greedy")
     print(f"{'':32}{'glassformer':>14}{'HF generate':>14}{'ratio':>8}")
     print(f"{'decode tokens/s':32}{tok_s:14.1f}{hf_tok_s:14.1f}{tok_s / hf_tok_s:8.2f}x   identical tokens: {same}")
     print(f"{'fraction of roofline':32}{tok_s / roof:14.1%}{hf_tok_s / roof:14.1%}"
           f"   ({bytes_per_token / 1e6:.1f} MB/token, read bandwidth {bw['read'] / 1e9:.1f} GB/s, "
           f"copy {bw['copy'] / 1e9:.1f} GB/s, roofline {roof:.0f} tokens/s)")
+    if args.compile:
+        print(f"{'decode tokens/s, compiled':32}{comp_tok_s:14.1f}{hf_tok_s:14.1f}{comp_tok_s / hf_tok_s:8.2f}x")
+        print(f"{'fraction of roofline, compiled':32}{comp_tok_s / roof:14.1%}")
     for T, r in prefill_rate.items():
         print(f"{f'prefill {T} tokens, tokens/s':32}{r['ours_tokens_per_s']:14.0f}{r['hf_tokens_per_s']:14.0f}"
               f"{r['ours_tokens_per_s'] / r['hf_tokens_per_s']:8.2f}x")

@@ -7,6 +7,7 @@ both alike; the best round of each is reported. MFU = model FLOPs (metrics.flops
 × tokens/s ÷ the fp32 matmul peak measured in the same run with the same threads.
 
     flock /tmp/glassformer-bench.lock python bench/train_throughput.py [--steps 3] [--rounds 3] [--profile]
+        [--compile ours|both]   # torch.compile glassformer's model (as `train --compile` does), or both models
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="0: the faster of 1 and all (as `glassformer train` picks)")
+    ap.add_argument("--compile", choices=["ours", "both"], help="compile glassformer's model, or both models")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "train_throughput.json"))
     ap.add_argument("--profile", action="store_true", help="also print where one of glassformer's steps goes (torch profiler)")
     args = ap.parse_args()
     if args.threads:
@@ -68,6 +71,10 @@ def main() -> None:
         l_hf = float(torch.nn.functional.cross_entropy(lg.reshape(-1, lg.size(-1)), y.reshape(-1)))
     assert abs(l_ours - l_hf) < 1e-4, (l_ours, l_hf)
 
+    if args.compile:  # the first (untimed) step of each round compiles
+        ours.compile()
+        if args.compile == "both":
+            hf.compile()
     opt_ours = make_optimizer(ours, 1e-4, 0.1, (0.9, 0.95), torch.device("cpu"))
     # Hugging Face's usual training set-up: torch AdamW (foreach), decay on the same tensors.
     decay = [p for p in hf.parameters() if p.dim() >= 2]
@@ -106,9 +113,9 @@ def main() -> None:
 
     result = {"shape": REFERENCE_SHAPE, "batch": B, "seq": T, "dtype": "fp32", "threads": threads,
               "cpu_count": os.cpu_count(), "matmul_peak_gflops": round(peak / 1e9, 1), "flops_per_token": fpt,
-              "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows,
+              "torch": torch.__version__, "transformers": transformers.__version__, "compiled": args.compile or "none", "rows": rows,
               "ratio": round(ratio, 3)}
-    print(f"training throughput, reference shape, B {B} × T {T}, fp32, {threads} thread(s); "
+    print(f"training throughput, reference shape, B {B} × T {T}, fp32, {threads} thread(s), compiled: {args.compile or 'none'}; "
           f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
     print(f"{'engine':14} {'s/step':>8} {'tokens/s':>10} {'MFU':>6}")
     for name, r in rows.items():
@@ -124,7 +131,7 @@ def main() -> None:
         print("one glassformer step, share of CPU time by operation (self time):")
         for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:12]:
             print(f"  {100 * e.self_cpu_time_total / total:5.1f}%  {e.key}")
-    out = REPO / "bench" / "results" / "train_throughput.json"
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
