@@ -125,3 +125,21 @@ def test_missing_and_incomplete_checkpoints(ckpt, capsys, tmp_path):
     assert main(["generate", "--checkpoint", str(broken), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "model.safetensors" in err and err.count("\n") == 1
+
+
+def test_a_runs_pointer_file_names_its_checkpoint(ckpt, capsys, tmp_path):
+    import shutil
+
+    path, _, _ = ckpt
+    run = tmp_path / "run"
+    shutil.copytree(path, run / "step-000007")
+    (run / "best").write_text("step-000007\n")
+    args = ["--prompt", "ab", "--max-new-tokens", "5", "--greedy"]
+    assert main(["generate", "--checkpoint", str(path), *args]) == 0
+    direct = capsys.readouterr().out
+    assert main(["generate", "--checkpoint", str(run / "best"), *args]) == 0
+    assert capsys.readouterr().out == direct  # the same checkpoint, so the same greedy text
+    (run / "step-000007" / "COMPLETE").unlink()
+    assert main(["generate", "--checkpoint", str(run / "best"), *args]) == 2
+    err = capsys.readouterr().err
+    assert "step-000007" in err and "incomplete" in err and err.count("\n") == 1

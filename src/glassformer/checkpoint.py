@@ -107,10 +107,16 @@ def is_complete(folder: Path) -> bool:
 
 
 def resolve(path: str | Path) -> Path:
-    """The checkpoint folder that `path` names: itself, or a run folder's `latest`."""
+    """The checkpoint folder that `path` names: itself, a run folder's `latest`, or the folder a
+    run's `latest` / `best` pointer file names."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist: give a checkpoint folder, a run folder or a Hugging Face folder")
+    if path.is_file() and path.name in ("latest", "best"):  # a run's pointer: the checkpoint it names
+        ckpt = path.parent / path.read_text().strip()
+        if not is_complete(ckpt):
+            raise UserError(f"{path} names checkpoint {ckpt.name}, which is missing or incomplete")
+        return ckpt
     if not path.is_dir():
         raise UserError(f"checkpoint {path} is a file; give the folder that holds config.json")
     latest = path / "latest"
