@@ -143,3 +143,16 @@ def test_a_runs_pointer_file_names_its_checkpoint(ckpt, capsys, tmp_path):
     assert main(["generate", "--checkpoint", str(run / "best"), *args]) == 2
     err = capsys.readouterr().err
     assert "step-000007" in err and "incomplete" in err and err.count("\n") == 1
+
+
+def test_compiled_generation_prints_the_same_text_and_its_steady_rate(ckpt, capsys):
+    path, _, _ = ckpt
+    args = ["generate", "--checkpoint", str(path), "--prompt", "Now is", "--greedy", "--max-new-tokens", "12"]
+    assert main(args) == 0
+    eager = capsys.readouterr()
+    assert main(args + ["--compile"]) == 0
+    compiled = capsys.readouterr()
+    assert compiled.out == eager.out
+    # The rate it prints leaves out the prefill and the first decode step (where compiling happens).
+    assert "prefill" in eager.err and "with compiling" not in eager.err
+    assert "first decode step" in compiled.err and "with compiling" in compiled.err and "tokens/s" in compiled.err

@@ -137,6 +137,7 @@ def run(args) -> int:
                          stop=None if eot is None else [eot])
     streams = [TextStream(tok, args.stop) for _ in rows]
     out, made, t0 = sys.stdout, 0, time.perf_counter()
+    marks = []  # (seconds, tokens) after the first two steps: the prefill, then the first decode step (it compiles)
     if len(rows) == 1:
         out.write(prompts[0])
         out.flush()
@@ -152,6 +153,8 @@ def run(args) -> int:
             if len(rows) == 1 and piece:
                 out.write(piece)
                 out.flush()
+        if len(marks) < 2:
+            marks.append((time.perf_counter() - t0, made))
         if len(rows) == 1 and streams[0].done:
             break
     if len(rows) == 1:
@@ -163,5 +166,10 @@ def run(args) -> int:
             out.write(prompts[p] + s.text[:s.shown] + s.flush() + "\n")
     out.flush()
     dt = time.perf_counter() - t0
-    print(f"{made} tokens in {dt:.2f} s ({made / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    summary = f"{made} tokens in {dt:.2f} s"
+    if len(marks) == 2 and made > marks[1][1]:  # the steady decode rate, apart from the prefill and any compiling
+        rate = (made - marks[1][1]) / max(dt - marks[1][0], 1e-9)
+        compiling = f", first decode step {marks[1][0] - marks[0][0]:.2f} s with compiling" if args.compile else ""
+        summary += f" (prefill {marks[0][0]:.2f} s{compiling}; then {rate:.1f} tokens/s)"
+    print(summary, file=sys.stderr)
     return 0
