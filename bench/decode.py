@@ -7,7 +7,7 @@ here by streaming a large tensor), prefill tokens/s, and decode latency at conte
 2048. Rounds alternate between the implementations and the best round counts, so a
 busy machine penalises all alike. --compile adds glassformer with its decode step compiled.
 
-    python bench/decode.py [--new-tokens 128] [--rounds 3] [--threads 2] [--compile] [--quick]
+    python bench/decode.py [--new-tokens 128] [--rounds 3] [--threads 2] [--compile] [--profile] [--quick]
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also glassformer with its decode step compiled (torch.compile), in the same rounds")
+    ap.add_argument("--profile", action="store_true", help="also print where a decode step's time goes (torch profiler)")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds (a smoke run)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
     args = ap.parse_args()
@@ -181,7 +182,24 @@ def main() -> None:
         print(f"{f'decode step at context {ctx}, ms':32}{v * 1e3:14.2f}")
     if growth is not None:
         print(f"{f'latency growth {max(latency)} / 128':32}{growth:14.2f}x")
+    if args.profile:
+        profile_steps(model, prompt[0].tolist(), args.compile)
     print(f"wrote {args.out}")
+
+
+def profile_steps(model, prompt: list[int], compiled: bool, n: int = 20) -> None:
+    """Microseconds per decode step by operation (self time), over n steps of a warm session."""
+    from torch.profiler import profile
+
+    s = Session(model, max_len=len(prompt) + 2 * n + 8, compile=compiled)
+    list(s.send(prompt, max_new_tokens=n, greedy=True))  # warm (and compile)
+    with profile() as prof:
+        list(s.send(None, max_new_tokens=n, greedy=True))
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops) / n
+    print(f"one {'compiled' if compiled else 'eager'} decode step, {total:.0f} us under the profiler; self time by operation:")
+    for e in ops[:10]:
+        print(f"  {e.self_cpu_time_total / n:8.0f} us  {e.count / n:5.1f} calls  {e.key[:70]}")
 
 
 if __name__ == "__main__":

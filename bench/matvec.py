@@ -8,10 +8,15 @@ in all. This times the 25 in a row, over and over, for each layout packed.py cou
   x @ W         the (in, out) matrix, one product (runs on one thread whatever the thread count)
   blocks P      the (in, out) matrix seen as P column blocks (a strided view), one batched product
   copied P      the same blocks copied to their own memory
+  rows P        the matrix cut along its inputs into P row blocks (contiguous), one batched
+                product, then the P partial outputs summed
 
+and other kernels torch offers for the job: `torch.mv` on either layout, oneDNN's linear
+(plain, and with its weights reordered to oneDNN's own layout), MKL's packed sgemm, and
+(--compiled) the product written as a multiply-and-sum that torch.compile turns into a loop;
 and, for scale, a plain sum over a 512 MB tensor (what the memory gives one reader).
 
-    python bench/matvec.py [--threads 1 2] [--blocks 2 4 8]       # bench/results/matvec.json
+    python bench/matvec.py [--threads 1 2] [--blocks 2 4 8] [--compiled]      # bench/results/matvec.json
 """
 
 from __future__ import annotations
@@ -42,6 +47,28 @@ def step_matrices() -> list[torch.Tensor]:
     return [torch.randn(i, o) for i, o in shapes]
 
 
+def other_kernels(mats, out_in, xs, compiled: bool) -> dict:
+    """One-row products by other kernels: name -> a function running all of them once."""
+    vecs = {n: x[0] for n, x in xs.items()}  # (in,) each
+    ways = {"mv, (in, out) read as its transpose": lambda: [torch.mv(w.t(), vecs[w.shape[0]]) for w in mats],
+            "mv, (out, in)": lambda: [torch.mv(w, vecs[w.shape[1]]) for w in out_in]}
+    if torch.backends.mkldnn.is_available():
+        lp = torch.ops.mkldnn._linear_pointwise
+        ways["oneDNN linear"] = lambda: [lp(xs[w.shape[1]], w, None, "none", [], "") for w in out_in]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in out_in]
+        ways["oneDNN linear, weights reordered"] = lambda: [
+            lp(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(out_in, packed)]
+    if torch.backends.mkl.is_available():
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, 1) for w in out_in]
+        ways["MKL packed sgemm"] = lambda: [
+            torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, 1) for w, p in zip(out_in, mkl)]
+    if compiled:
+        loop = torch.compile(lambda ws: [(xs[w.shape[0]][0, :, None] * w).sum(0, keepdim=True) for w in ws])
+        loop(mats)  # compiles
+        ways["compiled multiply-and-sum"] = lambda: loop(mats)
+    return ways
+
+
 def timed(fn, reps: int = 50) -> float:
     """Median seconds of fn() over reps calls, after a few untimed ones."""
     for _ in range(5):
@@ -58,6 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--blocks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--compiled", action="store_true", help="also a torch.compile'd multiply-and-sum loop")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "matvec.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -70,7 +98,10 @@ def main() -> None:
         out_in = [w.t().contiguous() for w in mats]
         ways = {"linear": lambda: [F.linear(xs[w.shape[1]], w) for w in out_in],
                 "x @ W": lambda: [xs[w.shape[0]] @ w for w in mats]}
+        ways.update(other_kernels(mats, out_in, xs, args.compiled))
         for P in args.blocks:
+            rows = [w.view(P, w.shape[0] // P, w.shape[1]) for w in mats]  # (P, in/P, out), contiguous
+            ways[f"rows {P}"] = lambda rows=rows, P=P: [torch.bmm(xs[w.shape[1] * P].view(P, 1, -1), w).sum(0) for w in rows]
             views = [w.view(w.shape[0], P, -1).transpose(0, 1) for w in mats]  # (P, in, out/P)
             copies = [v.contiguous() for v in views]
             for name, ws in ((f"blocks {P}", views), (f"copied {P}", copies)):
