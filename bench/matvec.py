@@ -9,7 +9,7 @@ in all. This times the 25 in a row, over and over, for each layout packed.py cou
   blocks P      the (in, out) matrix seen as P column blocks (a strided view), one batched product
   copied P      the same blocks copied to their own memory
   rows P        the matrix cut along its inputs into P row blocks (contiguous), one batched
-                product, then the P partial outputs summed
+                product, then the P partial outputs summed (what packed.py does, P = threads)
 
 and other kernels torch offers for the job: `torch.mv` on either layout, oneDNN's linear
 (plain, and with its weights reordered to oneDNN's own layout), MKL's packed sgemm, and

@@ -9,14 +9,17 @@ single number of the model:
 - (in, out) storage: x @ W reads W row after row, each row a long contiguous run that
   updates the whole output vector, where nn.Linear's (out, in) layout computes one short
   dot product per output. On a CPU that streams ~1.7x more bytes per second (bench/matvec.py);
-- one column block per CPU thread: each matrix is also seen (a view, no copy) as P blocks
-  (P, in, out/P), so a matrix-vector product becomes one batched product whose P blocks
-  run on P threads side by side (a plain x @ W with one row runs on one thread whatever
-  the thread count). The blocks' outputs, laid end to end, are the product's output in
-  order: no copy. Products of many rows (a prefill) use the whole matrix.
+- one row block per CPU thread: each matrix is also seen (a view, no copy) as P blocks of
+  consecutive rows (P, in/P, out), and x as P pieces (P, 1, in/P), so a matrix-vector
+  product becomes one batched product whose P blocks run on P threads side by side (a
+  plain x @ W with one row runs on one thread whatever the thread count); the P partial
+  outputs are then summed. Each thread streams one contiguous stretch of memory, which
+  reads faster than column blocks, whose rows are short runs a stride apart (with 2
+  threads 28.4 against 23.9 GB/s, bench/matvec.py). Products of many rows (a prefill)
+  use the whole matrix.
 
-The residual add rides inside the product that feeds it (baddbmm / addmm add their first
-argument to the product), and a compiled step (torch.compile) keeps every product a library call.
+Products of many rows take the residual add inside the library call (addmm), and a
+compiled step (torch.compile) keeps every product a library call (see _lin).
 
 RoPE reads precomputed cos/sin rows and turns each feature pair with one multiply-add
 (x·cos + swap(x)·sin, the pair's two features swapped and the sine signed to match), the
@@ -42,17 +45,16 @@ _PACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _t(w: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """nn.Linear's weight (out, in) as the (in, out) matrix and, for P > 1, a view of it as P
-    column blocks (P, in, out/P): block p is columns p·out/P .. (p+1)·out/P, each row of a
-    block a contiguous run (strided views stream as fast as copied blocks, measured)."""
+    row blocks (P, in/P, out): block p is rows p·in/P .. (p+1)·in/P, one contiguous stretch."""
     w = w.detach().t().contiguous()  # (in, out)
     n_in, n_out = w.shape
-    if P == 1 or n_out % P:
+    if P == 1 or n_in % P:
         return w, None
-    return w, w.view(n_in, P, n_out // P).transpose(0, 1)  # (P, in, out/P), no copy
+    return w, w.view(P, n_in // P, n_out)  # (P, in/P, out), no copy
 
 
 def _blocks_for(device: torch.device) -> int:
-    """Column blocks per matrix: one per CPU thread (on a GPU one kernel already uses the whole chip)."""
+    """Row blocks per matrix: one per CPU thread (on a GPU one kernel already uses the whole chip)."""
     return torch.get_num_threads() if device.type == "cpu" else 1
 
 
@@ -138,26 +140,25 @@ def pack(model, quick: bool = False) -> dict:
 
 
 def _lin(x, w, b, add=None):
-    """x (..., in) times the packed matrix w = ((in, out), its column blocks or None), plus bias b,
-    plus `add` (..., out), the residual stream: summed inside the product (one op fewer)."""
+    """x (..., in) times the packed matrix w = ((in, out), its row blocks or None), plus bias b,
+    plus `add` (..., out), the residual stream (inside the library call where it can: addmm)."""
     io, blocks = w
     x2 = x.reshape(-1, io.shape[0])  # (M, in)
     out_shape = (*x.shape[:-1], io.shape[1])
     base = add if b is None else (b if add is None else add + b)  # what the product adds to
     if blocks is not None and x2.shape[0] == 1:  # a matrix-vector product: the P blocks on P threads at once
         P = blocks.shape[0]
-        xs = x2.expand(P, 1, io.shape[0])  # (P, 1, in)
+        xs = x2.view(P, 1, -1)  # (P, 1, in/P)
         # baddbmm rather than bmm: torch.compile keeps it a library call on the CPU, where it
         # rewrites a one-row bmm as a multiply-and-sum loop that streams the weights slower.
-        if base is None:
-            y = torch.baddbmm(x2.new_zeros(()), xs, blocks, beta=0)  # (P, 1, out/P)
-        else:
-            y = torch.baddbmm(base.reshape(1, P, -1).transpose(0, 1), xs, blocks)  # (P, 1, out/P)
+        y = torch.baddbmm(x2.new_zeros(()), xs, blocks, beta=0).sum(0)  # (P, 1, out) partial sums -> (1, out)
+        if base is not None:
+            y = base.reshape(1, -1) + y
     elif base is None:
         y = x2 @ io  # (M, out): one product, every thread inside it
     else:
         y = torch.addmm(base.reshape(-1, io.shape[1]), x2, io)  # (M, out)
-    return y.view(out_shape)  # column blocks end to end are the output row
+    return y.view(out_shape)
 
 
 def _attention(block, p, x, rope, q_pos, cache, start, residual=None):
