@@ -89,9 +89,11 @@ def _cat_bias(*linears):
 
 
 def step_weights(model) -> dict:
-    """The tensors a forward reads from the pack (checked fresh), for a compiled step's inputs."""
+    """The tensors a forward reads from the pack (checked fresh), for a compiled step's inputs,
+    and `key`: what their shapes and types follow from (blocks per matrix, dtype, device)."""
     P = pack(model, quick=True)
-    return {"layers": P["layers"], "head": P["head"], "rope": P["rope"]}
+    return {"layers": P["layers"], "head": P["head"], "rope": P["rope"],
+            "key": (P["P"], P["params"][0].dtype, P["device"])}
 
 
 def _signature(model) -> tuple:
