@@ -81,7 +81,7 @@ def main() -> None:
     def ours():
         return list(generate(model, prompt[0], max_new_tokens=N, greedy=True))
 
-    compiled = Session(model, max_len=args.prompt_tokens + N, compile=True) if args.compile else None
+    compiled = Session(model, max_len=cfg.max_seq_len, compile=True) if args.compile else None  # reads filled slots only
 
     def ours_compiled():  # one compiled session, started afresh each round (its step compiles once)
         compiled.reset()
@@ -133,20 +133,28 @@ def main() -> None:
         prefill_rate[T] = {"ours_tokens_per_s": T / best_o, "hf_tokens_per_s": T / best_h}
 
     # Decode latency against context length: median step time after prefilling `ctx` tokens.
-    latency = {}
+    def step_latency(session: Session, ctx: int) -> float:
+        session.reset()
+        ids = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
+        steps = []
+        it = session.send(ids, max_new_tokens=48, greedy=True)
+        next(it)  # the prefill
+        t = time.perf_counter()
+        for _ in it:
+            now = time.perf_counter()
+            steps.append(now - t)
+            t = now
+        return statistics.median(steps)
+
+    sessions = {"eager": Session(model, max_len=cfg.max_seq_len)}
+    if args.compile:
+        sessions["compiled"] = compiled
+    latency = {k: {} for k in sessions}
     for _ in range(args.rounds):  # alternate the contexts; keep each one's best median
         for ctx in (128, cfg.max_seq_len - 48) if not args.quick else (128,):
-            ids = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
-            steps = []
-            it = Session(model, max_len=cfg.max_seq_len).send(ids, max_new_tokens=48, greedy=True)
-            next(it)  # the prefill
-            t = time.perf_counter()
-            for _ in it:
-                now = time.perf_counter()
-                steps.append(now - t)
-                t = now
-            latency[ctx] = min(latency.get(ctx, float("inf")), statistics.median(steps))
-    growth = latency[max(latency)] / latency[128] if len(latency) > 1 else None
+            for k, session in sessions.items():
+                latency[k][ctx] = min(latency[k].get(ctx, float("inf")), step_latency(session, ctx))
+    growth = {k: v[max(v)] / v[128] if len(v) > 1 else None for k, v in latency.items()}
 
     res = {
         "shape": {**REFERENCE_SHAPE, "weights": n_weights, "dtype": "float32"},
@@ -162,8 +170,10 @@ def main() -> None:
                      "ours_fraction": tok_s / roof, "hf_fraction": hf_tok_s / roof,
                      **({"ours_compiled_fraction": comp_tok_s / roof} if args.compile else {})},
         "prefill": prefill_rate,
-        "decode_latency_ms": {str(k): v * 1e3 for k, v in latency.items()},
-        "latency_growth_long_vs_128": growth,
+        "decode_latency_ms": {str(k): v * 1e3 for k, v in latency["eager"].items()},
+        "latency_growth_long_vs_128": growth["eager"],
+        **({"decode_latency_ms_compiled": {str(k): v * 1e3 for k, v in latency["compiled"].items()},
+            "latency_growth_long_vs_128_compiled": growth["compiled"]} if args.compile else {}),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
@@ -180,26 +190,28 @@ def main() -> None:
     for T, r in prefill_rate.items():
         print(f"{f'prefill {T} tokens, tokens/s':32}{r['ours_tokens_per_s']:14.0f}{r['hf_tokens_per_s']:14.0f}"
               f"{r['ours_tokens_per_s'] / r['hf_tokens_per_s']:8.2f}x")
-    for ctx, v in latency.items():
-        print(f"{f'decode step at context {ctx}, ms':32}{v * 1e3:14.2f}")
-    if growth is not None:
-        print(f"{f'latency growth {max(latency)} / 128':32}{growth:14.2f}x")
+    for k, lat in latency.items():
+        for ctx, v in lat.items():
+            print(f"{f'decode step ({k}) at context {ctx}, ms':32}{v * 1e3:14.2f}")
+        if growth[k] is not None:
+            print(f"{f'latency growth ({k}) {max(lat)} / 128':32}{growth[k]:14.2f}x")
     if args.profile:
-        profile_steps(model, prompt[0].tolist(), args.compile)
+        profile_steps(compiled or sessions["eager"], prompt[0].tolist())
     print(f"wrote {args.out}")
 
 
-def profile_steps(model, prompt: list[int], compiled: bool, n: int = 20) -> None:
+def profile_steps(s: Session, prompt: list[int], n: int = 20) -> None:
     """Microseconds per decode step by operation (self time), over n steps of a warm session."""
     from torch.profiler import profile
 
-    s = Session(model, max_len=len(prompt) + 2 * n + 8, compile=compiled)
-    list(s.send(prompt, max_new_tokens=n, greedy=True))  # warm (and compile)
+    s.reset()
+    list(s.send(prompt, max_new_tokens=n, greedy=True))  # warm
     with profile() as prof:
         list(s.send(None, max_new_tokens=n, greedy=True))
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in ops) / n
-    print(f"one {'compiled' if compiled else 'eager'} decode step, {total:.0f} us under the profiler; self time by operation:")
+    print(f"one {'compiled' if s._compiled is not None else 'eager'} decode step, {total:.0f} us under the profiler; "
+          "self time by operation:")
     for e in ops[:10]:
         print(f"  {e.self_cpu_time_total / n:8.0f} us  {e.count / n:5.1f} calls  {e.key[:70]}")
 
