@@ -383,6 +383,8 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
                     # forward-only estimate would miss the writing and the loss picture (budget overrun).
                     if d.main:
                         load_plotting()  # a one-off cost: not part of each evaluation's
+                    if cfg.compile:
+                        evaluate()  # compiles the eval-mode graph (a one-off cost too), untimed
                     t_eval = time.perf_counter()
                     last_val = evaluate_and_checkpoint()
                     now = time.perf_counter()

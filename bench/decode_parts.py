@@ -1,0 +1,128 @@
+"""What each piece of the fast decode step buys: variants of it timed side by side in one process.
+
+Batch-1 greedy decoding on the reference shape (fp32, CPU), rounds alternating between the
+variants of each comparison, so a change in the machine's speed hits every variant alike;
+median and best tokens/s of each over the rounds:
+
+  layout     eager steps with each matrix cut into one block of rows per thread (packed.py)
+             against one block of columns per thread (P, in, out/P), the layout before it
+  compiled   the compiled step (Session(compile=True)) as a session builds it (C++ wrapper,
+             guards on the token and position only) against inductor's Python wrapper, and
+             against the C++ wrapper with every guard TorchDynamo makes
+
+    flock /tmp/glassformer-bench.lock python bench/decode_parts.py [--rounds 8] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from glassformer import ModelConfig, Transformer, packed  # noqa: E402
+from glassformer.config import REFERENCE_SHAPE  # noqa: E402
+from glassformer.generate import Session, _packed_step, _step_guards  # noqa: E402
+
+
+def column_blocks(w: torch.Tensor, P: int):
+    """packed._t with blocks of columns: (in, out) and its view (P, in, out/P)."""
+    w = w.detach().t().contiguous()  # (in, out)
+    n_in, n_out = w.shape
+    if P == 1 or n_out % P:
+        return w, None
+    return w, w.view(n_in, P, n_out // P).transpose(0, 1)  # (P, in, out/P)
+
+
+def column_lin(x, w, b, add=None):
+    """packed._lin for column blocks: the blocks' outputs end to end are the output row."""
+    io, blocks = w
+    x2 = x.reshape(-1, io.shape[0])  # (M, in)
+    if blocks is None or x2.shape[0] != 1:
+        return packed.__dict__["_rows_lin"](x, w, b, add)
+    P = blocks.shape[0]
+    y = torch.bmm(x2.expand(P, 1, io.shape[0]), blocks).view(1, io.shape[1])  # (P, 1, out/P) end to end
+    y = y if b is None else y + b
+    y = y.view(*x.shape[:-1], io.shape[1])
+    return y if add is None else add + y
+
+
+def rate(session: Session, n: int) -> float:
+    """Tokens/s of n greedy steps after a fresh 16-token prompt."""
+    session.reset()
+    list(session.send(list(range(16)), max_new_tokens=1, greedy=True))
+    t = time.perf_counter()
+    list(session.send(None, max_new_tokens=n, greedy=True))
+    return n / (time.perf_counter() - t)
+
+
+def race(variants: dict, rounds: int, n: int) -> dict:
+    """name -> {median, best, rounds} tokens/s, the variants alternating round by round."""
+    out = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            out[name].append(run(n))
+    return {k: {"median": statistics.median(v), "best": max(v), "rounds": v} for k, v in out.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_parts.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**REFERENCE_SHAPE)).eval()
+    S = 2 * args.tokens + 32
+
+    eager = Session(model, max_len=S)
+    rows = (packed._t, packed._lin)
+    packed._rows_lin = packed._lin
+
+    def layout(t_lin):
+        def run(n):
+            packed._t, packed._lin = t_lin
+            packed._PACKS.clear()  # repack in this layout
+            return rate(eager, n)
+        return run
+
+    res = {"threads": args.threads, "tokens": args.tokens}
+    res["layout"] = race({"row blocks": layout(rows), "column blocks": layout((column_blocks, column_lin))},
+                         args.rounds, args.tokens)
+    packed._t, packed._lin = rows
+    packed._PACKS.clear()
+
+    def compiled(options: dict):
+        s = Session(model, max_len=S, compile=True)
+        own = types.FunctionType(_packed_step.__code__.replace(), _packed_step.__globals__, "_packed_step")
+        s._compiled = torch.compile(own, dynamic=True, options=options)  # this variant's step, compiled on first use
+        rate(s, 2)
+        return lambda n: rate(s, n)
+
+    res["compiled"] = race({
+        "C++ wrapper, token and position guards (as shipped)": compiled({"cpp_wrapper": True, "guard_filter_fn": _step_guards}),
+        "Python wrapper, token and position guards": compiled({"guard_filter_fn": _step_guards}),
+        "C++ wrapper, every guard": compiled({"cpp_wrapper": True}),
+    }, args.rounds, args.tokens)
+
+    print(f"reference shape, fp32, {args.threads} threads, batch 1, greedy; tokens/s over {args.rounds} alternating rounds")
+    for part in ("layout", "compiled"):
+        first = next(iter(res[part].values()))["median"]
+        for name, r in res[part].items():
+            print(f"  {part:9} {name:54} median {r['median']:6.1f}  best {r['best']:6.1f}  {first / r['median']:5.2f}x")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
