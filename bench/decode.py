@@ -5,9 +5,10 @@ Reports tokens/s of both and their ratio (tokens must be identical), the fractio
 memory-bandwidth roofline (bytes of weights + cache read per token / bandwidth measured
 here by streaming a large tensor), prefill tokens/s, and decode latency at context 128 vs
 2048. Rounds alternate between the implementations and the best round counts, so a
-busy machine penalises all alike. --compile adds glassformer with its decode step compiled.
+busy machine penalises all alike. glassformer runs eager and with its decode step compiled
+(--no-compile: eager only).
 
-    python bench/decode.py [--new-tokens 128] [--rounds 3] [--threads 2] [--compile] [--profile] [--quick]
+    python bench/decode.py [--new-tokens 128] [--rounds 3] [--threads 2] [--no-compile] [--profile] [--quick]
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compile", action="store_true", help="also glassformer with its decode step compiled (torch.compile), in the same rounds")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="also glassformer with its decode step compiled (torch.compile), in the same rounds")
     ap.add_argument("--profile", action="store_true", help="also print where a decode step's time goes (torch profiler)")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds (a smoke run)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))

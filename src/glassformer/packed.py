@@ -8,7 +8,7 @@ single number of the model:
   (D, 2F) matrix (gpt-fast's wqkv), so a layer runs 4 products instead of 7;
 - (in, out) storage: x @ W reads W row after row, each row a long contiguous run that
   updates the whole output vector, where nn.Linear's (out, in) layout computes one short
-  dot product per output. On a CPU that streams ~1.7x more bytes per second (bench/matvec.py);
+  dot product per output. On a CPU that streams ~1.4-1.6x more bytes per second (bench/matvec.py);
 - one row block per CPU thread: each matrix is also seen (a view, no copy) as P blocks of
   consecutive rows (P, in/P, out), and x as P pieces (P, 1, in/P), so a matrix-vector
   product becomes one batched product whose P blocks run on P threads side by side (a
