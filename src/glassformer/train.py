@@ -204,6 +204,7 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
     model.to(device)
     if cfg.compile:
         model.compile()
+        _say(d, "compile: the first step (and the first evaluation) compile the model once, tens of seconds on a CPU")
     net = gdist.wrap(model, d, cfg.fsdp, device)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), device, sharded=cfg.fsdp and d.enabled)
     step, total_steps, elapsed0 = 0, (cfg.max_steps if not cfg.time_budget else None), 0.0

@@ -135,6 +135,8 @@ def run(args) -> int:
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                          repetition_penalty=args.repetition_penalty, greedy=args.greedy, seed=args.seed,
                          stop=None if eot is None else [eot])
+    if args.compile:
+        print("compile: the first decode step compiles it once (tens of seconds on a CPU)", file=sys.stderr, flush=True)
     streams = [TextStream(tok, args.stop) for _ in rows]
     out, made, t0 = sys.stdout, 0, time.perf_counter()
     marks = []  # (seconds, tokens) after the first two steps: the prefill, then the first decode step (it compiles)
