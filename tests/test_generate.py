@@ -325,15 +325,18 @@ def test_compiled_decode_step_smoke():
     assert lowered == 4 * model.config.n_layers + 1
 
 
-def test_compiled_steps_keep_few_guards_yet_stay_right():
-    """A compiled session's step checks only its token's and position's guards (packed.py,
-    generate._compile_step): another model's session must get its own step, and a new thread
-    count (new blocks per matrix) must recompile rather than reuse the old step."""
+def test_compiled_steps_drop_the_held_guards_yet_stay_right():
+    """A compiled session's step skips the guards on the model, packed weights and cache
+    (generate._compile_step): another model's session must get its own step, a new thread
+    count (new blocks per matrix) must recompile rather than reuse the old step, and the
+    shape guards must stay."""
     a, b = tiny_model(), tiny_model(seed=1, dim=96, ffn_dim=256, n_layers=3)
     prompt = [3, 1, 4, 1]
     sa, sb = Session(a, compile=True), Session(b, compile=True)
     assert list(sa.send(prompt, max_new_tokens=5, greedy=True)) == greedy_by_full_forward(a, prompt, 5)
-    assert list(sb.send(prompt, max_new_tokens=5, greedy=True)) == greedy_by_full_forward(b, prompt, 5)
+    # A one-token prompt: the first decode step runs at position 1, which torch compiles as a
+    # constant; only the shape guards it keeps send position 2 to a general recompile.
+    assert list(sb.send([3], max_new_tokens=5, greedy=True)) == greedy_by_full_forward(b, [3], 5)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if before > 1 else 2)

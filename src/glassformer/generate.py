@@ -18,6 +18,7 @@ written in the very forward that asks), so a batch gives what each prompt gives 
 from __future__ import annotations
 
 import functools
+import re
 import types
 from typing import Iterator, Sequence
 
@@ -135,9 +136,17 @@ def _packed_step(model, weights, idx, cache=None, pos=0):
     return packed_forward(model, idx, cache, pos, weights=weights), None
 
 
+_HELD = ("model", "weights", "cache")  # what a session holds fixed (Session._model checks it)
+
+
 def _step_guards(entries) -> list[bool]:
-    """The guards a session's compiled step keeps: those on the token and its position."""
-    return [e.name.startswith(("L['idx']", "L['pos']")) for e in entries]
+    """The guards a session's compiled step keeps: all but those on the model, the packed weights
+    and the cache. The symbolic-shape guards stay: the first decode step at position 1 is
+    compiled for that one value (torch specialises 0 and 1), and only its guard sends
+    position 2 to a general recompile."""
+    def root(name: str) -> str:  # "model._modules[...]", "L['model']..." -> "model"
+        return re.split(r"[.\[\]']", name[3:] if name.startswith("L['") else name, maxsplit=1)[0]
+    return [root(e.name) not in _HELD for e in entries]
 
 
 def _compile_step(device: torch.device):
@@ -146,8 +155,7 @@ def _compile_step(device: torch.device):
     Before each call TorchDynamo checks the guards of the compiled code, here ~500 of them
     on the model's modules, the packed weights and the cache: 0.3-0.4 ms of a ~3 ms CPU
     decode step (bench/decode_parts.py: 1.05-1.08x faster without them). A session holds
-    all of those fixed, so on the CPU its step keeps only the guards on the token and the
-    position; the session recompiles when the packed weights' blocks, dtype or device, or
+    all of those fixed, so on the CPU its step drops them (_step_guards); the session recompiles when the packed weights' blocks, dtype or device, or
     an attention kernel, change (Session._model), and inductor's generated code checks every
     input's shape on entry. TorchDynamo keeps compiled code per code object, so the private
     copy keeps one session's step from serving another model. On the CPU a C++ wrapper
