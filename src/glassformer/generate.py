@@ -152,15 +152,15 @@ def _step_guards(entries) -> list[bool]:
 def _compile_step(device: torch.device):
     """torch.compile of a private copy of _packed_step, for one session.
 
-    Before each call TorchDynamo checks the guards of the compiled code, here ~500 of them
-    on the model's modules, the packed weights and the cache: 0.3-0.4 ms of a ~3 ms CPU
-    decode step (bench/decode_parts.py: 1.05-1.08x faster without them). A session holds
-    all of those fixed, so on the CPU its step drops them (_step_guards); the session recompiles when the packed weights' blocks, dtype or device, or
-    an attention kernel, change (Session._model), and inductor's generated code checks every
-    input's shape on entry. TorchDynamo keeps compiled code per code object, so the private
-    copy keeps one session's step from serving another model. On the CPU a C++ wrapper
-    calls the step's kernels and products instead of Python (1.05-1.07x, same bench); on a
-    GPU CUDA graphs replay them.
+    Before each call TorchDynamo checks the guards of the compiled code, here ~500, most of
+    them on the model's modules, the packed weights and the cache. A session holds those
+    fixed, so on the CPU its step drops them (_step_guards; 1.02x, bench/decode_parts.py);
+    the session recompiles when the packed weights' blocks, dtype or device, or an attention
+    kernel, change (Session._model), and inductor's generated code checks every input's
+    shape on entry. TorchDynamo keeps compiled code per code object, so the private copy
+    keeps one session's step from serving another model. On the CPU a C++ wrapper calls the
+    step's kernels and products instead of Python (1.04-1.07x, same bench); on a GPU CUDA
+    graphs replay them.
     """
     f = _packed_step
     step = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__)
