@@ -203,11 +203,11 @@ def main() -> None:
         if growth[k] is not None:
             print(f"{f'latency growth ({k}) {max(lat)} / 128':32}{growth[k]:14.2f}x")
     if args.profile:
-        profile_steps(compiled or sessions["eager"], prompt[0].tolist())
+        profile_steps(compiled or sessions["eager"], prompt[0].tolist(), "compiled" if compiled else "eager")
     print(f"wrote {args.out}")
 
 
-def profile_steps(s: Session, prompt: list[int], n: int = 20) -> None:
+def profile_steps(s: Session, prompt: list[int], label: str, n: int = 20) -> None:
     """Microseconds per decode step by operation (self time), over n steps of a warm session."""
     from torch.profiler import profile
 
@@ -217,7 +217,7 @@ def profile_steps(s: Session, prompt: list[int], n: int = 20) -> None:
         list(s.send(None, max_new_tokens=n, greedy=True))
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in ops) / n
-    print(f"one {'compiled' if s._compiled is not None else 'eager'} decode step, {total:.0f} us under the profiler; "
+    print(f"one {label} decode step, {total:.0f} us under the profiler; "
           "self time by operation:")
     for e in ops[:10]:
         print(f"  {e.self_cpu_time_total / n:8.0f} us  {e.count / n:5.1f} calls  {e.key[:70]}")

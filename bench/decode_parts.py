@@ -21,7 +21,6 @@ import json
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -30,7 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from glassformer import ModelConfig, Transformer, packed  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
-from glassformer.generate import Session, _packed_step, _step_guards  # noqa: E402
+from glassformer.generate import CPU_STEP_OPTIONS, Session, _compile_step, _step_guards  # noqa: E402
+
+
+ROWS = (packed._t, packed._lin)  # what packed.py does: row blocks
 
 
 def column_blocks(w: torch.Tensor, P: int):
@@ -47,7 +49,7 @@ def column_lin(x, w, b, add=None):
     io, blocks = w
     x2 = x.reshape(-1, io.shape[0])  # (M, in)
     if blocks is None or x2.shape[0] != 1:
-        return packed.__dict__["_rows_lin"](x, w, b, add)
+        return ROWS[1](x, w, b, add)
     P = blocks.shape[0]
     y = torch.bmm(x2.expand(P, 1, io.shape[0]), blocks).view(1, io.shape[1])  # (P, 1, out/P) end to end
     y = y if b is None else y + b
@@ -86,8 +88,6 @@ def main() -> None:
     S = 2 * args.tokens + 32
 
     eager = Session(model, max_len=S)
-    rows = (packed._t, packed._lin)
-    packed._rows_lin = packed._lin
 
     def layout(t_lin):
         def run(n):
@@ -97,20 +97,19 @@ def main() -> None:
         return run
 
     res = {"threads": args.threads, "tokens": args.tokens}
-    res["layout"] = race({"row blocks": layout(rows), "column blocks": layout((column_blocks, column_lin))},
+    res["layout"] = race({"row blocks": layout(ROWS), "column blocks": layout((column_blocks, column_lin))},
                          args.rounds, args.tokens)
-    packed._t, packed._lin = rows
+    packed._t, packed._lin = ROWS
     packed._PACKS.clear()
 
     def compiled(options: dict):
         s = Session(model, max_len=S, compile=True)
-        own = types.FunctionType(_packed_step.__code__.replace(), _packed_step.__globals__, "_packed_step")
-        s._compiled = torch.compile(own, dynamic=True, options=options)  # this variant's step, compiled on first use
+        s._compiled = _compile_step(s.device, options)  # this variant's step, compiled on first use
         rate(s, 2)
         return lambda n: rate(s, n)
 
     res["compiled"] = race({
-        "C++ wrapper, held guards dropped (as shipped)": compiled({"cpp_wrapper": True, "guard_filter_fn": _step_guards}),
+        "C++ wrapper, held guards dropped (as shipped)": compiled(CPU_STEP_OPTIONS),
         "Python wrapper, held guards dropped": compiled({"guard_filter_fn": _step_guards}),
         "C++ wrapper, every guard": compiled({"cpp_wrapper": True}),
     }, args.rounds, args.tokens)

@@ -69,9 +69,9 @@ def other_kernels(mats, out_in, xs, compiled: bool) -> dict:
     return ways
 
 
-def timed(fn, reps: int = 50) -> float:
-    """Median seconds of fn() over reps calls, after a few untimed ones."""
-    for _ in range(5):
+def timed(fn, reps: int = 50, warmup: int = 5) -> float:
+    """Median seconds of fn() over reps calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
         fn()
     ts = []
     for _ in range(reps):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,16 +24,12 @@ from glassformer import ModelConfig  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
 from glassformer.model import RMSNorm, apply_rope  # noqa: E402
 
+from matvec import timed  # noqa: E402  (bench/ is the script's folder)
+
 
 def ms(fn, n: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * sorted(ts)[n // 2]
+    """Median milliseconds of fn() over n calls, after two untimed ones."""
+    return 1e3 * timed(fn, reps=n, warmup=2)
 
 
 def main() -> None:

@@ -149,7 +149,10 @@ def _step_guards(entries) -> list[bool]:
     return [root(e.name) not in _HELD for e in entries]
 
 
-def _compile_step(device: torch.device):
+CPU_STEP_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": _step_guards}
+
+
+def _compile_step(device: torch.device, options: dict | None = None):
     """torch.compile of a private copy of _packed_step, for one session.
 
     Before each call TorchDynamo checks the guards of the compiled code, here ~500, most of
@@ -160,13 +163,13 @@ def _compile_step(device: torch.device):
     shape on entry. TorchDynamo keeps compiled code per code object, so the private copy
     keeps one session's step from serving another model. On the CPU a C++ wrapper calls the
     step's kernels and products instead of Python (1.04-1.07x, same bench); on a GPU CUDA
-    graphs replay them.
+    graphs replay them. `options` replaces the CPU's inductor options (for benchmarks).
     """
     f = _packed_step
     step = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__)
-    if device.type == "cuda":
+    if device.type == "cuda" and options is None:
         return torch.compile(step, dynamic=True, mode="reduce-overhead")
-    return torch.compile(step, dynamic=True, options={"cpp_wrapper": True, "guard_filter_fn": _step_guards})
+    return torch.compile(step, dynamic=True, options=CPU_STEP_OPTIONS if options is None else options)
 
 
 class PackedForward:
