@@ -6,10 +6,12 @@ median and best tokens/s of each over the rounds:
 
   layout     eager steps with each matrix cut into one block of rows per thread (packed.py)
              against one block of columns per thread (P, in, out/P), the layout before it
-  compiled   the compiled step (Session(compile=True)) as a session builds it (C++ wrapper,
-             without the guards on the model, packed weights and cache that the session holds
-             fixed) against inductor's Python wrapper, and against the C++ wrapper with every
-             guard TorchDynamo makes
+  compiled   the compiled step (Session(compile=True)) as a session builds it (one-row
+             products as generated row sums over (out, in) weights, C++ wrapper, without the
+             guards on the model, packed weights and cache that the session holds fixed)
+             against the same step over the eager path's (in, out) row blocks (library
+             products), against inductor's Python wrapper, and against the C++ wrapper with
+             every guard TorchDynamo makes
 
     flock /tmp/glassformer-bench.lock python bench/decode_parts.py [--rounds 8] [--threads 2]
 """
@@ -35,18 +37,18 @@ from glassformer.generate import CPU_STEP_OPTIONS, Session, _compile_step, _step
 ROWS = (packed._t, packed._lin)  # what packed.py does: row blocks
 
 
-def column_blocks(w: torch.Tensor, P: int):
+def column_blocks(w: torch.Tensor, P: int, layout: str = "rows"):
     """packed._t with blocks of columns: (in, out) and its view (P, in, out/P)."""
     w = w.detach().t().contiguous()  # (in, out)
     n_in, n_out = w.shape
     if P == 1 or n_out % P:
-        return w, None
-    return w, w.view(n_in, P, n_out // P).transpose(0, 1)  # (P, in, out/P)
+        return w, None, False
+    return w, w.view(n_in, P, n_out // P).transpose(0, 1), False  # (P, in, out/P)
 
 
 def column_lin(x, w, b, add=None):
     """packed._lin for column blocks: the blocks' outputs end to end are the output row."""
-    io, blocks = w
+    io, blocks, _ = w
     x2 = x.reshape(-1, io.shape[0])  # (M, in)
     if blocks is None or x2.shape[0] != 1:
         return ROWS[1](x, w, b, add)
@@ -102,14 +104,16 @@ def main() -> None:
     packed._t, packed._lin = ROWS
     packed._PACKS.clear()
 
-    def compiled(options: dict):
+    def compiled(options: dict, layout: str = "out_in"):
         s = Session(model, max_len=S, compile=True)
+        s.layout = layout  # the packed weights this variant's step reads
         s._compiled = _compile_step(s.device, options)  # this variant's step, compiled on first use
         rate(s, 2)
         return lambda n: rate(s, n)
 
     res["compiled"] = race({
         "C++ wrapper, held guards dropped (as shipped)": compiled(CPU_STEP_OPTIONS),
+        "the same over (in, out) row blocks": compiled(CPU_STEP_OPTIONS, "rows"),
         "Python wrapper, held guards dropped": compiled({"guard_filter_fn": _step_guards}),
         "C++ wrapper, every guard": compiled({"cpp_wrapper": True}),
     }, args.rounds, args.tokens)

@@ -9,14 +9,17 @@ in all. This times the 25 in a row, over and over, for each layout packed.py cou
   blocks P      the (in, out) matrix seen as P column blocks (a strided view), one batched product
   copied P      the same blocks copied to their own memory
   rows P        the matrix cut along its inputs into P row blocks (contiguous), one batched
-                product, then the P partial outputs summed (what packed.py does, P = threads)
+                product, then the P partial outputs summed (what packed.py does for an eager
+                step, P = threads)
 
 and other kernels torch offers for the job: `torch.mv` on either layout, oneDNN's linear
-(plain, and with its weights reordered to oneDNN's own layout), MKL's packed sgemm, and
-(--compiled) the product written as a multiply-and-sum that torch.compile turns into a loop;
-and, for scale, a plain sum over a 512 MB tensor (what the memory gives one reader).
+(plain, and with its weights reordered to oneDNN's own layout), MKL's packed sgemm, and the
+product written as a multiply-and-sum that torch.compile turns into a loop, over the (in, out)
+matrix's columns or over the (out, in) weight's rows: the row sums are what a compiled
+session's step runs on the CPU (packed.py's out_in layout); and, for scale, a plain sum over a
+512 MB tensor (what the memory gives one reader).
 
-    python bench/matvec.py [--threads 1 2] [--blocks 2 4 8] [--compiled]      # bench/results/matvec.json
+    python bench/matvec.py [--threads 1 2] [--blocks 2 4 8] [--no-compiled]      # bench/results/matvec.json
 """
 
 from __future__ import annotations
@@ -62,10 +65,13 @@ def other_kernels(mats, out_in, xs, compiled: bool) -> dict:
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, 1) for w in out_in]
         ways["MKL packed sgemm"] = lambda: [
             torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, 1) for w, p in zip(out_in, mkl)]
-    if compiled:
-        loop = torch.compile(lambda ws: [(xs[w.shape[0]][0, :, None] * w).sum(0, keepdim=True) for w in ws])
-        loop(mats)  # compiles
-        ways["compiled multiply-and-sum"] = lambda: loop(mats)
+    if compiled:  # compiled afresh for each thread count (inductor splits its loops for the count it sees)
+        torch._dynamo.reset()
+        cols = torch.compile(lambda ws: [(xs[w.shape[0]][0, :, None] * w).sum(0, keepdim=True) for w in ws])
+        rowsum = torch.compile(lambda ws: [(w * xs[w.shape[1]]).sum(-1) for w in ws])
+        cols(mats), rowsum(out_in)  # compile
+        ways["compiled multiply-and-sum, (in, out) columns"] = lambda: cols(mats)
+        ways["compiled row sums, (out, in) (a compiled session)"] = lambda: rowsum(out_in)
     return ways
 
 
@@ -85,7 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--blocks", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--compiled", action="store_true", help="also a torch.compile'd multiply-and-sum loop")
+    ap.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the torch.compile'd multiply-and-sum loops (compiling takes ~20 s)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "matvec.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -111,7 +118,7 @@ def main() -> None:
         res["runs"][str(th)] = row
         print(f"{th} thread(s), {len(mats)} products, {n_bytes / 1e6:.1f} MB of weights; GB/s:")
         for name, gbs in row.items():
-            print(f"  {name:24}{gbs:8.1f}")
+            print(f"  {name:52}{gbs:8.1f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out}")

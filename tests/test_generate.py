@@ -230,19 +230,26 @@ def test_bad_prompts():
 
 @pytest.mark.parametrize("over", [dict(), dict(norm="layer", ffn="gelu", pos="learned", bias=True, tie_embeddings=True),
                                   dict(norm_placement="post", ffn="relu", qkv_bias=True, rope_pairs="interleaved")])
-def test_packed_forward_equals_the_model(over):
+@pytest.mark.parametrize("layout", ["rows", "out_in"])
+def test_packed_forward_equals_the_model(over, layout):
+    """Both packed layouts (packed._t): prefill, then single steps of two rows (products of
+    many rows) and of one row (the matrix-vector products each layout does its own way)."""
     from glassformer import KVCache
-    from glassformer.packed import packed_forward
+    from glassformer.packed import pack, packed_forward
 
     model = tiny_model(**over)
-    ids = torch.randint(0, 512, (2, 12))
-    with torch.no_grad():
-        ref, _ = model(ids)
-        cache = KVCache.for_model(model, 2, 16)
-        a = packed_forward(model, ids[:, :9], cache, 0)  # prefill, then three single steps
-        steps = [packed_forward(model, ids[:, t:t + 1], cache, t) for t in range(9, 12)]
-    got = torch.cat([a, *steps], dim=1)
-    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+    for B in (2, 1):
+        ids = torch.randint(0, 512, (B, 12))
+        with torch.no_grad():
+            ref, _ = model(ids)
+            cache = KVCache.for_model(model, B, 16)
+            a = packed_forward(model, ids[:, :9], cache, 0, layout=layout)  # prefill, then three single steps
+            steps = [packed_forward(model, ids[:, t:t + 1], cache, t, layout=layout) for t in range(9, 12)]
+        got = torch.cat([a, *steps], dim=1)
+        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+    mat, blocks, out_in = pack(model, layout=layout)["layers"][0]["down"]
+    assert out_in == (layout == "out_in")
+    assert mat.shape == (model.config.dim, model.config.ffn_dim)[:: 1 if out_in else -1]  # (out, in) or (in, out)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
@@ -264,9 +271,10 @@ def test_packed_row_blocks_give_the_same_steps(threads):
         mats = [w for layer in pack(model)["layers"] for w in (layer["qkv"], layer["o"], layer["gu"], layer["down"])]
     finally:
         torch.set_num_threads(before)
-    for io, blocks in mats:  # blocked exactly when the thread count divides the rows
+    for io, blocks, out_in in mats:  # blocked exactly when the thread count divides the rows
         assert (blocks is not None) == (threads > 1 and io.shape[0] % threads == 0)
         assert blocks is None or (blocks.shape[0] == threads and blocks.data_ptr() == io.data_ptr())
+        assert not out_in
     got = torch.cat(got, dim=1)
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
@@ -317,19 +325,20 @@ def test_compiled_decode_step_smoke():
     # On the CPU each step reads only the filled slots (a dynamic length in the one graph); on a GPU
     # the whole cache, masked, so that every step has one shape and a CUDA graph is captured once.
     assert s.cache.start == len(prompt) + 4 and s.cache.end == len(prompt) + 5
-    # The one-row products stay library calls: torch.compile would otherwise rewrite each as a
-    # multiply-and-sum loop (slower than the BLAS kernel). Inductor counts each product it
-    # lowers to a library call; the 4 per layer and the head must all be there.
-    products = ("aten.baddbmm_", "aten.addmm_", "aten.mm_")  # row blocks, or whole matrices on one thread
-    lowered = sum(n for k, n in counters["aten_mm_info"].items() if k.startswith(products))
-    assert lowered == 4 * model.config.n_layers + 1
+    # On the CPU the step's one-row products are row sums over (out, in) weights, loops that
+    # inductor generates (faster than the BLAS kernels at one row): none of them may be lowered
+    # to a library product (inductor counts each product it lowers to one), nor read the (in, out)
+    # row blocks of the eager path.
+    assert s.layout == "out_in"
+    products = ("aten.baddbmm_", "aten.addmm_", "aten.mm_")
+    assert sum(n for k, n in counters["aten_mm_info"].items() if k.startswith(products)) == 0
 
 
 def test_compiled_steps_drop_the_held_guards_yet_stay_right():
     """A compiled session's step skips the guards on the model, packed weights and cache
     (generate._compile_step): another model's session must get its own step, a new thread
-    count (new blocks per matrix) must recompile rather than reuse the old step, and the
-    shape guards must stay."""
+    count must recompile (the loops are split for the old one) and still give the same
+    tokens, and the shape guards must stay."""
     a, b = tiny_model(), tiny_model(seed=1, dim=96, ffn_dim=256, n_layers=3)
     prompt = [3, 1, 4, 1]
     sa, sb = Session(a, compile=True), Session(b, compile=True)
@@ -340,7 +349,9 @@ def test_compiled_steps_drop_the_held_guards_yet_stay_right():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if before > 1 else 2)
+        step = sa._compiled
         more = list(sa.send(None, max_new_tokens=4, greedy=True))
+        assert sa._compiled is not step  # compiled anew for this thread count
     finally:
         torch.set_num_threads(before)
     assert more == greedy_by_full_forward(a, prompt, 9)[5:]

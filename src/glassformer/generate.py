@@ -136,6 +136,13 @@ def _packed_step(model, weights, idx, cache=None, pos=0):
     return packed_forward(model, idx, cache, pos, weights=weights), None
 
 
+def step_layout(device: torch.device, compile: bool) -> str:
+    """The packed layout a session's forwards use: on the CPU a compiled session's one-row
+    products are generated row sums over (out, in) weights, ~1.8x the bytes per second of the
+    BLAS kernels (packed._lin, bench/matvec.py); everything else keeps the (in, out) row blocks."""
+    return "out_in" if compile and device.type == "cpu" else "rows"
+
+
 _HELD = ("model", "weights", "cache")  # what a session holds fixed (Session._model checks it)
 
 
@@ -158,9 +165,9 @@ def _compile_step(device: torch.device, options: dict | None = None):
     Before each call TorchDynamo checks the guards of the compiled code, here ~500, most of
     them on the model's modules, the packed weights and the cache. A session holds those
     fixed, so on the CPU its step drops them (_step_guards; 1.02x, bench/decode_parts.py);
-    the session recompiles when the packed weights' blocks, dtype or device, or an attention
-    kernel, change (Session._model), and inductor's generated code checks every input's
-    shape on entry. TorchDynamo keeps compiled code per code object, so the private copy
+    the session recompiles when the packed weights' layout, blocks, dtype or device, an
+    attention kernel or the thread count change (Session._model), and inductor's generated
+    code checks every input's shape on entry. TorchDynamo keeps compiled code per code object, so the private copy
     keeps one session's step from serving another model. On the CPU a C++ wrapper calls the
     step's kernels and products instead of Python (1.04-1.07x, same bench); on a GPU CUDA
     graphs replay them. `options` replaces the CPU's inductor options (for benchmarks).
@@ -175,11 +182,11 @@ def _compile_step(device: torch.device, options: dict | None = None):
 class PackedForward:
     """A model's packed forward (packed.py), called like the model itself: (logits, None)."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, layout: str = "rows"):
+        self.model, self.layout = model, layout
 
     def __call__(self, idx, cache=None, pos=0, last=None):
-        return packed_forward(self.model, idx, cache, pos, last=last), None
+        return packed_forward(self.model, idx, cache, pos, last=last, layout=self.layout), None
 
 
 def _as_rows(ids) -> tuple[list[list[int]], bool]:
@@ -237,6 +244,7 @@ class Session:
         self.seen: torch.Tensor | None = None  # (B, V) bool, built when a penalty asks for it
         self.generator: torch.Generator | None = None
         self.packed = packed
+        self.layout = step_layout(self.device, compile)  # packed weights' layout, for prefill and decode alike
         self._compiled, self._step_key = None, None
         if compile:  # the decode step only: one token per row, the shape that repeats
             self._compiled = (_compile_step(self.device) if packed else
@@ -274,13 +282,15 @@ class Session:
         if decode and self._compiled is not None:
             if not self.packed:
                 return self._compiled
-            weights = step_weights(self.model)  # the pack's freshness is checked here, outside the compiled graph
-            key = (weights["key"], tuple(b.attn.kernel for b in self.model.blocks))
+            weights = step_weights(self.model, self.layout)  # the pack's freshness is checked here, outside the compiled graph
+            # What the step was compiled for: the pack, the attention kernels and, on the CPU, the
+            # thread count (inductor plans its loops' split among threads when it compiles).
+            key = (weights["key"], tuple(b.attn.kernel for b in self.model.blocks), torch.get_num_threads())
             if self._step_key not in (None, key):  # what the compiled step took as fixed has changed
                 self._compiled = _compile_step(self.device)
             self._step_key = key
             return functools.partial(self._compiled, self.model, weights)
-        return PackedForward(self.model) if self.packed else self.model
+        return PackedForward(self.model, self.layout) if self.packed else self.model
 
     # ---- one forward over whatever is pending --------------------------------------------
     def _forward(self) -> torch.Tensor:

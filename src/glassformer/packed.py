@@ -18,14 +18,20 @@ single number of the model:
   threads 28.4 against 23.9 GB/s, bench/matvec.py). Products of many rows (a prefill)
   use the whole matrix.
 
-Products of many rows take the residual add inside the library call (addmm), and a
-compiled step (torch.compile) keeps every product a library call (see _lin).
+A compiled session on the CPU packs the other way ("out_in" layout): the weights stay
+(out, in), and each one-row product is written as a multiply-and-sum over the rows, which
+torch.compile turns into one loop that streams every weight row once, the rows split among
+the threads: 1.8x the bytes per second of the BLAS kernels above (51 against 28 GB/s with 2
+threads, 33 against 15 with 1; bench/matvec.py). Eagerly that formula would build the
+(out, in) product first, so eager steps keep the row blocks. Products of many rows take the
+residual add inside the library call (addmm), in either layout.
 
 RoPE reads precomputed cos/sin rows and turns each feature pair with one multiply-add
 (x·cos + swap(x)·sin, the pair's two features swapped and the sine signed to match), the
 same rotation as model.apply_rope in three operations instead of eight.
 
-The packed copy costs one more copy of the weights' memory; it is rebuilt when any
+The packed copy costs one more copy of the weights' memory (the out_in layout shares its
+unfused matrices with the model); it is rebuilt when any
 parameter of the model changes (tracked by tensor version counters). The forward below
 mirrors Transformer.forward, Block.forward, Attention.forward and FeedForward.forward
 line for line but shows nothing to probes: tracing uses the model itself.
@@ -43,19 +49,27 @@ from .model import RMSNorm, ffn_activation
 _PACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _t(w: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """nn.Linear's weight (out, in) as the (in, out) matrix and, for P > 1, a view of it as P
-    row blocks (P, in/P, out): block p is rows p·in/P .. (p+1)·in/P, one contiguous stretch."""
+def _t(w: torch.Tensor, P: int, layout: str = "rows") -> tuple:
+    """A packed matrix (w, blocks, out_in), from nn.Linear's weight (out, in).
+
+    layout "rows": w is the (in, out) matrix and, for P > 1, blocks a view of it as P row
+    blocks (P, in/P, out): block p is rows p·in/P .. (p+1)·in/P, one contiguous stretch.
+    layout "out_in": w is the (out, in) weight itself (a compiled step's one-row products
+    are generated row sums over it, see _lin), blocks None.
+    """
+    if layout == "out_in":
+        return w.detach().contiguous(), None, True  # (out, in): no copy for a contiguous weight
     w = w.detach().t().contiguous()  # (in, out)
     n_in, n_out = w.shape
     if P == 1 or n_in % P:
-        return w, None
-    return w, w.view(P, n_in // P, n_out)  # (P, in/P, out), no copy
+        return w, None, False
+    return w, w.view(P, n_in // P, n_out), False  # (P, in/P, out), no copy
 
 
-def _blocks_for(device: torch.device) -> int:
-    """Row blocks per matrix: one per CPU thread (on a GPU one kernel already uses the whole chip)."""
-    return torch.get_num_threads() if device.type == "cpu" else 1
+def _blocks_for(device: torch.device, layout: str = "rows") -> int:
+    """Row blocks per matrix: one per CPU thread (on a GPU one kernel already uses the whole chip;
+    the out_in layout has none: the compiled loop splits the rows among the threads itself)."""
+    return torch.get_num_threads() if device.type == "cpu" and layout == "rows" else 1
 
 
 def _rope_tables(model) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -88,12 +102,12 @@ def _cat_bias(*linears):
     return torch.cat([lin.bias.detach() for lin in linears])
 
 
-def step_weights(model) -> dict:
+def step_weights(model, layout: str = "rows") -> dict:
     """The tensors a forward reads from the pack (checked fresh), for a compiled step's inputs,
-    and `key`: what their shapes and types follow from (blocks per matrix, dtype, device)."""
-    P = pack(model, quick=True)
+    and `key`: what their shapes and types follow from (layout, blocks per matrix, dtype, device)."""
+    P = pack(model, quick=True, layout=layout)
     return {"layers": P["layers"], "head": P["head"], "rope": P["rope"],
-            "key": (P["P"], P["params"][0].dtype, P["device"])}
+            "key": (layout, P["P"], P["params"][0].dtype, P["device"])}
 
 
 def _signature(model) -> tuple:
@@ -105,17 +119,23 @@ def _quick_signature(params) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in params)
 
 
-def pack(model, quick: bool = False) -> dict:
-    """The packed weights of `model` (cached; rebuilt when a parameter changed).
+LAYOUTS = ("rows", "out_in")
+
+
+def pack(model, quick: bool = False, layout: str = "rows") -> dict:
+    """The packed weights of `model` in `layout` (see _t; cached; rebuilt when a parameter changed).
 
     quick=True (a decode step) checks only the parameters packed last time, for new values
     or storage: walking the module tree to find them anew costs ~0.1 ms, 3% of a step.
     """
-    hit = _PACKS.get(model)
-    if quick and hit is not None and hit["P"] == _blocks_for(hit["device"]):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    packs = _PACKS.setdefault(model, {})
+    hit = packs.get(layout)
+    if quick and hit is not None and hit["P"] == _blocks_for(hit["device"], layout):
         if _quick_signature(hit["params"]) == hit["quick"]:
             return hit
-    P = _blocks_for(next(model.parameters()).device)
+    P = _blocks_for(next(model.parameters()).device, layout)
     sig = (P, _signature(model))
     if hit is not None and hit["sig"] == sig:
         return hit
@@ -125,29 +145,42 @@ def pack(model, quick: bool = False) -> dict:
             a, f = b.attn, b.ffn
             gu = (f.w_gate, f.w_up) if f.w_gate is not None else (f.w_up,)
             layers.append(dict(
-                qkv=_t(torch.cat([a.wq.weight, a.wk.weight, a.wv.weight]), P),  # (D, (N+2K)H)
+                qkv=_t(torch.cat([a.wq.weight, a.wk.weight, a.wv.weight]), P, layout),  # (D, (N+2K)H)
                 qkv_b=_cat_bias(a.wq, a.wk, a.wv),
-                o=_t(a.wo.weight, P), o_b=None if a.wo.bias is None else a.wo.bias.detach(),  # (NH, D)
-                gu=_t(torch.cat([lin.weight for lin in gu]), P),  # (D, 2F) or (D, F)
+                o=_t(a.wo.weight, P, layout), o_b=None if a.wo.bias is None else a.wo.bias.detach(),  # (NH, D)
+                gu=_t(torch.cat([lin.weight for lin in gu]), P, layout),  # (D, 2F) or (D, F)
                 gu_b=_cat_bias(*gu),
-                down=_t(f.w_down.weight, P), down_b=None if f.w_down.bias is None else f.w_down.bias.detach(),  # (F, D)
+                down=_t(f.w_down.weight, P, layout),  # (F, D)
+                down_b=None if f.w_down.bias is None else f.w_down.bias.detach(),
             ))
-        head = _t(model.lm_head.weight, P)  # (D, V)
+        head = _t(model.lm_head.weight, P, layout)  # (D, V)
         rope = _rope_tables(model)
     params = list(model.parameters())
     hit = dict(sig=sig, layers=layers, head=head, rope=rope, P=P, device=params[0].device, params=params,
                quick=_quick_signature(params))
-    _PACKS[model] = hit
+    packs[layout] = hit
     return hit
 
 
 def _lin(x, w, b, add=None):
-    """x (..., in) times the packed matrix w = ((in, out), its row blocks or None), plus bias b,
-    plus `add` (..., out), the residual stream (inside the library call where it can: addmm)."""
-    io, blocks = w
-    x2 = x.reshape(-1, io.shape[0])  # (M, in)
-    out_shape = (*x.shape[:-1], io.shape[1])
+    """x (..., in) times the packed matrix w (see _t), plus bias b, plus `add` (..., out), the
+    residual stream (inside the library call where it can: addmm)."""
+    mat, blocks, out_in = w
+    n_in, n_out = mat.shape[::-1] if out_in else mat.shape
+    x2 = x.reshape(-1, n_in)  # (M, in)
+    out_shape = (*x.shape[:-1], n_out)
     base = add if b is None else (b if add is None else add + b)  # what the product adds to
+    if out_in:
+        if x2.shape[0] == 1:  # one row: each output a dot product over one contiguous weight row
+            # torch.compile turns this into a loop that streams the rows, split among the threads
+            # (~1.8x the bytes per second of the BLAS kernels at one row, bench/matvec.py); eagerly
+            # it would build the (out, in) product first, so only a compiled step takes this layout.
+            y = (mat * x2).sum(-1, keepdim=True).view(1, n_out)  # (out, in) -> (out, 1) -> (1, out)
+            y = y if base is None else base.reshape(1, -1) + y
+        else:
+            y = x2 @ mat.t() if base is None else torch.addmm(base.reshape(-1, n_out), x2, mat.t())  # (M, out)
+        return y.view(out_shape)
+    io = mat
     if blocks is not None and x2.shape[0] == 1:  # a matrix-vector product: the P blocks on P threads at once
         P = blocks.shape[0]
         xs = x2.view(P, 1, -1)  # (P, 1, in/P)
@@ -198,7 +231,7 @@ def _ffn(block, p, x, residual=None):
 
 
 def packed_forward(model, idx: torch.Tensor, cache, pos=0, last: torch.Tensor | None = None,
-                   weights: dict | None = None) -> torch.Tensor:
+                   weights: dict | None = None, layout: str = "rows") -> torch.Tensor:
     """Logits (B, T, V) of Transformer.forward(idx, cache=cache, pos=pos), in eval mode.
 
     last (B,): only the logits of position last[b] of each row, (B, 1, V). A prefill needs
@@ -209,7 +242,7 @@ def packed_forward(model, idx: torch.Tensor, cache, pos=0, last: torch.Tensor | 
     """
     cfg = model.config
     B, T = idx.shape
-    P = pack(model, quick=T == 1) if weights is None else weights
+    P = pack(model, quick=T == 1, layout=layout) if weights is None else weights
     q_pos = model._positions(pos, B, T, idx.device)  # (B, T)
     start = None if isinstance(pos, torch.Tensor) and pos.dim() > 0 else int(pos)
     cache.prepare(pos, T)
