@@ -357,6 +357,17 @@ def test_compiled_steps_drop_the_held_guards_yet_stay_right():
     assert more == greedy_by_full_forward(a, prompt, 9)[5:]
 
 
+@pytest.mark.slow
+def test_compiled_batch_of_different_lengths_equals_each_alone():
+    """A compiled session's step on rows of different lengths: products of several rows over
+    the (out, in) weights, per-row positions and the padding mask, in the compiled graph."""
+    model = tiny_model()
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (3, 11, 6)]
+    alone = [list(generate(model, p, max_new_tokens=8, greedy=True)) for p in prompts]
+    steps = list(Session(model, 3, compile=True).send(prompts, max_new_tokens=8, greedy=True))
+    assert [[s[b] for s in steps] for b in range(3)] == alone
+
+
 def test_session_reset_starts_a_new_text_in_the_same_cache():
     model = tiny_model()
     s = Session(model, max_len=32)

@@ -138,7 +138,7 @@ def _packed_step(model, weights, idx, cache=None, pos=0):
 
 def step_layout(device: torch.device, compile: bool) -> str:
     """The packed layout a session's forwards use: on the CPU a compiled session's one-row
-    products are generated row sums over (out, in) weights, ~1.8x the bytes per second of the
+    products are generated row sums over (out, in) weights, ~2x the bytes per second of the
     BLAS kernels (packed._lin, bench/matvec.py); everything else keeps the (in, out) row blocks."""
     return "out_in" if compile and device.type == "cpu" else "rows"
 

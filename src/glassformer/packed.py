@@ -8,21 +8,21 @@ single number of the model:
   (D, 2F) matrix (gpt-fast's wqkv), so a layer runs 4 products instead of 7;
 - (in, out) storage: x @ W reads W row after row, each row a long contiguous run that
   updates the whole output vector, where nn.Linear's (out, in) layout computes one short
-  dot product per output. On a CPU that streams ~1.4-1.6x more bytes per second (bench/matvec.py);
+  dot product per output. On a CPU that streams ~1.5x more bytes per second (bench/matvec.py);
 - one row block per CPU thread: each matrix is also seen (a view, no copy) as P blocks of
   consecutive rows (P, in/P, out), and x as P pieces (P, 1, in/P), so a matrix-vector
   product becomes one batched product whose P blocks run on P threads side by side (a
   plain x @ W with one row runs on one thread whatever the thread count); the P partial
   outputs are then summed. Each thread streams one contiguous stretch of memory, which
   reads faster than column blocks, whose rows are short runs a stride apart (with 2
-  threads 28.4 against 23.9 GB/s, bench/matvec.py). Products of many rows (a prefill)
+  threads 28.2 against 21.0 GB/s, bench/matvec.py). Products of many rows (a prefill)
   use the whole matrix.
 
 A compiled session on the CPU packs the other way ("out_in" layout): the weights stay
 (out, in), and each one-row product is written as a multiply-and-sum over the rows, which
 torch.compile turns into one loop that streams every weight row once, the rows split among
-the threads: 1.8x the bytes per second of the BLAS kernels above (51 against 28 GB/s with 2
-threads, 33 against 15 with 1; bench/matvec.py). Eagerly that formula would build the
+the threads: ~2x the bytes per second of the BLAS kernels above (65.0 against 28.2 GB/s with
+2 threads, 28.6 against 14.7 with 1; bench/matvec.py). Eagerly that formula would build the
 (out, in) product first, so eager steps keep the row blocks. Products of many rows take the
 residual add inside the library call (addmm), in either layout.
 
@@ -173,7 +173,7 @@ def _lin(x, w, b, add=None):
     if out_in:
         if x2.shape[0] == 1:  # one row: each output a dot product over one contiguous weight row
             # torch.compile turns this into a loop that streams the rows, split among the threads
-            # (~1.8x the bytes per second of the BLAS kernels at one row, bench/matvec.py); eagerly
+            # (~2x the bytes per second of the BLAS kernels at one row, bench/matvec.py); eagerly
             # it would build the (out, in) product first, so only a compiled step takes this layout.
             y = (mat * x2).sum(-1, keepdim=True).view(1, n_out)  # (out, in) -> (out, 1) -> (1, out)
             y = y if base is None else base.reshape(1, -1) + y
