@@ -104,10 +104,11 @@ def _cat_bias(*linears):
 
 def step_weights(model, layout: str = "rows") -> dict:
     """The tensors a forward reads from the pack (checked fresh), for a compiled step's inputs,
-    and `key`: what their shapes and types follow from (layout, blocks per matrix, dtype, device)."""
+    and `key`: what a step compiled for them depends on (layout, blocks per matrix, dtype,
+    device, shapes)."""
     P = pack(model, quick=True, layout=layout)
     return {"layers": P["layers"], "head": P["head"], "rope": P["rope"],
-            "key": (layout, P["P"], P["params"][0].dtype, P["device"])}
+            "key": (layout, P["P"], P["params"][0].dtype, P["device"], P["shapes"])}
 
 
 def _signature(model) -> tuple:
@@ -156,8 +157,13 @@ def pack(model, quick: bool = False, layout: str = "rows") -> dict:
         head = _t(model.lm_head.weight, P, layout)  # (D, V)
         rope = _rope_tables(model)
     params = list(model.parameters())
+    tensors = [m for layer in layers for m in layer.values() if m is not None] + [head, rope]
+    tensors = [t for m in tensors for t in (m if isinstance(m, tuple) else (m,)) if isinstance(t, torch.Tensor)]
+    if layout == "out_in":  # a compiled step's inputs: static shapes let inductor specialise its loops
+        for t in tensors:  # (the step compiles with dynamic shapes for the cache; ~1.04x, bench/decode_parts.py)
+            torch._dynamo.mark_static(t)
     hit = dict(sig=sig, layers=layers, head=head, rope=rope, P=P, device=params[0].device, params=params,
-               quick=_quick_signature(params))
+               quick=_quick_signature(params), shapes=tuple(tuple(t.shape) for t in tensors))
     packs[layout] = hit
     return hit
 
