@@ -160,7 +160,9 @@ def _step_guards(entries) -> list[bool]:
 # by the next norm and the next residual add) is computed once into a buffer as soon as it reads
 # more than one input (inductor's default: more than four), rather than again inside every
 # loop that uses it, some of them a product's loop over each weight row (bench/decode_parts.py).
-CPU_STEP_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": _step_guards, "realize_reads_threshold": 1}
+# No cpp_wrapper: calling the kernels from C++ paid 1.04-1.07x when the products were library
+# calls; with generated row sums it gains nothing and compiles 2x longer (bench/decode_parts.py).
+CPU_STEP_OPTIONS = {"guard_filter_fn": _step_guards, "realize_reads_threshold": 1}
 
 
 def _compile_step(device: torch.device, options: dict | None = None):
@@ -168,13 +170,13 @@ def _compile_step(device: torch.device, options: dict | None = None):
 
     Before each call TorchDynamo checks the guards of the compiled code, here ~500, most of
     them on the model's modules, the packed weights and the cache. A session holds those
-    fixed, so on the CPU its step drops them (_step_guards; 1.02x, bench/decode_parts.py);
-    the session recompiles when the packed weights' layout, blocks, dtype or device, an
+    fixed, so on the CPU its step drops them (_step_guards; bench/decode_parts.py); the
+    session recompiles when the packed weights' layout, blocks, dtype, device or shapes, an
     attention kernel or the thread count change (Session._model), and inductor's generated
-    code checks every input's shape on entry. TorchDynamo keeps compiled code per code object, so the private copy
-    keeps one session's step from serving another model. On the CPU a C++ wrapper calls the
-    step's kernels and products instead of Python (1.04-1.07x, same bench); on a GPU CUDA
-    graphs replay them. `options` replaces the CPU's inductor options (for benchmarks).
+    code checks every input's shape on entry. TorchDynamo keeps compiled code per code
+    object, so the private copy keeps one session's step from serving another model. On a
+    GPU CUDA graphs replay the step's kernels. `options` replaces the CPU's inductor options
+    (for benchmarks).
     """
     f = _packed_step
     step = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__)
