@@ -12,8 +12,7 @@ median and best tokens/s of each over the rounds:
              weights and cache that the session holds fixed) against the same step over the
              eager path's (in, out) row blocks (library products), with the weights' shapes
              dynamic, with inductor's default realize_reads_threshold, with inductor's C++
-             wrapper (cpp_wrapper), and with every guard TorchDynamo makes; and the seconds
-             each takes to compile, from an empty inductor cache
+             wrapper (cpp_wrapper), and with every guard TorchDynamo makes
 
     flock /tmp/glassformer-bench.lock python bench/decode_parts.py [--rounds 8] [--threads 2]
 """
@@ -34,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from glassformer import ModelConfig, Transformer, packed  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
 from glassformer.generate import CPU_STEP_OPTIONS, Session, _compile_step  # noqa: E402
-from torch._inductor.utils import fresh_cache  # noqa: E402
 
 
 ROWS = (packed._t, packed._lin)  # what packed.py does: row blocks
@@ -130,13 +128,8 @@ def main() -> None:
         s = Session(m, max_len=S, compile=True)
         s.layout = layout  # the packed weights this variant's step reads
         s._compiled = _compile_step(s.device, options)  # this variant's step, compiled on first use
-        with fresh_cache():  # compiled from nothing, as a session's first decode step on a new machine
-            t = time.perf_counter()
-            rate(s, 2)
-        compile_s.append(time.perf_counter() - t)
+        rate(s, 2)
         return lambda n: rate(s, n)
-
-    compile_s = []
 
     default_reads = {k: v for k, v in CPU_STEP_OPTIONS.items() if k != "realize_reads_threshold"}
 
@@ -149,15 +142,12 @@ def main() -> None:
         "every guard": compiled({k: v for k, v in CPU_STEP_OPTIONS.items() if k != "guard_filter_fn"}),
     }
     res["compiled"] = race(variants, args.rounds, args.tokens)
-    for name, sec in zip(variants, compile_s):
-        res["compiled"][name]["compile_seconds"] = sec
 
     print(f"reference shape, fp32, {args.threads} threads, batch 1, greedy; tokens/s over {args.rounds} alternating rounds")
     for part in ("layout", "compiled"):
         first = next(iter(res[part].values()))["median"]
         for name, r in res[part].items():
-            took = f"  compiled in {r['compile_seconds']:.1f} s" if "compile_seconds" in r else ""
-            print(f"  {part:9} {name:44} median {r['median']:6.1f}  best {r['best']:6.1f}  {first / r['median']:5.2f}x{took}")
+            print(f"  {part:9} {name:44} median {r['median']:6.1f}  best {r['best']:6.1f}  {first / r['median']:5.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -161,7 +161,7 @@ def _step_guards(entries) -> list[bool]:
 # more than one input (inductor's default: more than four), rather than again inside every
 # loop that uses it, some of them a product's loop over each weight row (bench/decode_parts.py).
 # No cpp_wrapper: calling the kernels from C++ paid 1.04-1.07x when the products were library
-# calls; with generated row sums it gains nothing and compiles 2x longer (bench/decode_parts.py).
+# calls; with generated row sums it gains nothing measurable (bench/decode_parts.py).
 CPU_STEP_OPTIONS = {"guard_filter_fn": _step_guards, "realize_reads_threshold": 1}
 
 
