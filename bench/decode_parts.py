@@ -7,11 +7,12 @@ median and best tokens/s of each over the rounds:
   layout     eager steps with each matrix cut into one block of rows per thread (packed.py)
              against one block of columns per thread (P, in, out/P), the layout before it
   compiled   the compiled step (Session(compile=True)) as a session builds it (one-row
-             products as generated row sums over (out, in) weights of static shapes, without
-             the guards on the model, packed weights and cache that the session holds fixed)
-             against the same step over the eager path's (in, out) row blocks (library
-             products), with the weights' shapes dynamic, with inductor's C++ wrapper
-             (cpp_wrapper), and with every guard TorchDynamo makes
+             products as generated row sums over (out, in) weights of static shapes,
+             inductor's realize_reads_threshold 1, without the guards on the model, packed
+             weights and cache that the session holds fixed) against the same step over the
+             eager path's (in, out) row blocks (library products), with the weights' shapes
+             dynamic, with inductor's default realize_reads_threshold, with inductor's C++
+             wrapper (cpp_wrapper), and with every guard TorchDynamo makes
 
     flock /tmp/glassformer-bench.lock python bench/decode_parts.py [--rounds 8] [--threads 2]
 """
@@ -130,12 +131,15 @@ def main() -> None:
         rate(s, 2)
         return lambda n: rate(s, n)
 
+    default_reads = {k: v for k, v in CPU_STEP_OPTIONS.items() if k != "realize_reads_threshold"}
+
     variants = {
         "as shipped": compiled(CPU_STEP_OPTIONS),
         "the same over (in, out) row blocks": compiled(CPU_STEP_OPTIONS, "rows"),
         "weights' shapes dynamic": compiled(CPU_STEP_OPTIONS, static=False),
+        "inductor's default realize_reads_threshold": compiled(default_reads),
         "C++ wrapper": compiled({**CPU_STEP_OPTIONS, "cpp_wrapper": True}),
-        "every guard": compiled({}),
+        "every guard": compiled({k: v for k, v in CPU_STEP_OPTIONS.items() if k != "guard_filter_fn"}),
     }
     res["compiled"] = race(variants, args.rounds, args.tokens)
 

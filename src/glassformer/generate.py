@@ -156,9 +156,13 @@ def _step_guards(entries) -> list[bool]:
     return [root(e.name) not in _HELD for e in entries]
 
 
+# realize_reads_threshold 1: a value that several of inductor's loops use (a residual sum, read
+# by the next norm and the next residual add) is computed once into a buffer as soon as it reads
+# more than one input (inductor's default: more than four), rather than again inside every
+# loop that uses it, some of them a product's loop over each weight row (bench/decode_parts.py).
 # No cpp_wrapper: calling the kernels from C++ paid 1.04-1.07x when the products were library
 # calls; with generated row sums it gains nothing measurable (bench/decode_parts.py).
-CPU_STEP_OPTIONS = {"guard_filter_fn": _step_guards}
+CPU_STEP_OPTIONS = {"guard_filter_fn": _step_guards, "realize_reads_threshold": 1}
 
 
 def _compile_step(device: torch.device, options: dict | None = None):
