@@ -355,6 +355,10 @@ def test_compiled_steps_drop_the_held_guards_yet_stay_right():
     finally:
         torch.set_num_threads(before)
     assert more == greedy_by_full_forward(a, prompt, 9)[5:]
+    # Every session's step got the guard filter: torch.compile takes it out of the options it
+    # is given, which once left every step after the first with all its guards.
+    from glassformer.generate import CPU_STEP_OPTIONS, _step_guards
+    assert CPU_STEP_OPTIONS["guard_filter_fn"] is _step_guards
 
 
 @pytest.mark.slow

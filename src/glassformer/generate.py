@@ -182,7 +182,9 @@ def _compile_step(device: torch.device, options: dict | None = None):
     step = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__)
     if device.type == "cuda" and options is None:
         return torch.compile(step, dynamic=True, mode="reduce-overhead")
-    return torch.compile(step, dynamic=True, options=CPU_STEP_OPTIONS if options is None else options)
+    # A copy: torch.compile takes guard_filter_fn out of the dict it is given, so passing the
+    # module's own would leave every later session's step with all its guards.
+    return torch.compile(step, dynamic=True, options=dict(CPU_STEP_OPTIONS if options is None else options))
 
 
 class PackedForward:
