@@ -7,12 +7,12 @@ median and best tokens/s of each over the rounds:
   layout     eager steps with each matrix cut into one block of rows per thread (packed.py)
              against one block of columns per thread (P, in, out/P), the layout before it
   compiled   the compiled step (Session(compile=True)) as a session builds it (one-row
-             products as generated row sums over (out, in) weights of static shapes,
-             inductor's realize_reads_threshold 1, without the guards on the model, packed
-             weights and cache that the session holds fixed) against the same step over the
-             eager path's (in, out) row blocks (library products), with the weights' shapes
-             dynamic, with inductor's default realize_reads_threshold, with inductor's C++
-             wrapper (cpp_wrapper), and with every guard TorchDynamo makes
+             products as generated row sums over (out, in) weights, inductor's
+             realize_reads_threshold 1, without the guards on the model, packed weights and
+             cache that the session holds fixed) against the same step over the eager path's
+             (in, out) row blocks (library products), with inductor's default
+             realize_reads_threshold, with inductor's C++ wrapper (cpp_wrapper), and with
+             every guard TorchDynamo makes
 
     flock /tmp/glassformer-bench.lock python bench/decode_parts.py [--rounds 8] [--threads 2]
 """
@@ -60,20 +60,6 @@ def column_lin(x, w, b, add=None):
     return y if add is None else add + y
 
 
-def unmarked(pack: dict) -> None:
-    """Replace a pack's tensors by views of themselves: the same memory, without the mark that
-    gives a compiled step their shapes as static (packed.pack marks them), so it sees them dynamic."""
-    def fresh(m):
-        if isinstance(m, tuple):
-            return tuple(fresh(t) for t in m)
-        return m.view_as(m) if isinstance(m, torch.Tensor) else m
-
-    for layer in pack["layers"]:
-        for k in layer:
-            layer[k] = fresh(layer[k])
-    pack["head"], pack["rope"] = fresh(pack["head"]), fresh(pack["rope"])
-
-
 def rate(session: Session, n: int) -> float:
     """Tokens/s of n greedy steps after a fresh 16-token prompt."""
     session.reset()
@@ -119,13 +105,8 @@ def main() -> None:
     packed._t, packed._lin = ROWS
     packed._PACKS.clear()
 
-    def compiled(options: dict, layout: str = "out_in", static: bool = True):
-        m = model
-        if not static:  # a copy of the model whose packed tensors are views without the static mark
-            m = Transformer(model.config).eval()
-            m.load_state_dict(model.state_dict())
-            unmarked(packed.pack(m, layout=layout))
-        s = Session(m, max_len=S, compile=True)
+    def compiled(options: dict, layout: str = "out_in"):
+        s = Session(model, max_len=S, compile=True)
         s.layout = layout  # the packed weights this variant's step reads
         s._compiled = _compile_step(s.device, options)  # this variant's step, compiled on first use
         rate(s, 2)
@@ -136,7 +117,6 @@ def main() -> None:
     variants = {
         "as shipped": compiled(CPU_STEP_OPTIONS),
         "the same over (in, out) row blocks": compiled(CPU_STEP_OPTIONS, "rows"),
-        "weights' shapes dynamic": compiled(CPU_STEP_OPTIONS, static=False),
         "inductor's default realize_reads_threshold": compiled(default_reads),
         "C++ wrapper": compiled({**CPU_STEP_OPTIONS, "cpp_wrapper": True}),
         "every guard": compiled({k: v for k, v in CPU_STEP_OPTIONS.items() if k != "guard_filter_fn"}),

@@ -159,9 +159,6 @@ def pack(model, quick: bool = False, layout: str = "rows") -> dict:
     params = list(model.parameters())
     tensors = [m for layer in layers for m in layer.values() if m is not None] + [head, rope]
     tensors = [t for m in tensors for t in (m if isinstance(m, tuple) else (m,)) if isinstance(t, torch.Tensor)]
-    if layout == "out_in":  # a compiled step's inputs: static shapes let inductor specialise its loops
-        for t in tensors:  # (the step compiles with dynamic shapes for the cache; ~1.04x, bench/decode_parts.py)
-            torch._dynamo.mark_static(t)
     hit = dict(sig=sig, layers=layers, head=head, rope=rope, P=P, device=params[0].device, params=params,
                quick=_quick_signature(params), shapes=tuple(tuple(t.shape) for t in tensors))
     packs[layout] = hit
