@@ -15,6 +15,7 @@ median and best tokens/s of each over the rounds:
              every guard TorchDynamo makes
 
     flock /tmp/glassformer-bench.lock python bench/decode_parts.py [--rounds 8] [--threads 2]
+    python bench/decode_parts.py --pair "C++ wrapper" [--second-first] --out /tmp/pair.json
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pair", default=None, help="race only the compiled step as shipped against this one variant "
+                    "(a process of its own for each comparison: the variants of one process can sway each other)")
+    ap.add_argument("--second-first", action="store_true", help="with --pair: compile and run the variant first")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_parts.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -100,10 +104,11 @@ def main() -> None:
         return run
 
     res = {"threads": args.threads, "tokens": args.tokens}
-    res["layout"] = race({"row blocks": layout(ROWS), "column blocks": layout((column_blocks, column_lin))},
-                         args.rounds, args.tokens)
-    packed._t, packed._lin = ROWS
-    packed._PACKS.clear()
+    if not args.pair:
+        res["layout"] = race({"row blocks": layout(ROWS), "column blocks": layout((column_blocks, column_lin))},
+                             args.rounds, args.tokens)
+        packed._t, packed._lin = ROWS
+        packed._PACKS.clear()
 
     def compiled(options: dict, layout: str = "out_in"):
         s = Session(model, max_len=S, compile=True)
@@ -114,18 +119,19 @@ def main() -> None:
 
     default_reads = {k: v for k, v in CPU_STEP_OPTIONS.items() if k != "realize_reads_threshold"}
 
-    variants = {
-        "as shipped": compiled(CPU_STEP_OPTIONS),
-        "the same over (in, out) row blocks": compiled(CPU_STEP_OPTIONS, "rows"),
-        "inductor's default realize_reads_threshold": compiled(default_reads),
-        "C++ wrapper": compiled({**CPU_STEP_OPTIONS, "cpp_wrapper": True}),
-        "every guard": compiled({k: v for k, v in CPU_STEP_OPTIONS.items() if k != "guard_filter_fn"}),
+    builds = {
+        "as shipped": lambda: compiled(CPU_STEP_OPTIONS),
+        "the same over (in, out) row blocks": lambda: compiled(CPU_STEP_OPTIONS, "rows"),
+        "inductor's default realize_reads_threshold": lambda: compiled(default_reads),
+        "C++ wrapper": lambda: compiled({**CPU_STEP_OPTIONS, "cpp_wrapper": True}),
+        "every guard": lambda: compiled({k: v for k, v in CPU_STEP_OPTIONS.items() if k != "guard_filter_fn"}),
     }
-    res["compiled"] = race(variants, args.rounds, args.tokens)
+    names = list(builds) if not args.pair else ["as shipped", args.pair][:: -1 if args.second_first else 1]
+    res["compiled"] = race({k: builds[k]() for k in names}, args.rounds, args.tokens)
 
     print(f"reference shape, fp32, {args.threads} threads, batch 1, greedy; tokens/s over {args.rounds} alternating rounds")
-    for part in ("layout", "compiled"):
-        first = next(iter(res[part].values()))["median"]
+    for part in [p for p in ("layout", "compiled") if p in res]:
+        first = res[part]["row blocks" if part == "layout" else "as shipped"]["median"]
         for name, r in res[part].items():
             print(f"  {part:9} {name:44} median {r['median']:6.1f}  best {r['best']:6.1f}  {first / r['median']:5.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
