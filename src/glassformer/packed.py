@@ -169,34 +169,27 @@ def _lin(x, w, b, add=None):
     """x (..., in) times the packed matrix w (see _t), plus bias b, plus `add` (..., out), the
     residual stream (inside the library call where it can: addmm)."""
     mat, blocks, out_in = w
-    n_in, n_out = mat.shape[::-1] if out_in else mat.shape
+    io = mat.t() if out_in else mat  # (in, out), a view for the out_in layout
+    n_in, n_out = io.shape
     x2 = x.reshape(-1, n_in)  # (M, in)
-    out_shape = (*x.shape[:-1], n_out)
     base = add if b is None else (b if add is None else add + b)  # what the product adds to
-    if out_in:
-        if x2.shape[0] == 1:  # one row: each output a dot product over one contiguous weight row
-            # torch.compile turns this into a loop that streams the rows, split among the threads
-            # (~2x the bytes per second of the BLAS kernels at one row, bench/matvec.py); eagerly
-            # it would build the (out, in) product first, so only a compiled step takes this layout.
-            y = (mat * x2).sum(-1, keepdim=True).view(1, n_out)  # (out, in) -> (out, 1) -> (1, out)
-            y = y if base is None else base.reshape(1, -1) + y
-        else:
-            y = x2 @ mat.t() if base is None else torch.addmm(base.reshape(-1, n_out), x2, mat.t())  # (M, out)
-        return y.view(out_shape)
-    io = mat
-    if blocks is not None and x2.shape[0] == 1:  # a matrix-vector product: the P blocks on P threads at once
+    one_row = x2.shape[0] == 1
+    if one_row and out_in:  # each output a dot product over one contiguous weight row
+        # torch.compile turns this into a loop that streams the rows, split among the threads
+        # (~2x the bytes per second of the BLAS kernels at one row, bench/matvec.py); eagerly
+        # it would build the (out, in) product first, so only a compiled step takes this layout.
+        y = (mat * x2).sum(-1, keepdim=True).view(1, n_out)  # (out, in) -> (out, 1) -> (1, out)
+    elif one_row and blocks is not None:  # a matrix-vector product: the P blocks on P threads at once
         P = blocks.shape[0]
         xs = x2.view(P, 1, -1)  # (P, 1, in/P)
         # baddbmm rather than bmm: torch.compile keeps it a library call on the CPU, where it
         # rewrites a one-row bmm as a multiply-and-sum loop that streams the weights slower.
         y = torch.baddbmm(x2.new_zeros(()), xs, blocks, beta=0).sum(0)  # (P, 1, out) partial sums -> (1, out)
-        if base is not None:
-            y = base.reshape(1, -1) + y
-    elif base is None:
-        y = x2 @ io  # (M, out): one product, every thread inside it
-    else:
-        y = torch.addmm(base.reshape(-1, io.shape[1]), x2, io)  # (M, out)
-    return y.view(out_shape)
+    else:  # one library product, every thread inside it, the residual added inside it (addmm)
+        y = x2 @ io if base is None else torch.addmm(base.reshape(-1, n_out), x2, io)  # (M, out)
+        return y.view(*x.shape[:-1], n_out)
+    y = y if base is None else base.reshape(1, -1) + y  # the one-row forms add after the product
+    return y.view(*x.shape[:-1], n_out)
 
 
 def _attention(block, p, x, rope, q_pos, cache, start, residual=None):
