@@ -8,7 +8,9 @@
           step compiled (CUDA graphs): tokens/s, bytes read per token (every weight once, the
           cache up to the position) and the fraction of the published 4.8 TB/s (goal: at least
           70%) and of a device-to-device copy measured here; beside it transformers' generate
-          with a static cache and a compiled forward (its documented fast path).
+          with a static cache and a compiled forward (its documented fast path); then 32
+          steps under the torch profiler: wall time per step against the device's busy
+          time (the gap is host work the GPU waits for) and the costliest host operations.
 
 Rounds alternate between the two sides; the best round counts.
 
@@ -122,6 +124,28 @@ def copy_bandwidth(device: torch.device, n_bytes: int) -> float:
     return 2 * n_bytes / best
 
 
+def step_profile(session: Session, prompt: list[int], device: torch.device, n: int = 32) -> dict:
+    """Where a decode step's time goes: wall time per step against the device's busy time
+    (the rest is the host: Python, guards, the graph launch, the token's trip to the host),
+    and the host operations that cost most, under the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    session.reset()
+    list(session.send(prompt, max_new_tokens=4, greedy=True))  # prefill and warm steps
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        sync(device)
+        t = time.perf_counter()
+        list(session.send(None, max_new_tokens=n, greedy=True))
+        sync(device)
+        wall = time.perf_counter() - t
+    ev = prof.key_averages()
+    busy = sum(getattr(e, "self_device_time_total", 0) for e in ev)  # microseconds over the n steps
+    host = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:8]
+    return {"steps": n, "wall_us_per_step": wall / n * 1e6, "device_busy_us_per_step": busy / n,
+            "top_host_ops_us_per_step": {e.key[:80]: e.self_cpu_time_total / n for e in host}}
+
+
 def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int) -> dict:
     small = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=512)
     cfg = ModelConfig.from_preset("llama3.2-1b", max_seq_len=8192, **(small if smoke else {}))
@@ -161,7 +185,8 @@ def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int
     return {"preset": "llama3.2-1b" + (" (smoke: shrunk)" if smoke else ""), "dtype": str(dtype).split(".")[-1],
             "new_tokens": N, "compile": not smoke, "bytes_per_token": bytes_per_token, "copy_bandwidth": bw,
             "identical_tokens": out["glassformer"] == out["transformers"], "rows": rows,
-            "ratio": rows["glassformer"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"]}
+            "ratio": rows["glassformer"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"],
+            "step_profile": step_profile(session, prompt.tolist(), device, min(32, N - 4))}  # within the cache: prompt + N
 
 
 def main(argv=None) -> dict:
@@ -187,6 +212,9 @@ def main(argv=None) -> dict:
         print("decode " + ", ".join(f"{k}: {v['tokens_per_s']:,.1f} tok/s, {100 * v['fraction_of_4_8_TBps']:.1f}% of 4.8 TB/s"
                                     for k, v in r.items())
               + f"; identical tokens: {res['decode']['identical_tokens']}", flush=True)
+        sp = res["decode"]["step_profile"]
+        print(f"decode step (profiled): {sp['wall_us_per_step']:.0f} us wall, "
+              f"device busy {sp['device_busy_us_per_step']:.0f} us", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -21,5 +21,8 @@ def test_gpu_benchmark_script_runs_and_compares_like_for_like(tmp_path, one_thre
     losses = [r["first_loss"] for r in train["rows"].values()]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     assert decode["identical_tokens"] and len(decode["rows"]) == 2
+    # The profiled steps: the costliest host operations' own time fits within the wall time (both per step).
+    prof = decode["step_profile"]
+    assert prof["steps"] == 4 and 0 < sum(prof["top_host_ops_us_per_step"].values()) <= prof["wall_us_per_step"]
     assert all(r["tokens_per_s"] > 0 for r in [*train["rows"].values(), *decode["rows"].values()])
     assert (tmp_path / "gpu.json").is_file()

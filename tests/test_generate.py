@@ -380,3 +380,59 @@ def test_session_reset_starts_a_new_text_in_the_same_cache():
     again = list(s.send([3, 1, 4], max_new_tokens=8, greedy=True))  # shorter: stale slots beyond it stay
     assert again == greedy_by_full_forward(model, [3, 1, 4], 8) and s.texts[0][:3] == [3, 1, 4]
     assert first == greedy_by_full_forward(model, [5, 6, 7, 8, 9, 10], 8)
+
+
+def test_mark_static_marks_every_packed_tensor(monkeypatch):
+    """CUDA graphs copy every input not marked static into their own memory before each
+    replay: a packed tensor that generate.mark_static misses would be copied at every step."""
+    from torch._dynamo.utils import get_static_address_type
+
+    from glassformer.generate import mark_static
+    from glassformer.packed import step_weights
+
+    model = tiny_model()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two row blocks per matrix: views to mark too
+    weights = step_weights(model, "rows")
+    mark_static(weights)
+    got = [t for layer in weights["layers"] for m in layer.values() if isinstance(m, tuple) for t in m[:2]]
+    got += [*weights["head"][:2], *weights["rope"]]
+    L = model.config.n_layers
+    assert len(got) == 4 * 2 * L + 2 + 2  # per layer QKV, O, gate+up, down (matrix + its blocks); head; cos, sin
+    assert all(get_static_address_type(t) == "unguarded" for t in got)
+
+
+@pytest.mark.slow
+def test_the_gpu_step_options_compile_to_the_same_tokens():
+    """The GPU's compile options (CUDA graphs, the guard filter) checked where CUDA graphs are
+    skipped (CPU tensors): an option that inductor refuses, or one that changes the math,
+    fails here rather than on the first GPU run."""
+    from glassformer.generate import CUDA_STEP_OPTIONS, _compile_step, _step_guards
+
+    model = tiny_model()
+    prompt = [2, 7, 1, 8]
+    s = Session(model, compile=True)
+    s._compiled = _compile_step(torch.device("cuda"))  # what a session on a GPU compiles
+    assert list(s.send(prompt, max_new_tokens=6, greedy=True)) == greedy_by_full_forward(model, prompt, 6)
+    assert CUDA_STEP_OPTIONS == {"guard_filter_fn": _step_guards, "triton.cudagraphs": True}
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_read_the_packed_weights_in_place():
+    """A compiled session on a GPU: the CUDA graph holds no second copy of the weights (it
+    would copy them in before every replay) and gives the tokens of full forwards."""
+    import copy
+
+    from glassformer.packed import step_weights, tensors
+
+    model = tiny_model(dim=512, n_layers=4, ffn_dim=1408, vocab_size=4096)
+    prompt = [2, 7, 1, 8]
+    ref = greedy_by_full_forward(model, prompt, 8)
+    gpu = copy.deepcopy(model).cuda()
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors(step_weights(gpu)))  # packs them now
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    s = Session(gpu, max_len=32, compile=True)
+    assert list(s.send(prompt, max_new_tokens=8, greedy=True)) == ref
+    torch.cuda.synchronize()
+    cache_bytes = sum(b.numel() * b.element_size() for b in s.cache.buffers())
+    assert torch.cuda.memory_allocated() - before < cache_bytes + weight_bytes / 2

@@ -27,7 +27,7 @@ import torch
 from . import probes
 from .errors import UserError
 from .kv_cache import KVCache
-from .packed import packed_forward, step_weights
+from .packed import packed_forward, step_weights, tensors
 
 POLICIES = ("error", "slide")
 
@@ -163,6 +163,9 @@ def _step_guards(entries) -> list[bool]:
 # No cpp_wrapper: calling the kernels from C++ paid 1.04-1.07x when the products were library
 # calls; with generated row sums it gains nothing measurable (bench/decode_parts.py).
 CPU_STEP_OPTIONS = {"guard_filter_fn": _step_guards, "realize_reads_threshold": 1}
+# On a GPU: mode="reduce-overhead" (CUDA graphs), with the same guard filter, since the
+# ~500 guards would be checked on the host before every replay while the GPU waits.
+CUDA_STEP_OPTIONS = {"guard_filter_fn": _step_guards, "triton.cudagraphs": True}
 
 
 def _compile_step(device: torch.device, options: dict | None = None):
@@ -170,21 +173,30 @@ def _compile_step(device: torch.device, options: dict | None = None):
 
     Before each call TorchDynamo checks the guards of the compiled code, here ~500, most of
     them on the model's modules, the packed weights and the cache. A session holds those
-    fixed, so on the CPU its step drops them (_step_guards; bench/decode_parts.py); the
+    fixed, so its step drops them (_step_guards; bench/decode_parts.py measures it on the CPU); the
     session recompiles when the packed weights' layout, blocks, dtype, device or shapes, an
     attention kernel or the thread count change (Session._model), and inductor's generated
     code checks every input's shape on entry. TorchDynamo keeps compiled code per code
     object, so the private copy keeps one session's step from serving another model. On a
-    GPU CUDA graphs replay the step's kernels. `options` replaces the CPU's inductor options
-    (for benchmarks).
+    GPU CUDA graphs replay the step's kernels, reading the packed weights in place
+    (mark_static). `options` replaces the device's inductor
+    options (for benchmarks and tests).
     """
     f = _packed_step
     step = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__)
-    if device.type == "cuda" and options is None:
-        return torch.compile(step, dynamic=True, mode="reduce-overhead")
+    if options is None:
+        options = CUDA_STEP_OPTIONS if device.type == "cuda" else CPU_STEP_OPTIONS
     # A copy: torch.compile takes guard_filter_fn out of the dict it is given, so passing the
     # module's own would leave every later session's step with all its guards.
-    return torch.compile(step, dynamic=True, options=dict(CPU_STEP_OPTIONS if options is None else options))
+    return torch.compile(step, dynamic=True, options=dict(options))
+
+
+def mark_static(weights: dict) -> None:
+    """Tell CUDA graphs that the packed weights stay where they are: inputs not so marked
+    are copied into the graph's own memory before every replay (all the weights, each step).
+    Unguarded: a pack rebuilt at new addresses makes the graph re-record, not recompile."""
+    for t in tensors(weights):
+        torch._dynamo.mark_static_address(t)
 
 
 class PackedForward:
@@ -254,6 +266,7 @@ class Session:
         self.packed = packed
         self.layout = step_layout(self.device, compile)  # packed weights' layout, for prefill and decode alike
         self._compiled, self._step_key = None, None
+        self._static = None  # the packed layers last marked static for CUDA graphs
         if compile:  # the decode step only: one token per row, the shape that repeats
             self._compiled = (_compile_step(self.device) if packed else
                               torch.compile(model, dynamic=True, mode="reduce-overhead" if self.device.type == "cuda" else None))
@@ -297,6 +310,9 @@ class Session:
             if self._step_key not in (None, key):  # what the compiled step took as fixed has changed
                 self._compiled = _compile_step(self.device)
             self._step_key = key
+            if self.device.type == "cuda" and weights["layers"] is not self._static:  # a new pack
+                mark_static(weights)
+                self._static = weights["layers"]
             return functools.partial(self._compiled, self.model, weights)
         return PackedForward(self.model, self.layout) if self.packed else self.model
 

@@ -157,12 +157,17 @@ def pack(model, quick: bool = False, layout: str = "rows") -> dict:
         head = _t(model.lm_head.weight, P, layout)  # (D, V)
         rope = _rope_tables(model)
     params = list(model.parameters())
-    tensors = [m for layer in layers for m in layer.values() if m is not None] + [head, rope]
-    tensors = [t for m in tensors for t in (m if isinstance(m, tuple) else (m,)) if isinstance(t, torch.Tensor)]
     hit = dict(sig=sig, layers=layers, head=head, rope=rope, P=P, device=params[0].device, params=params,
-               quick=_quick_signature(params), shapes=tuple(tuple(t.shape) for t in tensors))
+               quick=_quick_signature(params))
+    hit["shapes"] = tuple(tuple(t.shape) for t in tensors(hit))
     packs[layout] = hit
     return hit
+
+
+def tensors(P: dict) -> list[torch.Tensor]:
+    """Every tensor a pack (or step_weights) holds: matrices, row-block views, biases, the head, RoPE."""
+    parts = [m for layer in P["layers"] for m in layer.values() if m is not None] + [P["head"], P["rope"]]
+    return [t for m in parts for t in (m if isinstance(m, tuple) else (m,)) if isinstance(t, torch.Tensor)]
 
 
 def _lin(x, w, b, add=None):
