@@ -2,8 +2,8 @@
 
 The pieces are small free functions (gpt-fast's layout):
 
-    logits_to_probs(logits, temperature, top_k, top_p, min_p)   the sampling filters
-    sample(logits, ...)                                          one token per row
+    logits_to_probs(logits, temperature, top_k, top_p, min_p)   the sampling filters (sampling.py)
+    sample(logits, ...)                                          one token per row (sampling.py)
     prefill(model, ids, cache, ...)                              the whole prompt in one forward
     decode_step(model, tok, cache, pos)                          one token in one forward
 
@@ -28,82 +28,12 @@ from . import probes
 from .errors import UserError
 from .kv_cache import KVCache
 from .packed import packed_forward, step_weights, tensors
+from .sampling import apply_repetition_penalty, check_sampling, logits_to_probs, sample
+
+__all__ = ["check_sampling", "apply_repetition_penalty", "logits_to_probs", "sample", "prefill", "decode_step",
+           "Session", "generate"]
 
 POLICIES = ("error", "slide")
-
-# ----------------------------------------------------------------------------- sampling
-
-
-def check_sampling(temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
-    """Raise UserError for sampling parameters outside their ranges."""
-    if not temperature >= 0:
-        raise UserError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if top_k is not None and (int(top_k) != top_k or top_k < 1):
-        raise UserError(f"top-k must be an integer >= 1 (or unset), got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise UserError(f"top-p must be in (0, 1] (1 keeps everything), got {top_p}")
-    if min_p is not None and not 0 <= min_p <= 1:
-        raise UserError(f"min-p must be in [0, 1], got {min_p}")
-    if not repetition_penalty > 0:
-        raise UserError(f"repetition penalty must be > 0 (1 means none), got {repetition_penalty}")
-
-
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's penalty (Keskar et al., 2019, as Hugging Face applies it): for every token already in
-    the text, a positive logit is divided by `penalty` and a negative one multiplied by it, so
-    penalty > 1 always makes a seen token less likely. logits (B, V), seen (B, V) bool.
-
-    >>> apply_repetition_penalty(torch.tensor([[2., -2., 2.]]), torch.tensor([[True, True, False]]), 2.0)
-    tensor([[ 1., -4.,  2.]])
-    """
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # (B, V)
-    return torch.where(seen, penalised, logits)
-
-
-def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
-    """Probabilities (B, V) to sample from, in Hugging Face's order of filters:
-
-    1. temperature: softmax(logits / temperature) (temperature > 0);
-    2. top_k: keep exactly the k most likely tokens (ties broken by index, never more than k);
-    3. top_p (nucleus, Holtzman et al., 2020): keep the smallest set of most likely tokens whose
-       probabilities sum to at least p: a token stays when the tokens more likely than it
-       sum to less than p (so the most likely token always stays);
-    4. min_p (Nguyen et al., 2024): keep tokens whose probability is at least min_p times the
-       most likely token's;
-    each filter renormalises what it keeps. Example: probabilities (0.5, 0.3, 0.2) with
-    top_p=0.7 keep (0.5, 0.3) -> (0.625, 0.375); with min_p=0.5 keep (0.5, 0.3) as well.
-    """
-    logits = logits.float() / temperature  # (B, V)
-    V = logits.shape[-1]
-    if top_k is not None and top_k < V:
-        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(int(top_k), -1).indices, True)
-        logits = logits.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)  # (B, V)
-    if top_p is not None and top_p < 1:
-        p_sorted, order = probs.sort(-1, descending=True)  # (B, V) each
-        before = p_sorted.cumsum(-1) - p_sorted  # mass of the strictly more likely tokens
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, before < top_p)
-        probs = probs * keep
-        probs = probs / probs.sum(-1, keepdim=True)
-    if min_p is not None and min_p > 0:
-        probs = probs * (probs >= min_p * probs.amax(-1, keepdim=True))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None, greedy=False, generator=None) -> torch.Tensor:
-    """One token id per row (B,) from logits (B, V): the argmax when greedy or temperature == 0.
-
-    Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) independent
-    picks i with probability p_i (the smallest of E_i / p_i, each Exp(p_i), is i's with
-    chance p_i / Σp), with no device sync and one random draw per token.
-    """
-    if greedy or temperature == 0:
-        return logits.argmax(-1)
-    probs = logits_to_probs(logits, temperature, top_k, top_p, min_p)  # (B, V)
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)  # (B, V)
-    return (probs / race).argmax(-1)
-
 
 # ----------------------------------------------------------------------------- forward passes
 
