@@ -8,7 +8,9 @@
           step compiled (CUDA graphs): tokens/s, bytes read per token (every weight once, the
           cache up to the position) and the fraction of the published 4.8 TB/s (goal: at least
           70%) and of a device-to-device copy measured here; beside it transformers' generate
-          with a static cache and a compiled forward (its documented fast path); then 32
+          with a static cache and a compiled forward (its documented fast path), and ours
+          again without run-ahead (the host reading each token before queuing the next
+          step: what Session.run_ahead saves); then 32
           steps under the torch profiler: wall time per step against the device's busy
           time (the gap is host work the GPU waits for) and the costliest host operations.
 
@@ -155,14 +157,19 @@ def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int
     hf = to_transformers(model, dtype).eval()
     prompt = torch.randint(0, cfg.vocab_size, (16,))
     N = new_tokens
-    session = Session(model, max_len=len(prompt) + N, compile=not smoke)
+    session = Session(model, max_len=len(prompt) + N, compile=not smoke, run_ahead=True)  # (a GPU's default)
     if not smoke:
         hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
     out = {}
 
-    def ours():
+    def ours(run_ahead: bool = True, key: str = "glassformer"):
         session.reset()  # a fresh text, the same compiled step
-        out["glassformer"] = list(session.send(prompt.tolist(), max_new_tokens=N, greedy=True))
+        session.run_ahead = run_ahead
+        out[key] = list(session.send(prompt.tolist(), max_new_tokens=N, greedy=True))
+        session.run_ahead = True
+
+    def ours_in_step():  # the host reads each token before queuing the next step: what run-ahead saves
+        ours(False, "glassformer, no run-ahead")
 
     def theirs():
         ids = prompt[None].to(device)
@@ -171,9 +178,9 @@ def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int
                               do_sample=False, pad_token_id=0, cache_implementation="static")
         out["transformers"] = got[0, len(prompt):].tolist()
 
-    for fn in (ours, theirs):  # compile, capture, warm up
+    for fn in (ours, ours_in_step, theirs):  # compile, capture, warm up
         fn()
-    sec = best_of({"glassformer": ours, "transformers": theirs}, rounds, device)
+    sec = best_of({"glassformer": ours, "glassformer, no run-ahead": ours_in_step, "transformers": theirs}, rounds, device)
     nb = torch.finfo(dtype).bits // 8
     weights = model.num_params() - (0 if cfg.tie_embeddings else model.embed.weight.numel() - cfg.dim)
     kv_per_pos = 2 * cfg.n_layers * cfg.kv_dim * nb
@@ -184,7 +191,7 @@ def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int
                 "fraction_of_measured_copy": bytes_per_token * N / s / bw} for k, s in sec.items()}
     return {"preset": "llama3.2-1b" + (" (smoke: shrunk)" if smoke else ""), "dtype": str(dtype).split(".")[-1],
             "new_tokens": N, "compile": not smoke, "bytes_per_token": bytes_per_token, "copy_bandwidth": bw,
-            "identical_tokens": out["glassformer"] == out["transformers"], "rows": rows,
+            "identical_tokens": all(t == out["transformers"] for t in out.values()), "rows": rows,
             "ratio": rows["glassformer"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"],
             "step_profile": step_profile(session, prompt.tolist(), device, min(32, N - 4))}  # within the cache: prompt + N
 

@@ -174,7 +174,7 @@ class Session:
 
     def __init__(self, model, batch_size: int = 1, *, max_len: int | None = None,
                  context_policy: str = "error", slide_keep: int | None = None, packed: bool = True,
-                 compile: bool = False):
+                 compile: bool = False, run_ahead: bool | None = None):
         if context_policy not in POLICIES:
             raise UserError(f"context policy must be one of {', '.join(POLICIES)}, got {context_policy!r}")
         S = model.config.max_seq_len
@@ -194,6 +194,8 @@ class Session:
         self.seen: torch.Tensor | None = None  # (B, V) bool, built when a penalty asks for it
         self.generator: torch.Generator | None = None
         self.packed = packed
+        # One row on a GPU: queue each decode step before reading the token of the one before (_run_ahead).
+        self.run_ahead = batch_size == 1 and self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
         self.layout = step_layout(self.device, compile)  # packed weights' layout, for prefill and decode alike
         self._compiled, self._step_key = None, None
         self._static = None  # the packed layers last marked static for CUDA graphs
@@ -246,6 +248,10 @@ class Session:
             return functools.partial(self._compiled, self.model, weights)
         return PackedForward(self.model, self.layout) if self.packed else self.model
 
+    def _positions_as_tensor(self) -> bool:
+        """Whether compiled decode steps get their positions as a tensor (see _forward)."""
+        return self._compiled is not None and self.device.type == "cuda"
+
     # ---- one forward over whatever is pending --------------------------------------------
     def _forward(self) -> torch.Tensor:
         """Feed every row's uncached tokens; logits (B, V) of each row's last token."""
@@ -267,7 +273,7 @@ class Session:
         # A compiled decode step on a GPU gets its positions as a tensor: it then reads the whole cache,
         # masked, so every position has one shape (one CUDA graph, captured once); else an int while rows
         # agree (on the CPU a compiled step reads the filled slots only, the length a dynamic size).
-        fixed = T == 1 and self._compiled is not None and self.device.type == "cuda"
+        fixed = T == 1 and self._positions_as_tensor()
         pos = torch.tensor(self.cached, device=self.device) if fixed or len(set(self.cached)) > 1 else self.cached[0]
         lengths = None if len(set(n)) == 1 else torch.tensor(n, device=self.device)
         fwd = self._model(decode=T == 1)
@@ -320,13 +326,13 @@ class Session:
             self.seen = torch.zeros(self.B, V, dtype=torch.bool, device=self.device)
             for b, t in enumerate(self.texts):
                 self.seen[b, torch.tensor(t, dtype=torch.long, device=self.device)] = True
+        if self.run_ahead and self.B == 1:
+            yield from self._run_ahead(max_new_tokens, sampling, penalty, stops, single)
+            return
         made = [[] for _ in range(self.B)]
         for _ in range(max_new_tokens):
             with torch.inference_mode():
-                logits = self._forward()  # (B, V)
-                if penalty != 1.0:
-                    logits = apply_repetition_penalty(logits, self.seen, penalty)
-                toks = sample(logits, generator=self.generator, **sampling).tolist()
+                toks = self._pick(self._forward(), penalty, sampling).tolist()
             out = []
             for b, t in enumerate(toks):
                 if not self.active[b]:
@@ -340,6 +346,67 @@ class Session:
             yield out[0] if single else out
             if not any(self.active):
                 return
+
+    def _pick(self, logits: torch.Tensor, penalty: float, sampling: dict) -> torch.Tensor:
+        """The next token of each row (B,), on the device, from the logits (B, V)."""
+        if penalty != 1.0:
+            logits = apply_repetition_penalty(logits, self.seen, penalty)
+        return sample(logits, generator=self.generator, **sampling)
+
+    def _run_ahead(self, n: int, sampling: dict, penalty: float, stops, single: bool) -> Iterator:
+        """_run for one row, each decode step queued before the host reads the token of the
+        step before it: that token stays on the device as the next step's input, so on a GPU
+        the host's work for token t (bookkeeping, guards, the graph launch, yielding t) runs
+        while the GPU computes step t+1, instead of the GPU waiting for it every step. The
+        same tokens and random draws as _run. A step queued past a stop (or an abandoned
+        iteration) is dropped: its token's slot counts as uncached again, and whatever it
+        wrote is rewritten before any query reads it. Slides and a full cache fall back to
+        _forward."""
+        fixed = self._positions_as_tensor()
+        made, queued, pos = [], False, None
+        try:
+            with torch.inference_mode():
+                tok = self._pick(self._forward(), penalty, sampling)  # (1,): token t, not yet in the text
+            for i in range(n):
+                read = _to_host_later(tok)
+                queued = i + 1 < n and self.cached[0] < self.max_len  # token t fits the cache: queue its step
+                if queued:
+                    with torch.inference_mode():
+                        if penalty != 1.0:
+                            self.seen[0, tok] = True  # on the device: the host has not seen t yet
+                        if fixed:  # kept on the device and stepped there: a host copy would wait for the GPU
+                            pos = torch.tensor([self.cached[0]], device=self.device) if pos is None else pos + 1
+                        logits = decode_step(self._model(decode=True), tok.view(1, 1), self.cache,
+                                             pos if fixed else self.cached[0])  # (1, V)
+                        self.cached[0] += 1
+                        nxt = self._pick(logits, penalty, sampling)
+                t = read()[0]  # waits for token t only; step t+1 is already queued behind it
+                self._append(0, [t])
+                made.append(t)
+                yield t if single else [t]
+                if any(len(made) >= len(s) and tuple(made[-len(s):]) == s for s in stops) or not self.active[0]:
+                    self.active[0] = False
+                    return
+                if i + 1 < n:
+                    if not queued:  # a slide or a full cache: the ordinary forward
+                        pos = None
+                        with torch.inference_mode():
+                            nxt = self._pick(self._forward(), penalty, sampling)
+                    tok = nxt
+                queued = False
+        finally:  # the last token stays pending, as _forward expects (a queued step cached it already)
+            self.cached[0] = min(self.cached[0], self._window(0) - 1)
+
+
+def _to_host_later(tok: torch.Tensor):
+    """Start copying tok to the host; return a function that waits for the copy and gives the
+    list. On a GPU the copy and its wait stay behind the work queued before them only."""
+    if tok.device.type != "cuda":
+        return tok.tolist
+    host = tok.to("cpu", non_blocking=True)  # into pinned memory, asynchronously
+    done = torch.cuda.Event()
+    done.record()
+    return lambda: (done.synchronize(), host.tolist())[1]
 
 
 def generate(model, ids, *, max_new_tokens: int, temperature=1.0, top_k=None, top_p=None, min_p=None,
