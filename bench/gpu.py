@@ -1,6 +1,7 @@
 """The GPU goals of the training and generation issues, measured in one run beside Hugging Face.
 
-  train   gpt2-124m, bf16 autocast, torch.compile, 16 × 1024 tokens a step, fused AdamW:
+  train   gpt2-124m, bf16 autocast, torch.compile, 16 × 1024 tokens a step, gradient clipping,
+          the engine's finite check of loss and norm (a host sync a step), fused AdamW:
           tokens/s and MFU against the GPU's published dense bf16 peak (metrics.GPU_BF16_PEAK;
           goal: at least 45% on an H200); beside it transformers' GPT2LMHeadModel holding the
           same weights, compiled and run the same way.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -89,10 +91,13 @@ def bench_train(device: torch.device, smoke: bool, rounds: int) -> dict:
     def stepper(net, loss_fn):
         opt = make_optimizer(net, 1e-4, 0.1, (0.9, 0.95), device)
 
-        def step():
+        def step():  # what `glassformer train` does each step, on either model
             with cast:
                 loss = loss_fn()
             loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            if not (math.isfinite(float(loss.detach())) and math.isfinite(float(norm))):  # the engine's check: a sync a step
+                raise SystemExit("non-finite loss or gradient norm in the benchmark")
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
