@@ -4,7 +4,8 @@
           the engine's finite check of loss and norm (a host sync a step), fused AdamW:
           tokens/s and MFU against the GPU's published dense bf16 peak (metrics.GPU_BF16_PEAK;
           goal: at least 45% on an H200); beside it transformers' GPT2LMHeadModel holding the
-          same weights, compiled and run the same way.
+          same weights, compiled and run the same way; then 3 of our steps under the torch
+          profiler (wall time against the GPU's busy time, the costliest host operations).
   decode  llama3.2-1b in bf16 (random weights), batch 1, greedy, 16-token prompt, the decode
           step compiled (CUDA graphs): tokens/s, bytes read per token (every weight once, the
           cache up to the position) and the fraction of the published 4.8 TB/s (goal: at least
@@ -113,7 +114,8 @@ def bench_train(device: torch.device, smoke: bool, rounds: int) -> dict:
                 "mfu": None if peak is None else fpt * B * T / s / peak, "first_loss": first[k]} for k, s in sec.items()}
     return {"preset": "gpt2-124m" + (" (smoke: shrunk)" if smoke else ""), "batch": B, "seq": T, "compile": not smoke,
             "dtype": "bf16 autocast" if device.type == "cuda" else "fp32", "peak_flops": peak, "flops_per_token": fpt,
-            "rows": rows, "ratio": rows["glassformer"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"]}
+            "rows": rows, "ratio": rows["glassformer"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"],
+            "step_profile": profiled(lambda: [steps["glassformer"]() for _ in range(3)], 3, device)}
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int) -> float:
@@ -131,26 +133,31 @@ def copy_bandwidth(device: torch.device, n_bytes: int) -> float:
     return 2 * n_bytes / best
 
 
-def step_profile(session: Session, prompt: list[int], device: torch.device, n: int = 32) -> dict:
-    """Where a decode step's time goes: wall time per step against the device's busy time
-    (the rest is the host: Python, guards, the graph launch, the token's trip to the host),
-    and the host operations that cost most, under the torch profiler."""
+def profiled(run, steps: int, device: torch.device) -> dict:
+    """Where a step's time goes, from run() doing `steps` steps under the torch profiler: wall
+    time per step against the device's busy time (the gap is host work the device waits for:
+    Python, guards, launches, syncs) and the host operations that cost most."""
     from torch.profiler import ProfilerActivity, profile
 
-    session.reset()
-    list(session.send(prompt, max_new_tokens=4, greedy=True))  # prefill and warm steps
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         sync(device)
         t = time.perf_counter()
-        list(session.send(None, max_new_tokens=n, greedy=True))
+        run()
         sync(device)
         wall = time.perf_counter() - t
     ev = prof.key_averages()
-    busy = sum(getattr(e, "self_device_time_total", 0) for e in ev)  # microseconds over the n steps
+    busy = sum(getattr(e, "self_device_time_total", 0) for e in ev)  # microseconds over the steps
     host = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:8]
-    return {"steps": n, "wall_us_per_step": wall / n * 1e6, "device_busy_us_per_step": busy / n,
-            "top_host_ops_us_per_step": {e.key[:80]: e.self_cpu_time_total / n for e in host}}
+    return {"steps": steps, "wall_us_per_step": wall / steps * 1e6, "device_busy_us_per_step": busy / steps,
+            "top_host_ops_us_per_step": {e.key[:80]: e.self_cpu_time_total / steps for e in host}}
+
+
+def step_profile(session: Session, prompt: list[int], device: torch.device, n: int = 32) -> dict:
+    """profiled() of n decode steps of a warm session."""
+    session.reset()
+    list(session.send(prompt, max_new_tokens=4, greedy=True))  # prefill and warm steps
+    return profiled(lambda: list(session.send(None, max_new_tokens=n, greedy=True)), n, device)
 
 
 def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int) -> dict:
@@ -218,6 +225,9 @@ def main(argv=None) -> dict:
         r = res["train"]["rows"]
         print("train " + ", ".join(f"{k}: {v['tokens_per_s']:,.0f} tok/s" + (f", MFU {100 * v['mfu']:.1f}%" if v["mfu"] else "")
                                    for k, v in r.items()) + f"; ratio {res['train']['ratio']:.2f}x", flush=True)
+        sp = res["train"]["step_profile"]
+        print(f"train step (profiled): {sp['wall_us_per_step']:.0f} us wall, "
+              f"device busy {sp['device_busy_us_per_step']:.0f} us", flush=True)
     if "decode" in args.only:
         res["decode"] = bench_decode(device, args.smoke, args.rounds, 8 if args.smoke else args.new_tokens)
         r = res["decode"]["rows"]
