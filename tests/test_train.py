@@ -236,6 +236,22 @@ def test_train_help_comes_from_the_field_docs():
     assert "--time-budget" in text and "--skip-nonfinite" in text and "--init-from" in text
 
 
+def test_every_verbs_help_names_each_default_once_and_none_unset():
+    """The help formatter adds "(default: X)" only where the help does not already say it and
+    X means something: no "(default: None)", no flag with two defaults."""
+    from glassformer.cli import VERBS, build_parser
+
+    verbs = build_parser()._subparsers._group_actions[0].choices
+    assert set(verbs) == set(VERBS)
+    for verb, parser in verbs.items():
+        for action in parser._actions:
+            text = " ".join(parser._get_formatter()._expand_help(action).split()) if action.help else ""
+            assert "(default: None)" not in text and "(default: False)" not in text, (verb, text)
+            assert text.count("(default:") <= 1, (verb, text)
+    text = " ".join(verbs["generate"].format_help().split())
+    assert "(default: 200)" in text and "attention kernel (default: the checkpoint's)" in text
+
+
 def test_config_file_and_flags(data, tmp_path):
     from argparse import Namespace
 

@@ -25,6 +25,17 @@ def _verb_modules():
             yield verb, importlib.import_module(name)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help only where it tells something: not when the
+    help already names the default, nor for an unset (None), off (False) or empty default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], "") or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="glassformer",
@@ -35,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", metavar="<verb>")
     for verb, mod in _verb_modules():
         p = sub.add_parser(verb, help=mod.HELP, description=mod.HELP,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=_Help)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show the full traceback on errors")
         mod.add_arguments(p)
