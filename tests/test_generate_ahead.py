@@ -66,6 +66,14 @@ def test_run_ahead_penalises_the_token_the_host_has_not_read_yet():
     assert ahead == plain and len(set(plain + [5])) == 9  # nothing repeats, not even the token just made
 
 
+def test_run_ahead_of_no_tokens_runs_nothing():
+    model = tiny_model()
+    s = Session(model, run_ahead=True)
+    assert list(s.send([1, 2, 3], max_new_tokens=0)) == [] and s.cached == [0]  # nothing fed yet
+    assert list(s.send(None, max_new_tokens=4, greedy=True)) == list(
+        Session(model).send([1, 2, 3], max_new_tokens=4, greedy=True))
+
+
 def test_run_ahead_is_the_default_for_one_row_on_a_gpu_only():
     model = tiny_model()
     assert not Session(model).run_ahead and not Session(model, 2).run_ahead  # the CPU: nothing to overlap

@@ -360,8 +360,11 @@ class Session:
         while the GPU computes step t+1, instead of the GPU waiting for it every step. The
         same tokens and random draws as _run. A step queued past a stop (or an abandoned
         iteration) is dropped: its token's slot counts as uncached again, and whatever it
-        wrote is rewritten before any query reads it. Slides and a full cache fall back to
-        _forward."""
+        wrote is rewritten before any query reads it; its random draw is spent (a later send
+        without a seed samples from a generator one draw further on than after _run). Slides
+        and a full cache fall back to _forward."""
+        if n == 0:
+            return
         fixed = self._positions_as_tensor()
         made, queued, pos = [], False, None
         try:
