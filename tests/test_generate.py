@@ -252,6 +252,34 @@ def test_packed_forward_equals_the_model(over, layout):
     assert mat.shape == (model.config.dim, model.config.ffn_dim)[:: 1 if out_in else -1]  # (out, in) or (in, out)
 
 
+@pytest.mark.parametrize("layout", ["rows", "out_in"])
+def test_packed_forward_in_bf16_is_as_close_to_fp32_as_the_model(layout):
+    """The GPU's number format on the CPU: a bf16 pack and cache, prefill then a step per
+    position to the end of the context, err from the fp32 model about as much as the bf16
+    model's own forward does; its RoPE tables stay fp32 as the model's do (in bf16 an angle
+    keeps 3 digits and late positions turn by wrong angles)."""
+    from glassformer import KVCache
+    from glassformer.packed import pack, packed_forward
+
+    exact = tiny_model()
+    model = tiny_model().to(torch.bfloat16)
+    S = model.config.max_seq_len
+    ids = torch.randint(0, 512, (1, S))
+    with torch.no_grad():
+        ref, _ = exact(ids)
+        own, _ = model(ids)
+        cache = KVCache.for_model(model, 1, S)
+        assert cache.layers[0].k.dtype == torch.bfloat16
+        got = [packed_forward(model, ids[:, :9], cache, 0, layout=layout)]
+        got += [packed_forward(model, ids[:, t:t + 1], cache, t, layout=layout) for t in range(9, S)]
+    got = torch.cat(got, dim=1)
+    assert got.dtype == torch.bfloat16
+    err = (got.float() - ref).abs().amax(-1)  # (1, S): each position's worst logit
+    own_err = (own.float() - ref).abs().amax(-1)
+    assert err.mean() <= 1.5 * own_err.mean() and err.max() <= 2 * own_err.max()  # bf16's rounding luck aside
+    assert all(torch.equal(a, b) for a, b in zip(pack(model, layout=layout)["rope"], pack(exact, layout=layout)["rope"]))
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 def test_packed_row_blocks_give_the_same_steps(threads):
     """One row block per thread (a matrix whose rows the blocks do not divide stays whole: 3 here)."""
