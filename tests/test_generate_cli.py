@@ -37,6 +37,28 @@ def test_greedy_stream_equals_the_api(ckpt, capsys):
     assert out == "Now is" + _api_text(model, tok, "Now is", max_new_tokens=30, greedy=True) + "\n"
 
 
+def test_the_cache_is_sized_to_the_call(ckpt, capsys, monkeypatch):
+    """prompt + new tokens, not the model's whole context (a compiled step on a GPU reads the
+    whole cache every step); the slide policy keeps the full context to slide in."""
+    import importlib
+
+    gen = importlib.import_module("glassformer.generate")  # the module (the package's name is the function)
+    sizes = []
+
+    class Recording(gen.Session):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            sizes.append(self.max_len)
+
+    monkeypatch.setattr(gen, "Session", Recording)
+    path, model, tok = ckpt
+    for policy in ("error", "slide"):
+        args = ["generate", "--checkpoint", str(path), "--prompt", "Now is", "--greedy", "--max-new-tokens", "7"]
+        assert main(args + ["--context-policy", policy]) == 0
+    assert sizes == [len(tok.encode("Now is")) + 7, model.config.max_seq_len]
+    capsys.readouterr()
+
+
 def test_seeded_samples_repeat_and_differ(ckpt, capsys):
     path, model, tok = ckpt
     argv = ["generate", "--checkpoint", str(path), "--prompt", "Café", "--seed", "3", "--max-new-tokens", "25",

@@ -130,7 +130,12 @@ def run(args) -> int:
     if any(not r for r in rows):
         raise UserError("a prompt encodes to no tokens: give some text to continue")
     eot = getattr(tok, "eot_id", None)
-    session = Session(model, len(rows), context_policy=args.context_policy, compile=args.compile)
+    # Sized to what this call needs (as glassformer.generate does): a compiled step on a GPU reads
+    # the whole cache every step, so a cache of the model's full context would cost more than the weights.
+    S = model.config.max_seq_len
+    need = max(len(r) for r in rows) + args.max_new_tokens
+    max_len = S if args.context_policy == "slide" else min(S, max(need, 1))
+    session = Session(model, len(rows), max_len=max_len, context_policy=args.context_policy, compile=args.compile)
     steps = session.send(rows if len(rows) > 1 else rows[0], max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                          repetition_penalty=args.repetition_penalty, greedy=args.greedy, seed=args.seed,
