@@ -18,7 +18,7 @@
 
 Rounds alternate between the two sides; the best round counts.
 
-    python bench/gpu.py [--out bench/results/gpu.json] [--only train decode]
+    python bench/gpu.py [--out bench/results/gpu.json] [--only train decode] [--decode-layouts out_in]
     python bench/gpu.py --smoke     # tiny shapes, no compile, CPU if no GPU: a check that the
                                     # script runs end to end (tests/test_bench_gpu.py), not a measurement
 """
@@ -160,7 +160,7 @@ def step_profile(session: Session, prompt: list[int], device: torch.device, n: i
     return profiled(lambda: list(session.send(None, max_new_tokens=n, greedy=True)), n, device)
 
 
-def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int) -> dict:
+def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int, layouts=()) -> dict:
     small = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=512)
     cfg = ModelConfig.from_preset("llama3.2-1b", max_seq_len=8192, **(small if smoke else {}))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -190,9 +190,17 @@ def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int
                               do_sample=False, pad_token_id=0, cache_implementation="static")
         out["transformers"] = got[0, len(prompt):].tolist()
 
-    for fn in (ours, ours_in_step, theirs):  # compile, capture, warm up
+    runs = {"glassformer": ours, "glassformer, no run-ahead": ours_in_step, "transformers": theirs}
+    for layout in layouts:  # other packed layouts, each a session (and a compile) of its own
+        other = Session(model, max_len=len(prompt) + N, compile=not smoke, run_ahead=True, layout=layout)
+
+        def run(s=other, key=f"glassformer, {layout} layout"):
+            s.reset()
+            out[key] = list(s.send(prompt.tolist(), max_new_tokens=N, greedy=True))
+        runs[f"glassformer, {layout} layout"] = run
+    for fn in runs.values():  # compile, capture, warm up
         fn()
-    sec = best_of({"glassformer": ours, "glassformer, no run-ahead": ours_in_step, "transformers": theirs}, rounds, device)
+    sec = best_of(runs, rounds, device)
     nb = torch.finfo(dtype).bits // 8
     weights = model.num_params() - (0 if cfg.tie_embeddings else model.embed.weight.numel() - cfg.dim)
     kv_per_pos = 2 * cfg.n_layers * cfg.kv_dim * nb
@@ -215,6 +223,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no compile (a check, not a measurement)")
+    ap.add_argument("--decode-layouts", nargs="*", default=[], choices=["rows", "out_in"],
+                    help="also decode with these packed layouts (packed.py), a compiled session each: on a GPU "
+                         "the default is rows (library products); out_in makes each one-row product a generated reduction")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -229,7 +240,8 @@ def main(argv=None) -> dict:
         print(f"train step (profiled): {sp['wall_us_per_step']:.0f} us wall, "
               f"device busy {sp['device_busy_us_per_step']:.0f} us", flush=True)
     if "decode" in args.only:
-        res["decode"] = bench_decode(device, args.smoke, args.rounds, 8 if args.smoke else args.new_tokens)
+        res["decode"] = bench_decode(device, args.smoke, args.rounds, 8 if args.smoke else args.new_tokens,
+                                     args.decode_layouts)
         r = res["decode"]["rows"]
         print("decode " + ", ".join(f"{k}: {v['tokens_per_s']:,.1f} tok/s, {100 * v['fraction_of_4_8_TBps']:.1f}% of 4.8 TB/s"
                                     for k, v in r.items())

@@ -280,6 +280,15 @@ def test_packed_forward_in_bf16_is_as_close_to_fp32_as_the_model(layout):
     assert all(torch.equal(a, b) for a, b in zip(pack(model, layout=layout)["rope"], pack(exact, layout=layout)["rope"]))
 
 
+def test_a_session_over_either_layout_gives_the_same_tokens():
+    """Session(layout=...): the device's choice overridden (for benchmarks); a name it does not know refused."""
+    model = tiny_model()
+    got = [list(Session(model, layout=lay).send([4, 2], max_new_tokens=6, greedy=True)) for lay in ("rows", "out_in")]
+    assert got[0] == got[1] == list(Session(model).send([4, 2], max_new_tokens=6, greedy=True))
+    with pytest.raises(UserError, match="layout must be one of"):
+        Session(model, layout="columns")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 def test_packed_row_blocks_give_the_same_steps(threads):
     """One row block per thread (a matrix whose rows the blocks do not divide stays whole: 3 here)."""

@@ -27,7 +27,7 @@ import torch
 from . import probes
 from .errors import UserError
 from .kv_cache import KVCache
-from .packed import packed_forward, step_weights, tensors
+from .packed import LAYOUTS, packed_forward, step_weights, tensors
 from .sampling import apply_repetition_penalty, check_sampling, logits_to_probs, sample
 
 __all__ = ["check_sampling", "apply_repetition_penalty", "logits_to_probs", "sample", "prefill", "decode_step",
@@ -174,7 +174,7 @@ class Session:
 
     def __init__(self, model, batch_size: int = 1, *, max_len: int | None = None,
                  context_policy: str = "error", slide_keep: int | None = None, packed: bool = True,
-                 compile: bool = False, run_ahead: bool | None = None):
+                 compile: bool = False, run_ahead: bool | None = None, layout: str | None = None):
         if context_policy not in POLICIES:
             raise UserError(f"context policy must be one of {', '.join(POLICIES)}, got {context_policy!r}")
         S = model.config.max_seq_len
@@ -196,7 +196,10 @@ class Session:
         self.packed = packed
         # One row on a GPU: queue each decode step before reading the token of the one before (_run_ahead).
         self.run_ahead = batch_size == 1 and self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
-        self.layout = step_layout(self.device, compile)  # packed weights' layout, for prefill and decode alike
+        if layout not in (None, *LAYOUTS):
+            raise UserError(f"layout must be one of {', '.join(LAYOUTS)} (or None: the device's), got {layout!r}")
+        # The packed weights' layout, for prefill and decode alike (a choice of one for benchmarks).
+        self.layout = step_layout(self.device, compile) if layout is None else layout
         self._compiled, self._step_key = None, None
         self._static = None  # the packed layers last marked static for CUDA graphs
         if compile:  # the decode step only: one token per row, the shape that repeats
