@@ -3,12 +3,13 @@
 # CUDA GPU and the packages of pyproject's dev extras already there (nothing is installed or
 # fetched; the package runs from src/):
 #
-#   bash scripts/gpu_checks.sh OUTDIR
+#   bash scripts/gpu_checks.sh OUTDIR [bench/gpu.py's options, e.g. --only decode --decode-layouts out_in]
 #
 # OUTDIR gets gpu_info.txt (nvidia-smi), gpu_tests.log (the GPU-only tests), gpu_bench.log
 # and gpu.json (bench/gpu.py: training MFU, decode bandwidth, each beside transformers).
 set -u
-out=${1:?usage: bash scripts/gpu_checks.sh OUTDIR}
+out=${1:?usage: bash scripts/gpu_checks.sh OUTDIR [bench/gpu.py options]}
+shift
 mkdir -p "$out"
 py=$(command -v python3 || command -v python)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -17,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=c
   >>"$out/gpu_info.txt" 2>&1
 "$py" -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
 tests=${PIPESTATUS[0]}
-"$py" bench/gpu.py --out "$out/gpu.json" 2>&1 | tee "$out/gpu_bench.log"
+"$py" bench/gpu.py --out "$out/gpu.json" "$@" 2>&1 | tee "$out/gpu_bench.log"
 bench=${PIPESTATUS[0]}
 echo "GPU tests: exit $tests; bench/gpu.py: exit $bench"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
