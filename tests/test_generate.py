@@ -461,7 +461,7 @@ def test_cuda_graphs_read_the_packed_weights_in_place():
 
     from glassformer.packed import step_weights, tensors
 
-    model = tiny_model(dim=512, n_layers=4, ffn_dim=1408, vocab_size=4096)
+    model = tiny_model(dim=768, n_layers=6, ffn_dim=2048, vocab_size=8192)  # ~180 MB packed: well above workspaces
     prompt = [2, 7, 1, 8]
     ref = greedy_by_full_forward(model, prompt, 8)
     gpu = copy.deepcopy(model).cuda()
