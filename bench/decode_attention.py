@@ -17,7 +17,11 @@ A step whose attention streams slower than its weight products grows with the co
   K @ q        the scores as keys times queries (positions as rows), outputs as V^T @ p
   chunks       the outputs' product split into 2 chunks of positions per head (more batches)
 
-    flock /tmp/glassformer-bench.lock python bench/decode_attention.py [--threads 1 2]
+--halves also times each half alone, compiled: the scores from the keys (a batched product,
+or multiply-and-sums with the query heads outer or inner) and the outputs from the values
+(a batched product, multiply-and-sums over V or over V^T), to show which half holds it back.
+
+    flock /tmp/glassformer-bench.lock python bench/decode_attention.py [--threads 1 2] [--halves]
 """
 
 from __future__ import annotations
@@ -86,6 +90,18 @@ def chunks(q, ks, vs, T, C: int = 2):
     return out
 
 
+# --halves: each half of the attention alone, compiled: the scores (keys) or the outputs (values),
+# probabilities given; a form name, its function of (q or p, the layer tensors, T), and whether
+# it reads the values transposed.
+HALVES = {
+    "scores, batched product": (lambda q, ks, T: [torch.bmm(q, k[:, :T].transpose(1, 2)) for k in ks], False),
+    "scores, sums (G, T) order": (lambda q, ks, T: [(q[:, :, None] * k[:, None, :T]).sum(-1) for k in ks], False),
+    "scores, sums (T, G) order": (lambda q, ks, T: [(q[:, None] * k[:, :T, None]).sum(-1) for k in ks], False),
+    "outputs, batched product": (lambda p, vs, T: [torch.bmm(p[:, :, :T], v[:, :T]) for v in vs], False),
+    "outputs, sums over V": (lambda p, vs, T: [(p[:, :, :T, None] * v[:, None, :T]).sum(2) for v in vs], False),
+    "outputs, sums over V^T": (lambda p, vts, T: [(p[:, :, None, :T] * vt[:, None, :, :T]).sum(-1) for vt in vts], True),
+}
+
 FORMS = {"products": (products, False), "fused": (fused, False), "sums": (sums, False),
          "sums, V^T": (sums_vt, True), "K @ q": (k_at_q, False), "chunks": (chunks, False)}
 
@@ -102,10 +118,28 @@ def timed_cold(fn, flush: torch.Tensor, reps: int = 60) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def halves(q, ks, vs, vts, flush, long: int) -> dict:
+    """Marginal GB/s of each half of the attention alone (compiled), over the half of the bytes it reads."""
+    p = torch.softmax(torch.randn(K, G, CFG.max_seq_len), -1)  # probabilities over every position
+    half = L * K * (long - 128) * H * 4
+    row = {}
+    for name, (fn, transposed) in HALVES.items():
+        first = q if name.startswith("scores") else p
+        tensors = vts if transposed else (ks if name.startswith("scores") else vs)
+        f = torch.compile(fn, dynamic=True)
+        f(first, tensors, 777)
+        short = timed_cold(lambda: f(first, tensors, 128), flush)
+        long_ = timed_cold(lambda: f(first, tensors, long), flush)
+        row[name] = {"ms_128": short * 1e3, f"ms_{long}": long_ * 1e3, "marginal_GBps": half / (long_ - short) / 1e9}
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     ap.add_argument("--long", type=int, default=2000)
+    ap.add_argument("--halves", action="store_true",
+                    help="also time each half (scores from keys, outputs from values) alone, compiled")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_attention.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -138,6 +172,11 @@ def main() -> None:
               f"{extra / 1e6:.1f} MB more at {args.long} positions than at 128")
         for name, r in row.items():
             print(f"  {name:22}{r['ms_128']:8.3f} ms {r[f'ms_{args.long}']:8.3f} ms  {r['marginal_GBps']:6.1f} GB/s")
+        if args.halves:
+            res.setdefault("halves", {})[str(th)] = got = halves(q, ks, vs, vts, flush, args.long)
+            print(f"  each half alone, compiled ({extra / 2e6:.1f} MB more):")
+            for name, r in got.items():
+                print(f"  {name:28}{r['ms_128']:8.3f} ms {r[f'ms_{args.long}']:8.3f} ms  {r['marginal_GBps']:6.1f} GB/s")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out}")
