@@ -9,6 +9,7 @@ busy machine penalises all alike. glassformer runs eager and with its decode ste
 (--no-compile: eager only).
 
     python bench/decode.py [--new-tokens 128] [--rounds 3] [--threads 2] [--no-compile] [--profile] [--quick]
+    python bench/decode.py --profile-contexts     # only: a compiled step at context 128 vs 2000, kernel by kernel
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def main() -> None:
                     help="also glassformer with its decode step compiled (torch.compile), in the same rounds")
     ap.add_argument("--profile", action="store_true", help="also print where a decode step's time goes (torch profiler)")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds (a smoke run)")
+    ap.add_argument("--profile-contexts", action="store_true",
+                    help="only: where a compiled step's time goes at context 128 and 2000, kernel by kernel")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
     args = ap.parse_args()
     if args.quick:
@@ -77,6 +80,8 @@ def main() -> None:
                 p.normal_(0, 0.05)
     hf = to_transformers(model, attn_implementation="sdpa").eval()  # the same weights, via our export
     n_weights = model.num_params()
+    if args.profile_contexts:
+        return profile_contexts(model, cfg)
     prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt_tokens))
     N = args.new_tokens
 
@@ -221,6 +226,31 @@ def profile_steps(s: Session, prompt: list[int], label: str, n: int = 20) -> Non
           "self time by operation:")
     for e in ops[:10]:
         print(f"  {e.self_cpu_time_total / n:8.0f} us  {e.count / n:5.1f} calls  {e.key[:70]}")
+
+
+def profile_contexts(model, cfg, contexts=(128, 2000), n: int = 20) -> None:
+    """Microseconds per compiled decode step at each context, by operation and by generated
+    kernel (inductor's kernel profiling on): what a longer cache costs, and where. The
+    attention's products grow with the cache; anything else that grows is paid for by the
+    cache's bytes pushing the weights out of the CPU's caches."""
+    from torch._inductor import config as inductor_config
+    from torch.profiler import profile
+
+    inductor_config.cpp.enable_kernel_profile = True  # each generated kernel shows as its own event
+    s = Session(model, max_len=cfg.max_seq_len, compile=True)
+    per = {}
+    for ctx in contexts:
+        s.reset()
+        list(s.send(torch.randint(0, cfg.vocab_size, (ctx,)).tolist(), max_new_tokens=8, greedy=True))  # warm
+        with profile() as prof:
+            list(s.send(None, max_new_tokens=n, greedy=True))
+        per[ctx] = {e.key: e.self_cpu_time_total / n for e in prof.key_averages()}
+    a, b = contexts
+    grow = sorted(set(per[a]) | set(per[b]), key=lambda k: per[a].get(k, 0) - per[b].get(k, 0))
+    print(f"one compiled decode step under the profiler: {sum(per[a].values()):.0f} us at context {a}, "
+          f"{sum(per[b].values()):.0f} us at {b}; what grows most (us):")
+    for k in grow[:8]:
+        print(f"  {per[a].get(k, 0):8.0f} {per[b].get(k, 0):8.0f}  {k[:90]}")
 
 
 if __name__ == "__main__":
