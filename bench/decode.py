@@ -78,10 +78,10 @@ def main() -> None:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.05)
-    hf = to_transformers(model, attn_implementation="sdpa").eval()  # the same weights, via our export
-    n_weights = model.num_params()
     if args.profile_contexts:
         return profile_contexts(model, cfg)
+    hf = to_transformers(model, attn_implementation="sdpa").eval()  # the same weights, via our export
+    n_weights = model.num_params()
     prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt_tokens))
     N = args.new_tokens
 
