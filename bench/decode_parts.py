@@ -17,6 +17,7 @@ median and best tokens/s of each over the rounds:
 
     flock /tmp/glassformer-bench.lock python bench/decode_parts.py [--rounds 8] [--threads 2]
     python bench/decode_parts.py --pair "C++ wrapper" [--second-first] --out /tmp/pair.json
+    python bench/decode_parts.py --pair "attention as batched products" --context 1900   # steps over a long cache
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ def column_lin(x, w, b, add=None):
     return y if add is None else add + y
 
 
-def rate(session: Session, n: int) -> float:
-    """Tokens/s of n greedy steps after a fresh 16-token prompt."""
+def rate(session: Session, n: int, context: int = 16) -> float:
+    """Tokens/s of n greedy steps after a fresh prompt of `context` tokens."""
     session.reset()
-    list(session.send(list(range(16)), max_new_tokens=1, greedy=True))
+    list(session.send([t % 8192 for t in range(context)], max_new_tokens=1, greedy=True))
     t = time.perf_counter()
     list(session.send(None, max_new_tokens=n, greedy=True))
     return n / (time.perf_counter() - t)
@@ -86,6 +87,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=16,
+                    help="prompt tokens before the timed steps (e.g. 1900: steps that read a long cache)")
     ap.add_argument("--pair", default=None, help="race only the compiled step as shipped against this one variant "
                     "(a process of its own for each comparison: the variants of one process can sway each other)")
     ap.add_argument("--second-first", action="store_true", help="with --pair: compile and run the variant first")
@@ -94,7 +97,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**REFERENCE_SHAPE)).eval()
-    S = 2 * args.tokens + 32
+    S = args.context + args.tokens + 32
+    if S > REFERENCE_SHAPE["max_seq_len"]:
+        raise SystemExit(f"--context + --tokens + 32 must fit the model's context ({REFERENCE_SHAPE['max_seq_len']})")
 
     eager = Session(model, max_len=S)
 
@@ -102,10 +107,10 @@ def main() -> None:
         def run(n):
             packed._t, packed._lin = t_lin
             packed._PACKS.clear()  # repack in this layout
-            return rate(eager, n)
+            return rate(eager, n, args.context)
         return run
 
-    res = {"threads": args.threads, "tokens": args.tokens}
+    res = {"threads": args.threads, "tokens": args.tokens, "context": args.context}
     if not args.pair:
         res["layout"] = race({"row blocks": layout(ROWS), "column blocks": layout((column_blocks, column_lin))},
                              args.rounds, args.tokens)
@@ -119,7 +124,7 @@ def main() -> None:
         sdpa.COMPILED_SUMS = sums  # read while the step compiles (below)
         rate(s, 2)
         sdpa.COMPILED_SUMS = True
-        return lambda n: rate(s, n)
+        return lambda n: rate(s, n, args.context)
 
     default_reads = {k: v for k, v in CPU_STEP_OPTIONS.items() if k != "realize_reads_threshold"}
 
@@ -134,7 +139,8 @@ def main() -> None:
     names = list(builds) if not args.pair else ["as shipped", args.pair][:: -1 if args.second_first else 1]
     res["compiled"] = race({k: builds[k]() for k in names}, args.rounds, args.tokens)
 
-    print(f"reference shape, fp32, {args.threads} threads, batch 1, greedy; tokens/s over {args.rounds} alternating rounds")
+    print(f"reference shape, fp32, {args.threads} threads, batch 1, greedy, {args.context}-token prompt; "
+          f"tokens/s over {args.rounds} alternating rounds")
     for part in [p for p in ("layout", "compiled") if p in res]:
         first = res[part]["row blocks" if part == "layout" else "as shipped"]["median"]
         for name, r in res[part].items():
