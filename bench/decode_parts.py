@@ -11,13 +11,12 @@ median and best tokens/s of each over the rounds:
              realize_reads_threshold 1, without the guards on the model, packed weights and
              cache that the session holds fixed) against the same step over the eager path's
              (in, out) row blocks (library products), with inductor's default
-             realize_reads_threshold, with inductor's C++ wrapper (cpp_wrapper), with
-             every guard TorchDynamo makes, and with the one-query attention as the library's
-             batched products instead of multiply-and-sums (attention/sdpa.py)
+             realize_reads_threshold, with inductor's C++ wrapper (cpp_wrapper), and with
+             every guard TorchDynamo makes
 
     flock /tmp/glassformer-bench.lock python bench/decode_parts.py [--rounds 8] [--threads 2]
     python bench/decode_parts.py --pair "C++ wrapper" [--second-first] --out /tmp/pair.json
-    python bench/decode_parts.py --pair "attention as batched products" --context 1900   # steps over a long cache
+    python bench/decode_parts.py --pair "C++ wrapper" --context 1900     # the timed steps over a long cache
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from glassformer import ModelConfig, Transformer, packed  # noqa: E402
-from glassformer.attention import sdpa  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
 from glassformer.generate import CPU_STEP_OPTIONS, Session, _compile_step  # noqa: E402
 
@@ -117,13 +115,11 @@ def main() -> None:
         packed._t, packed._lin = ROWS
         packed._PACKS.clear()
 
-    def compiled(options: dict, layout: str = "out_in", sums: bool = True):
+    def compiled(options: dict, layout: str = "out_in"):
         s = Session(model, max_len=S, compile=True)
         s.layout = layout  # the packed weights this variant's step reads
         s._compiled = _compile_step(s.device, options)  # this variant's step, compiled on first use
-        sdpa.COMPILED_SUMS = sums  # read while the step compiles (below)
-        rate(s, 2)
-        sdpa.COMPILED_SUMS = True
+        rate(s, 2, args.context)
         return lambda n: rate(s, n, args.context)
 
     default_reads = {k: v for k, v in CPU_STEP_OPTIONS.items() if k != "realize_reads_threshold"}
@@ -134,7 +130,6 @@ def main() -> None:
         "inductor's default realize_reads_threshold": lambda: compiled(default_reads),
         "C++ wrapper": lambda: compiled({**CPU_STEP_OPTIONS, "cpp_wrapper": True}),
         "every guard": lambda: compiled({k: v for k, v in CPU_STEP_OPTIONS.items() if k != "guard_filter_fn"}),
-        "attention as batched products": lambda: compiled(CPU_STEP_OPTIONS, sums=False),
     }
     names = list(builds) if not args.pair else ["as shipped", args.pair][:: -1 if args.second_first else 1]
     res["compiled"] = race({k: builds[k]() for k in names}, args.rounds, args.tokens)

@@ -11,11 +11,6 @@ from .mask import allowed
 _HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
-# A compiled CPU step writes its one-query attention as multiply-and-sums, which inductor turns
-# into loops of its own; False keeps the batched products there too (for bench/decode_parts.py).
-COMPILED_SUMS = True
-
-
 def _decode_step(q, k, v, scale):
     """One query per row reading every cached key: two batched products per key/value head (CPU).
 
@@ -23,21 +18,12 @@ def _decode_step(q, k, v, scale):
     the group's queries share one pass over it, which is what a decode step at a long
     context is bound by (bench/decode.py: 1.1-1.27x latency growth from 128 to 2000
     cached positions, against 1.33x with the fused kernel). Same math as the fused kernel.
-    Inside torch.compile the same two steps are multiply-and-sums instead: inductor makes
-    them loops of its own, which skip the library's fixed cost per call (~9 µs, twelve calls
-    a step) and read the cache a little faster (bench/decode_parts.py, bench/decode_attention.py).
     """
     B, N, _, H = q.shape
     K = k.shape[1]
-    scale = H ** -0.5 if scale is None else scale
-    if COMPILED_SUMS and torch.compiler.is_compiling():
-        qg = q.reshape(B * K, N // K, 1, H)  # (B·K, G, 1, H)
-        kg, vg = k.reshape(B * K, 1, -1, H), v.reshape(B * K, 1, -1, H)  # (B·K, 1, Tk, H)
-        p = torch.softmax((qg * kg).sum(-1) * scale, -1)  # (B·K, G, Tk)
-        return (p[..., None] * vg).sum(2).view(B, N, 1, H)  # (B·K, G, H) -> (B, N, 1, H)
     qg = q.reshape(B * K, N // K, H)  # (B·K, G, H): each KV head's group of queries
     kg, vg = k.reshape(B * K, -1, H), v.reshape(B * K, -1, H)  # (B·K, Tk, H)
-    scores = torch.bmm(qg, kg.transpose(1, 2)).mul_(scale)  # (B·K, G, Tk)
+    scores = torch.bmm(qg, kg.transpose(1, 2)).mul_(H ** -0.5 if scale is None else scale)  # (B·K, G, Tk)
     return torch.bmm(torch.softmax(scores, -1), vg).view(B, N, 1, H)  # (B, N, 1, H)
 
 
