@@ -228,24 +228,34 @@ def test_bad_prompts():
 # ----------------------------------------------------------------------------- the packed forward
 
 
+@torch.no_grad()
+def packed_steps(model, ids: torch.Tensor, n_prefill: int, layout: str = "rows"):
+    """The packed forward over ids (B, T): a prefill of the first n_prefill tokens, then one
+    step per token; (logits (B, T, V), the cache)."""
+    from glassformer import KVCache
+    from glassformer.packed import packed_forward
+
+    B, T = ids.shape
+    cache = KVCache.for_model(model, B, T)
+    got = [packed_forward(model, ids[:, :n_prefill], cache, 0, layout=layout)]
+    got += [packed_forward(model, ids[:, t:t + 1], cache, t, layout=layout) for t in range(n_prefill, T)]
+    return torch.cat(got, dim=1), cache
+
+
 @pytest.mark.parametrize("over", [dict(), dict(norm="layer", ffn="gelu", pos="learned", bias=True, tie_embeddings=True),
                                   dict(norm_placement="post", ffn="relu", qkv_bias=True, rope_pairs="interleaved")])
 @pytest.mark.parametrize("layout", ["rows", "out_in"])
 def test_packed_forward_equals_the_model(over, layout):
     """Both packed layouts (packed._t): prefill, then single steps of two rows (products of
     many rows) and of one row (the matrix-vector products each layout does its own way)."""
-    from glassformer import KVCache
-    from glassformer.packed import pack, packed_forward
+    from glassformer.packed import pack
 
     model = tiny_model(**over)
     for B in (2, 1):
         ids = torch.randint(0, 512, (B, 12))
         with torch.no_grad():
             ref, _ = model(ids)
-            cache = KVCache.for_model(model, B, 16)
-            a = packed_forward(model, ids[:, :9], cache, 0, layout=layout)  # prefill, then three single steps
-            steps = [packed_forward(model, ids[:, t:t + 1], cache, t, layout=layout) for t in range(9, 12)]
-        got = torch.cat([a, *steps], dim=1)
+        got, _ = packed_steps(model, ids, 9, layout)  # prefill, then three single steps
         assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
     mat, blocks, out_in = pack(model, layout=layout)["layers"][0]["down"]
     assert out_in == (layout == "out_in")
@@ -258,22 +268,16 @@ def test_packed_forward_in_bf16_is_as_close_to_fp32_as_the_model(layout):
     position to the end of the context, err from the fp32 model about as much as the bf16
     model's own forward does; its RoPE tables stay fp32 as the model's do (in bf16 an angle
     keeps 3 digits and late positions turn by wrong angles)."""
-    from glassformer import KVCache
-    from glassformer.packed import pack, packed_forward
+    from glassformer.packed import pack
 
     exact = tiny_model()
     model = tiny_model().to(torch.bfloat16)
-    S = model.config.max_seq_len
-    ids = torch.randint(0, 512, (1, S))
+    ids = torch.randint(0, 512, (1, model.config.max_seq_len))
     with torch.no_grad():
         ref, _ = exact(ids)
         own, _ = model(ids)
-        cache = KVCache.for_model(model, 1, S)
-        assert cache.layers[0].k.dtype == torch.bfloat16
-        got = [packed_forward(model, ids[:, :9], cache, 0, layout=layout)]
-        got += [packed_forward(model, ids[:, t:t + 1], cache, t, layout=layout) for t in range(9, S)]
-    got = torch.cat(got, dim=1)
-    assert got.dtype == torch.bfloat16
+    got, cache = packed_steps(model, ids, 9, layout)
+    assert cache.layers[0].k.dtype == torch.bfloat16 and got.dtype == torch.bfloat16
     err = (got.float() - ref).abs().amax(-1)  # (1, S): each position's worst logit
     own_err = (own.float() - ref).abs().amax(-1)
     assert err.mean() <= 1.5 * own_err.mean() and err.max() <= 2 * own_err.max()  # bf16's rounding luck aside
@@ -292,8 +296,7 @@ def test_a_session_over_either_layout_gives_the_same_tokens():
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 def test_packed_row_blocks_give_the_same_steps(threads):
     """One row block per thread (a matrix whose rows the blocks do not divide stays whole: 3 here)."""
-    from glassformer import KVCache
-    from glassformer.packed import pack, packed_forward
+    from glassformer.packed import pack
 
     model = tiny_model()
     ids = torch.randint(0, 512, (1, 10))
@@ -302,9 +305,7 @@ def test_packed_row_blocks_give_the_same_steps(threads):
         torch.set_num_threads(threads)
         with torch.no_grad():
             ref, _ = model(ids)
-            cache = KVCache.for_model(model, 1, 16)
-            got = [packed_forward(model, ids[:, :4], cache, 0)]
-            got += [packed_forward(model, ids[:, t:t + 1], cache, t) for t in range(4, 10)]  # matrix-vector steps
+        got, _ = packed_steps(model, ids, 4)  # then matrix-vector steps
         mats = [w for layer in pack(model)["layers"] for w in (layer["qkv"], layer["o"], layer["gu"], layer["down"])]
     finally:
         torch.set_num_threads(before)
@@ -312,7 +313,6 @@ def test_packed_row_blocks_give_the_same_steps(threads):
         assert (blocks is not None) == (threads > 1 and io.shape[0] % threads == 0)
         assert blocks is None or (blocks.shape[0] == threads and blocks.data_ptr() == io.data_ptr())
         assert not out_in
-    got = torch.cat(got, dim=1)
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 

@@ -77,7 +77,10 @@ def test_run_ahead_of_no_tokens_runs_nothing():
 def test_run_ahead_is_the_default_for_one_row_on_a_gpu_only():
     model = tiny_model()
     assert not Session(model).run_ahead and not Session(model, 2).run_ahead  # the CPU: nothing to overlap
-    assert Session(model, run_ahead=True).run_ahead
+    # Asked for with several rows, the ordinary loop serves them (run-ahead is for one row).
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6]]
+    forced = list(Session(model, 2, run_ahead=True).send(prompts, max_new_tokens=5, greedy=True))
+    assert forced == list(Session(model, 2).send(prompts, max_new_tokens=5, greedy=True)) and len(forced[0]) == 2
 
 
 @pytest.mark.slow

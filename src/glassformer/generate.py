@@ -31,7 +31,7 @@ from .packed import LAYOUTS, packed_forward, step_weights, tensors
 from .sampling import apply_repetition_penalty, check_sampling, logits_to_probs, sample
 
 __all__ = ["check_sampling", "apply_repetition_penalty", "logits_to_probs", "sample", "prefill", "decode_step",
-           "Session", "generate"]
+           "Session", "cache_length", "generate"]
 
 POLICIES = ("error", "slide")
 
@@ -149,6 +149,11 @@ def _as_rows(ids) -> tuple[list[list[int]], bool]:
     if ids and all(isinstance(x, (list, tuple, torch.Tensor)) for x in ids):
         return [list(x.tolist() if isinstance(x, torch.Tensor) else x) for x in ids], False
     return [ids], True
+
+
+def _ends_with_stop(made: list[int], stops) -> bool:
+    """Whether the tokens made so far end with one of the stop sequences."""
+    return any(len(made) >= len(s) and tuple(made[-len(s):]) == s for s in stops)
 
 
 def _stops(stop) -> list[tuple[int, ...]]:
@@ -344,7 +349,7 @@ class Session:
                 self._append(b, [t])
                 made[b].append(t)
                 out.append(t)
-                if any(len(made[b]) >= len(s) and tuple(made[b][-len(s):]) == s for s in stops):
+                if _ends_with_stop(made[b], stops):
                     self.active[b] = False
             yield out[0] if single else out
             if not any(self.active):
@@ -369,7 +374,7 @@ class Session:
         if n == 0:
             return
         fixed = self._positions_as_tensor()
-        made, queued, pos = [], False, None
+        made, pos = [], None
         try:
             with torch.inference_mode():
                 tok = self._pick(self._forward(), penalty, sampling)  # (1,): token t, not yet in the text
@@ -390,7 +395,7 @@ class Session:
                 self._append(0, [t])
                 made.append(t)
                 yield t if single else [t]
-                if any(len(made) >= len(s) and tuple(made[-len(s):]) == s for s in stops) or not self.active[0]:
+                if _ends_with_stop(made, stops) or not self.active[0]:
                     self.active[0] = False
                     return
                 if i + 1 < n:
@@ -399,7 +404,6 @@ class Session:
                         with torch.inference_mode():
                             nxt = self._pick(self._forward(), penalty, sampling)
                     tok = nxt
-                queued = False
         finally:  # the last token stays pending, as _forward expects (a queued step cached it already)
             self.cached[0] = min(self.cached[0], self._window(0) - 1)
 
@@ -415,6 +419,15 @@ def _to_host_later(tok: torch.Tensor):
     return lambda: (done.synchronize(), host.tolist())[1]
 
 
+def cache_length(model, rows: Sequence[Sequence[int]], max_new_tokens: int, context_policy: str = "error") -> int:
+    """The cache a call needs, sized once: its longest prompt plus the new tokens (within the
+    model's context), or the whole context for the slide policy. A compiled step on a GPU
+    reads the whole cache every step, so a larger one than this costs every step."""
+    S = model.config.max_seq_len
+    need = max(len(r) for r in rows) + int(max(max_new_tokens, 0))
+    return S if context_policy == "slide" else min(S, max(need, 1))
+
+
 def generate(model, ids, *, max_new_tokens: int, temperature=1.0, top_k=None, top_p=None, min_p=None,
              repetition_penalty=1.0, greedy=False, seed=None, stop=None, context_policy: str = "error",
              slide_keep: int | None = None) -> Iterator:
@@ -425,9 +438,7 @@ def generate(model, ids, *, max_new_tokens: int, temperature=1.0, top_k=None, to
     tokens are yielded, then that row ends). See `Session` for the context policies.
     """
     rows, _ = _as_rows(ids)
-    need = max(len(r) for r in rows) + int(max(max_new_tokens, 0))
-    S = model.config.max_seq_len
-    max_len = S if context_policy == "slide" else min(S, max(need, 1))  # sized once, to what this call needs
+    max_len = cache_length(model, rows, max_new_tokens, context_policy)
     session = Session(model, len(rows), max_len=max_len, context_policy=context_policy, slide_keep=slide_keep)
     return session.send(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         min_p=min_p, repetition_penalty=repetition_penalty, greedy=greedy, seed=seed, stop=stop)

@@ -95,7 +95,7 @@ def run(args) -> int:
 
     from ..checkpoint import load, read_config, resolve
     from ..errors import UserError
-    from ..generate import Session, check_sampling
+    from ..generate import Session, cache_length, check_sampling
 
     check_sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty)
     if args.max_new_tokens < 0:
@@ -130,11 +130,7 @@ def run(args) -> int:
     if any(not r for r in rows):
         raise UserError("a prompt encodes to no tokens: give some text to continue")
     eot = getattr(tok, "eot_id", None)
-    # Sized to what this call needs (as glassformer.generate does): a compiled step on a GPU reads
-    # the whole cache every step, so a cache of the model's full context would cost more than the weights.
-    S = model.config.max_seq_len
-    need = max(len(r) for r in rows) + args.max_new_tokens
-    max_len = S if args.context_policy == "slide" else min(S, max(need, 1))
+    max_len = cache_length(model, rows, args.max_new_tokens, args.context_policy)  # as glassformer.generate sizes it
     session = Session(model, len(rows), max_len=max_len, context_policy=args.context_policy, compile=args.compile)
     steps = session.send(rows if len(rows) > 1 else rows[0], max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
