@@ -26,11 +26,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig, Transformer, generate  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
 from glassformer.convert import to_transformers  # noqa: E402
 from glassformer.generate import PackedForward, Session, prefill  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
 
 
 def bandwidth(n_bytes: int = 512 * 2**20, rounds: int = 5) -> dict:
@@ -66,7 +69,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds (a smoke run)")
     ap.add_argument("--profile-contexts", action="store_true",
                     help="only: where a compiled step's time goes at context 128 and 2000, kernel by kernel")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
+    ap.add_argument("--out", default=None, help="results file (default: bench/results/decode.json, "
+                    "or decode_profile_contexts.json with --profile-contexts)")
     args = ap.parse_args()
     if args.quick:
         args.new_tokens, args.rounds = 32, 1
@@ -79,7 +83,7 @@ def main() -> None:
             if p.dim() > 1:
                 p.normal_(0, 0.05)
     if args.profile_contexts:
-        return profile_contexts(model, cfg)
+        return profile_contexts(model, cfg, args.out or RESULTS / "decode_profile_contexts.json")
     hf = to_transformers(model, attn_implementation="sdpa").eval()  # the same weights, via our export
     n_weights = model.num_params()
     prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt_tokens))
@@ -185,8 +189,9 @@ def main() -> None:
         **({"decode_latency_ms_compiled": {str(k): v * 1e3 for k, v in latency["compiled"].items()},
             "latency_growth_long_vs_128_compiled": growth["compiled"]} if args.compile else {}),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    out = args.out or RESULTS / "decode.json"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=2) + "\n")
 
     readings = ", ".join(f"{p['read'] / 1e9:.1f}" for p in probes)
     print(f"reference shape: {n_weights / 1e6:.1f}M weights, fp32, {args.threads} threads, batch 1, greedy")
@@ -209,7 +214,7 @@ def main() -> None:
             print(f"{f'latency growth ({k}) {max(lat)} / 128':32}{growth[k]:14.2f}x")
     if args.profile:
         profile_steps(compiled or sessions["eager"], prompt[0].tolist(), "compiled" if compiled else "eager")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 def profile_steps(s: Session, prompt: list[int], label: str, n: int = 20) -> None:
@@ -228,7 +233,7 @@ def profile_steps(s: Session, prompt: list[int], label: str, n: int = 20) -> Non
         print(f"  {e.self_cpu_time_total / n:8.0f} us  {e.count / n:5.1f} calls  {e.key[:70]}")
 
 
-def profile_contexts(model, cfg, contexts=(128, 2000), n: int = 20) -> None:
+def profile_contexts(model, cfg, out, contexts=(128, 2000), n: int = 20) -> None:
     """Microseconds per compiled decode step at each context, by operation and by generated
     kernel (inductor's kernel profiling on): what a longer cache costs, and where. The
     attention's products grow with the cache; anything else that grows is paid for by the
@@ -251,6 +256,9 @@ def profile_contexts(model, cfg, contexts=(128, 2000), n: int = 20) -> None:
           f"{sum(per[b].values()):.0f} us at {b}; what grows most (us):")
     for k in grow[:8]:
         print(f"  {per[a].get(k, 0):8.0f} {per[b].get(k, 0):8.0f}  {k[:90]}")
+    write_json(out, {"threads": torch.get_num_threads(), "steps": n,
+                     "us_per_step": {str(c): sum(per[c].values()) for c in contexts},
+                     "us_per_step_by_op": {k: {str(c): per[c].get(k, 0.0) for c in contexts} for k in grow}})
 
 
 if __name__ == "__main__":

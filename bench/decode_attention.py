@@ -27,7 +27,6 @@ or multiply-and-sums with the query heads outer or inner) and the outputs from t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
@@ -177,9 +177,7 @@ def main() -> None:
             print(f"  each half alone, compiled ({extra / 2e6:.1f} MB more):")
             for name, r in got.items():
                 print(f"  {name:28}{r['ms_128']:8.3f} ms {r[f'ms_{args.long}']:8.3f} ms  {r['marginal_GBps']:6.1f} GB/s")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ median and best tokens/s of each over the rounds:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig, Transformer, packed  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
@@ -140,9 +140,7 @@ def main() -> None:
         first = res[part]["row blocks" if part == "layout" else "as shipped"]["median"]
         for name, r in res[part].items():
             print(f"  {part:9} {name:44} median {r['median']:6.1f}  best {r['best']:6.1f}  {first / r['median']:5.2f}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ session's step runs on the CPU (packed.py's out_in layout); and, for scale, a pl
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
@@ -119,9 +119,7 @@ def main() -> None:
         print(f"{th} thread(s), {len(mats)} products, {n_bytes / 1e6:.1f} MB of weights; GB/s:")
         for name, gbs in row.items():
             print(f"  {name:52}{gbs:8.1f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import write_json  # bench/ is the script's folder
+
 REPO = Path(__file__).resolve().parents[1]
 NANOGPT = ["--preset", "small", "--model", "dim=128,n_layers=4,n_heads=4,n_kv_heads=4,ffn_dim=512,max_seq_len=64,"
            "norm=layer,ffn=gelu,pos=learned,tie_embeddings=true",
@@ -108,10 +110,7 @@ def main() -> None:
         print(f"{name:22} {r['wall_s']:7.1f} {r['steps']:6d} {r['eval']['bpb']:7.4f} {r['eval']['loss']:10.4f}")
     for name, r in results["runs"].items():
         print(f"{name} curve (s, bpb): " + ", ".join(f"({t:.0f}, {b:.3f})" for t, b in r["curve"]))
-    out = REPO / "bench" / "results" / "quality_per_minute.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_json(REPO / "bench" / "results" / "quality_per_minute.json", results)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def main() -> int:
-    names = sorted(p.stem for p in HERE.glob("*.py") if p.stem != "run_all")
+    names = sorted(p.stem for p in HERE.glob("*.py") if p.stem != "run_all" and not p.stem.startswith("_"))  # _: helpers
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", choices=names, default=None)
     ap.add_argument("--skip", nargs="+", choices=names, default=[])

@@ -12,7 +12,6 @@ same machine load), and the JSON writer's throughput in numbers per second.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 import glassformer  # noqa: E402
 from glassformer.model import rope_inv_freq  # noqa: E402
@@ -102,9 +102,7 @@ def main() -> None:
               f"{n / t_json / 1e6:7.2f}")
     out = {"model_weights": model.num_params(), "tokens": args.tokens, "forward_seconds": t_fwd,
            "torch_threads": torch.get_num_threads(), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, out, indent=2)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ roll-and-multiply-add form. Batch 8 × 256 tokens, fp32, median of 10 runs each.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
@@ -91,9 +91,7 @@ def main() -> None:
     for name, fn in parts.items():
         res["ms_forward_backward"][name] = t = ms(fn)
         print(f"  {name:30}{t:8.2f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

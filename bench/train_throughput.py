@@ -13,7 +13,6 @@ both alike; the best round of each is reported. MFU = model FLOPs (metrics.flops
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig, Transformer  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
@@ -131,10 +131,7 @@ def main() -> None:
         print("one glassformer step, share of CPU time by operation (self time):")
         for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:12]:
             print(f"  {100 * e.self_cpu_time_total / total:5.1f}%  {e.key}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":
