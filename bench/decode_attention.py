@@ -134,6 +134,12 @@ def halves(q, ks, vs, vts, flush, long: int) -> dict:
     return row
 
 
+def show(rows: dict, long: int, width: int) -> None:
+    """One line a form: ms at 128 and at `long` positions, marginal GB/s."""
+    for name, r in rows.items():
+        print(f"  {name:{width}}{r['ms_128']:8.3f} ms {r[f'ms_{long}']:8.3f} ms  {r['marginal_GBps']:6.1f} GB/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
@@ -170,13 +176,11 @@ def main() -> None:
         res["runs"][str(th)] = row
         print(f"{th} thread(s): six layers' attention at one query, caches cold; "
               f"{extra / 1e6:.1f} MB more at {args.long} positions than at 128")
-        for name, r in row.items():
-            print(f"  {name:22}{r['ms_128']:8.3f} ms {r[f'ms_{args.long}']:8.3f} ms  {r['marginal_GBps']:6.1f} GB/s")
+        show(row, args.long, 22)
         if args.halves:
             res.setdefault("halves", {})[str(th)] = got = halves(q, ks, vs, vts, flush, args.long)
             print(f"  each half alone, compiled ({extra / 2e6:.1f} MB more):")
-            for name, r in got.items():
-                print(f"  {name:28}{r['ms_128']:8.3f} ms {r[f'ms_{args.long}']:8.3f} ms  {r['marginal_GBps']:6.1f} GB/s")
+            show(got, args.long, 28)
     write_json(args.out, res)
 
 
