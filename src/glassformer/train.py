@@ -38,6 +38,7 @@ from .checkpoint import (
     write_pointer,
 )
 from .config import ModelConfig, TrainConfig
+from .cpu_memory import keep_freed_memory
 from .errors import UserError
 from .evaluate import score, summary
 from .metrics import MetricsLog, flops_per_token, load_plotting, machine_peak, plot_losses
@@ -128,11 +129,13 @@ def build_model(cfg: TrainConfig, meta: dict):
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) one training run; returns a summary (steps, losses, last evaluation, stop reason)."""
-    d = gdist.setup("cuda" if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
+    kind = "cuda" if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    d = gdist.setup(kind)
     threads = torch.get_num_threads()
     clean = False
     try:
-        result = _train(cfg, d)
+        with keep_freed_memory(cfg.keep_freed_memory and kind == "cpu"):  # CPU tensors live in malloc's memory
+            result = _train(cfg, d)
         clean = True
         return result
     finally:

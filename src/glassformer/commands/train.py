@@ -16,7 +16,7 @@ def add_arguments(p) -> None:
                    help="JSON or TOML file of training settings (flags given here override it)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        doc = docs.get(f.name, "")
+        doc = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
         default = f.default
         # Defaults are SUPPRESSed so run() can tell flags given from flags left alone (for
         # --config and --resume), and so shown in the help text by hand.
@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
         kind = {"int": int, "float": float}.get(str(f.type), str)
         shown = "" if default in ("", None) else f" (default: {default})"
         p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.split("_")[-1].upper(),
-                       help=doc.replace("%", "%%") + shown)
+                       help=doc + shown)
 
 
 def read_config_file(path: str) -> dict:
