@@ -39,11 +39,13 @@ from .checkpoint import (
 )
 from .config import ModelConfig, TrainConfig
 from .cpu_memory import keep_freed_memory
+from .data import TokenFile, get_batch
 from .errors import UserError
 from .evaluate import score, summary
 from .metrics import MetricsLog, flops_per_token, load_plotting, machine_peak, plot_losses
 from .optim import lr_at, make_optimizer, set_lr
 from .runstate import StopFlag, plan_steps, rng_state, set_rng_state
+from .train_setup import autocast_for, build_model, read_prepared, resolve_device, set_dropout
 
 
 class NonFiniteLoss(UserError):
@@ -54,74 +56,6 @@ def forward_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of one micro-batch (a module-level function so tests can inject faults)."""
     _, loss = model(x, y)
     return loss
-
-
-# ----------------------------------------------------------------------------- set-up helpers
-
-
-def resolve_device(name: str, d: gdist.Dist | None = None) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UserError("--device cuda asked for, but PyTorch sees no CUDA GPU: use --device cpu")
-        if name == "cuda" and d is not None and d.enabled:
-            return torch.device("cuda", d.local_rank)
-    if name == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise UserError("--device mps asked for, but this PyTorch has no MPS backend: use --device cpu")
-    return torch.device(name)
-
-
-def autocast_for(device: torch.device, dtype: str):
-    """bf16 autocast on CUDA (weights and optimizer stay fp32); plain fp32 elsewhere unless asked."""
-    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
-    if not use_bf16:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-def read_meta(data: str | Path) -> dict:
-    data = Path(data)
-    if not data.is_dir():
-        raise UserError(f"--data {data} is not a folder: run `glassformer prepare --out {data}` first")
-    for f in ("meta.json", "train.bin", "val.bin"):
-        if not (data / f).is_file():
-            raise UserError(f"{data} has no {f}: it is not a prepared data folder; run `glassformer prepare --out {data}`")
-    return json.loads((data / "meta.json").read_text())
-
-
-def open_tokens(data: Path, split: str, meta: dict):
-    from .data import TokenFile
-
-    return TokenFile(data / f"{split}.bin", meta["dtype"])
-
-
-def set_dropout(model: torch.nn.Module, p: float) -> None:
-    model.config.dropout = p
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = p
-
-
-def build_model(cfg: TrainConfig, meta: dict):
-    """A fresh model from the preset (+ --model overrides), or the weights of --init-from."""
-    from .model import Transformer
-
-    if cfg.init_from:
-        from .checkpoint import load
-
-        model, _ = load(cfg.init_from)
-        if model.config.vocab_size != meta["vocab_size"]:
-            raise UserError(
-                f"--init-from {cfg.init_from} has a vocabulary of {model.config.vocab_size} tokens but the data's "
-                f"tokenizer has {meta['vocab_size']}: prepare the data with that checkpoint's tokenizer"
-            )
-        model.float()
-    else:
-        overrides = {"vocab_size": meta["vocab_size"], **cfg.model_overrides()}
-        model = Transformer(ModelConfig.from_preset(cfg.preset, **overrides))
-    set_dropout(model, cfg.dropout)
-    return model
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -152,7 +86,7 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
     t_start = time.perf_counter()
     device = resolve_device(cfg.device, d)
     data = Path(cfg.data)
-    meta = read_meta(data)
+    meta = read_prepared(data)
     out = Path(cfg.out)
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
@@ -197,11 +131,9 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
     accum = per_rank // micro
     tokens_per_step = cfg.batch_size * seq_len
 
-    train_tokens = open_tokens(data, "train", meta)
-    val_tokens = open_tokens(data, "val", meta)
+    train_tokens, val_tokens = (TokenFile(data / f"{split}.bin", meta["dtype"]) for split in ("train", "val"))
     if len(train_tokens) <= seq_len + 1:
         raise UserError(f"{data}/train.bin has {len(train_tokens)} tokens, fewer than one sequence of {seq_len + 1}")
-    from .data import get_batch
 
     # ---- model on device, wrapped, optimizer
     model.to(device)

@@ -27,7 +27,7 @@ def run(args) -> int:
     from ..checkpoint import load
     from ..errors import UserError
     from ..evaluate import score, summary
-    from ..train import resolve_device
+    from ..train_setup import resolve_device
 
     device = resolve_device(args.device)
     if args.threads:
