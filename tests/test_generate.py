@@ -373,7 +373,7 @@ def test_compiled_decode_step_smoke():
 
 def test_compiled_steps_drop_the_held_guards_yet_stay_right():
     """A compiled session's step skips the guards on the model, packed weights and cache
-    (generate._compile_step): another model's session must get its own step, a new thread
+    (packed_step._compile_step): another model's session must get its own step, a new thread
     count must recompile (the loops are split for the old one) and still give the same
     tokens, and the shape guards must stay."""
     a, b = tiny_model(), tiny_model(seed=1, dim=96, ffn_dim=256, n_layers=3)
@@ -394,7 +394,7 @@ def test_compiled_steps_drop_the_held_guards_yet_stay_right():
     assert more == greedy_by_full_forward(a, prompt, 9)[5:]
     # Every session's step got the guard filter: torch.compile takes it out of the options it
     # is given, which once left every step after the first with all its guards.
-    from glassformer.generate import CPU_STEP_OPTIONS, _step_guards
+    from glassformer.packed_step import CPU_STEP_OPTIONS, _step_guards
     assert CPU_STEP_OPTIONS["guard_filter_fn"] is _step_guards
 
 
@@ -421,10 +421,10 @@ def test_session_reset_starts_a_new_text_in_the_same_cache():
 
 def test_mark_static_marks_every_packed_tensor(monkeypatch):
     """CUDA graphs copy every input not marked static into their own memory before each
-    replay: a packed tensor that generate.mark_static misses would be copied at every step."""
+    replay: a packed tensor that packed_step.mark_static misses would be copied at every step."""
     from torch._dynamo.utils import get_static_address_type
 
-    from glassformer.generate import mark_static
+    from glassformer.packed_step import mark_static
     from glassformer.packed import step_weights
 
     model = tiny_model()
@@ -443,7 +443,7 @@ def test_the_gpu_step_options_compile_to_the_same_tokens():
     """The GPU's compile options (CUDA graphs, the guard filter) checked where CUDA graphs are
     skipped (CPU tensors): an option that inductor refuses, or one that changes the math,
     fails here rather than on the first GPU run."""
-    from glassformer.generate import CUDA_STEP_OPTIONS, _compile_step, _step_guards
+    from glassformer.packed_step import CUDA_STEP_OPTIONS, _compile_step, _step_guards
 
     model = tiny_model()
     prompt = [2, 7, 1, 8]
