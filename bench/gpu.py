@@ -5,7 +5,8 @@
           tokens/s and MFU against the GPU's published dense bf16 peak (metrics.GPU_BF16_PEAK;
           goal: at least 45% on an H200); beside it transformers' GPT2LMHeadModel holding the
           same weights, compiled and run the same way; then 3 of our steps under the torch
-          profiler (wall time against the GPU's busy time, the costliest host operations).
+          profiler (wall time against the GPU's busy time, the costliest host operations);
+          and the LM head's product alone, padded (as the model runs it on a GPU) and plain.
   decode  llama3.2-1b in bf16 (random weights), batch 1, greedy, 16-token prompt, the decode
           step compiled (CUDA graphs): tokens/s, bytes read per token (every weight once, the
           cache up to the position) and the fraction of the published 4.8 TB/s (goal: at least
@@ -43,6 +44,7 @@ from glassformer import ModelConfig, Transformer  # noqa: E402
 from glassformer.convert import to_transformers  # noqa: E402
 from glassformer.generate import Session  # noqa: E402
 from glassformer.metrics import flops_per_token, gpu_peak  # noqa: E402
+from glassformer.model import head_logits  # noqa: E402
 from glassformer.optim import make_optimizer  # noqa: E402
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, NVIDIA H200 SXM datasheet (cost/hardware.py)
@@ -115,7 +117,33 @@ def bench_train(device: torch.device, smoke: bool, rounds: int) -> dict:
     return {"preset": "gpt2-124m" + (" (smoke: shrunk)" if smoke else ""), "batch": B, "seq": T, "compile": not smoke,
             "dtype": "bf16 autocast" if device.type == "cuda" else "fp32", "peak_flops": peak, "flops_per_token": fpt,
             "rows": rows, "ratio": rows["glassformer"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"],
-            "step_profile": profiled(lambda: [steps["glassformer"]() for _ in range(3)], 3, device)}
+            "step_profile": profiled(lambda: [steps["glassformer"]() for _ in range(3)], 3, device),
+            "head_product": bench_head(device, smoke, rounds)}
+
+
+def bench_head(device: torch.device, smoke: bool, rounds: int) -> dict:
+    """The LM head's product alone, forward and backward under bf16 autocast, over GPT-2's 50,257
+    tokens: the padded product the model runs on a GPU (model.head_logits) against the plain one."""
+    V, D, N = (61, 64, 64) if smoke else (50257, 768, 16 * 1024)
+    w = torch.randn(V, D, device=device, requires_grad=True)
+    x = torch.randn(N, D, device=device, requires_grad=True)
+    cast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    grad = torch.randn(N, V, device=device, dtype=dtype)
+
+    def run(pad: bool):
+        def f():
+            with cast:
+                logits = head_logits(x, w, pad=pad)  # (N, V)
+            logits.backward(grad)
+        return f
+
+    fns = {"plain": run(False), "padded to a multiple of 64": run(True)}
+    for f in fns.values():
+        f()
+    sec = best_of(fns, max(rounds, 5), device)
+    return {"vocab": V, "dim": D, "rows": N, "ms": {k: 1e3 * s for k, s in sec.items()},
+            "speedup": sec["plain"] / sec["padded to a multiple of 64"]}
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int) -> float:
@@ -239,6 +267,9 @@ def main(argv=None) -> dict:
         sp = res["train"]["step_profile"]
         print(f"train step (profiled): {sp['wall_us_per_step']:.0f} us wall, "
               f"device busy {sp['device_busy_us_per_step']:.0f} us", flush=True)
+        hp = res["train"]["head_product"]
+        print("LM head product, fwd+bwd: " + ", ".join(f"{k} {v:.2f} ms" for k, v in hp["ms"].items())
+              + f"; padded {hp['speedup']:.2f}x", flush=True)
     if "decode" in args.only:
         res["decode"] = bench_decode(device, args.smoke, args.rounds, 8 if args.smoke else args.new_tokens,
                                      args.decode_layouts)

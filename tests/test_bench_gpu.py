@@ -26,4 +26,6 @@ def test_gpu_benchmark_script_runs_and_compares_like_for_like(tmp_path, one_thre
     for prof, steps in ((train["step_profile"], 3), (decode["step_profile"], 4)):
         assert prof["steps"] == steps and 0 < sum(prof["top_host_ops_us_per_step"].values()) <= prof["wall_us_per_step"]
     assert all(r["tokens_per_s"] > 0 for r in [*train["rows"].values(), *decode["rows"].values()])
+    head = train["head_product"]  # the padded and the plain head product, each timed
+    assert set(head["ms"]) == {"plain", "padded to a multiple of 64"} and all(v > 0 for v in head["ms"].values())
     assert (tmp_path / "gpu.json").is_file()

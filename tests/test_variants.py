@@ -90,3 +90,29 @@ def test_rope_frequencies_stay_fp32_in_a_bf16_model():
     assert model.rope_inv_freq.dtype == torch.float32 and torch.equal(model.rope_inv_freq, rope_inv_freq(cfg))
     assert model.half().rope_inv_freq.dtype == torch.float32
     assert Transformer(cfg).double().rope_inv_freq.dtype == torch.float64  # never lower than fp32, higher kept
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_padded_head_gives_the_same_logits_and_gradients(tied, monkeypatch):
+    """On a GPU the head multiplies a zero-padded weight (model.head_logits): forced here on the CPU,
+    it must give the model's logits, loss and every gradient, the weights keeping their shape."""
+    import glassformer.model as M
+
+    model = _build(vocab_size=61, tie_embeddings=tied)  # 61: not a multiple of HEAD_PAD
+    x, y = torch.randint(0, 61, (2, 12)), torch.randint(0, 61, (2, 12))
+
+    def run():
+        model.zero_grad()
+        logits, loss = model(x, y)
+        loss.backward()
+        return logits, loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = run()
+    monkeypatch.setattr(M, "pads_head", lambda x, V: V % M.HEAD_PAD != 0)
+    padded = run()
+    assert padded[0].shape == (2, 12, 61) and padded[0].stride(1) == 64  # the padded product's columns, cut
+    assert model.lm_head.weight.shape == (61, 32)
+    torch.testing.assert_close(padded[0], plain[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(padded[1], plain[1], rtol=0, atol=1e-6)
+    for name, g in plain[2].items():
+        torch.testing.assert_close(padded[2][name], g, rtol=0, atol=1e-6, msg=name)

@@ -216,6 +216,28 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------- model
 
 
+# cuBLAS serves a half-precision product whose output rows are not a multiple of 8 elements
+# long with slower, narrowly aligned kernels, and GPT-2's 50,257-token head is its model's
+# largest product (nanoGPT and llm.c pad that vocabulary to 50,304 for the same reason). On a
+# GPU the head multiplies a zero-padded copy of its weight instead and drops the extra
+# columns: the same logits and gradients, from an aligned product. The weights keep their shape.
+HEAD_PAD = 64
+
+
+def pads_head(x: torch.Tensor, vocab_size: int) -> bool:
+    """Whether the head's product runs over a vocabulary padded to a multiple of HEAD_PAD."""
+    return x.is_cuda and vocab_size % HEAD_PAD != 0
+
+
+def head_logits(x: torch.Tensor, weight: torch.Tensor, pad: bool | None = None) -> torch.Tensor:
+    """x (..., D) @ weight (V, D)^T -> logits (..., V). pad: force the padded product on or off."""
+    V = weight.shape[0]
+    if not (pads_head(x, V) if pad is None else pad):
+        return F.linear(x, weight)
+    padded = F.pad(weight, (0, 0, 0, -V % HEAD_PAD))  # (Vp, D), Vp a multiple of HEAD_PAD
+    return F.linear(x, padded)[..., :V]  # (..., Vp) -> (..., V), a view
+
+
 def _fill_tied_head(module, state_dict, prefix, *args) -> None:
     if prefix + "lm_head.weight" not in state_dict and prefix + "embed.weight" in state_dict:
         state_dict[prefix + "lm_head.weight"] = state_dict[prefix + "embed.weight"]
@@ -307,7 +329,7 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, rope, q_pos, None if cache is None else cache.layer(i), padding_mask, start)
         x = tap("final_norm", self.final_norm(x))
-        logits = tap("logits", self.lm_head(x))  # (B, T, V)
+        logits = tap("logits", head_logits(x, self.lm_head.weight))  # (B, T, V)
         if wants("probs"):
             tap("probs", torch.softmax(logits.float(), dim=-1))
         loss = None
