@@ -3,40 +3,21 @@
 from __future__ import annotations
 
 import ctypes
-import resource
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from glassformer.cli import main
-from glassformer.cpu_memory import available, keep_freed_memory
+from glassformer.cpu_memory import available
 
 from .test_train import inject, losses
 from .train_fixtures import data  # noqa: F401  (a fixture)
 
-pytestmark = pytest.mark.skipif(not available(), reason="needs Linux with glibc's malloc")
-
-BLOCK = 16 << 20  # floats: a 64 MB block, far above malloc's mmap threshold
-
-
-def faults_of_reuse() -> int:
-    """Minor page faults taken by allocating, touching and freeing a 64 MB block three more times."""
-    torch.ones(BLOCK).sum()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(3):
-        torch.ones(BLOCK).sum()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-
-def test_kept_memory_is_reused_without_faults_and_the_defaults_come_back():
-    pages = 3 * BLOCK * 4 // 4096
-    assert faults_of_reuse() > pages // 2  # glibc's default: a fresh mapping each time, every page faulted in
-    with keep_freed_memory() as on:
-        assert on
-        assert faults_of_reuse() < 100
-    assert faults_of_reuse() > pages // 2  # defaults restored on leaving
-    with keep_freed_memory(enabled=False) as on:
-        assert not on and faults_of_reuse() > pages // 2
+pytestmark = pytest.mark.skipif(not available() or not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"),
+                                reason="needs Linux with glibc 2.33+ (malloc's own counters)")
 
 
 class _MallInfo2(ctypes.Structure):
@@ -44,25 +25,58 @@ class _MallInfo2(ctypes.Structure):
                 "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 
 
-def own_mappings_for_a_block() -> int:
-    """How many blocks malloc serves with a mapping of their own while a 64 MB tensor lives, beyond before."""
+def _mallinfo() -> _MallInfo2:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _MallInfo2
-    before = libc.mallinfo2().hblks
-    block = torch.ones(BLOCK)
-    during = libc.mallinfo2().hblks
+    return libc.mallinfo2()
+
+
+def own_mappings_for_a_new_block() -> int:
+    """Blocks that malloc serves with a mapping of their own, counted while one tensor lives that is
+    larger than all the free memory the heap holds (so no free block can serve it; never touched)."""
+    before = _mallinfo()
+    block = torch.empty(before.fordblks // 4 + (16 << 20))  # floats: the heap's free bytes + 64 MB
+    during = _mallinfo().hblks
     del block
-    return during - before
+    return during - before.hblks
+
+
+# In a fresh interpreter, so that no earlier test has left free blocks in the heap that would
+# serve the allocator's defaults too: page faults taken by allocating, touching and freeing a
+# 64 MB block three more times, with the defaults, then inside keep_freed_memory().
+FAULTS = """
+import json, resource, torch
+from glassformer.cpu_memory import keep_freed_memory
+
+def faults_of_reuse():
+    torch.ones(16 << 20).sum()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        torch.ones(16 << 20).sum()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+default = faults_of_reuse()
+with keep_freed_memory() as on:
+    kept = faults_of_reuse()
+with keep_freed_memory(enabled=False) as off:
+    pass
+print(json.dumps({"default": default, "kept": kept, "on": on, "off": off}))
+"""
+
+
+def test_kept_memory_is_reused_without_page_faults():
+    out = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True, check=True).stdout
+    r = json.loads(out.splitlines()[-1])
+    pages = 3 * (64 << 20) // 4096
+    assert r["default"] > pages // 2  # a fresh mapping each time: every page faulted in again
+    assert r["kept"] < 100 and r["on"] and not r["off"]
 
 
 def test_training_keeps_freed_memory_unless_told_not_to(data, tmp_path, monkeypatch):  # noqa: F811
-    libc = ctypes.CDLL("libc.so.6")
-    if not hasattr(libc, "mallinfo2"):
-        pytest.skip("glibc before 2.33 has no mallinfo2")
     seen = []
 
     def probe(loss):  # inside the loop, on each run's second forward
-        seen.append(own_mappings_for_a_block())
+        seen.append(own_mappings_for_a_new_block())
         return loss
 
     def run(name, *flag):
@@ -74,5 +88,5 @@ def test_training_keeps_freed_memory_unless_told_not_to(data, tmp_path, monkeypa
 
     kept, default = run("kept"), run("default", "--no-keep-freed-memory")
     assert seen == [0, 1]  # from the heap while training; a mapping of its own with the allocator's defaults
-    assert own_mappings_for_a_block() == 1  # and the defaults are back after a run
+    assert own_mappings_for_a_new_block() == 1  # and the defaults are back after a run
     assert kept == default  # the allocator's setting changes no number
