@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="folder for the runs (default: a temporary one)")
     ap.add_argument("--train-args", default="", help="extra `glassformer train` flags (for tuning)")
     ap.add_argument("--prepare-args", default="", help="extra `glassformer prepare` flags (for tuning)")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "quality_per_minute.json"), help="results file")
     args = ap.parse_args()
     corpus = Path(args.corpus)
     if not corpus.is_file():
@@ -110,7 +111,7 @@ def main() -> None:
         print(f"{name:22} {r['wall_s']:7.1f} {r['steps']:6d} {r['eval']['bpb']:7.4f} {r['eval']['loss']:10.4f}")
     for name, r in results["runs"].items():
         print(f"{name} curve (s, bpb): " + ", ".join(f"({t:.0f}, {b:.3f})" for t, b in r["curve"]))
-    write_json(REPO / "bench" / "results" / "quality_per_minute.json", results)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -116,3 +116,17 @@ def test_padded_head_gives_the_same_logits_and_gradients(tied, monkeypatch):
     torch.testing.assert_close(padded[1], plain[1], rtol=0, atol=1e-6)
     for name, g in plain[2].items():
         torch.testing.assert_close(padded[2][name], g, rtol=0, atol=1e-6, msg=name)
+
+
+def test_head_is_padded_only_for_many_rows_on_a_gpu():
+    from types import SimpleNamespace
+
+    from glassformer.model import pads_head
+
+    def x(rows, cuda=True, D=768):  # what pads_head reads of a tensor
+        return SimpleNamespace(is_cuda=cuda, shape=(rows, D), numel=lambda: rows * D)
+
+    assert pads_head(x(16 * 1024), 50257)  # a GPT-2 training step
+    assert not pads_head(x(16 * 1024), 50304)  # already a multiple of 64
+    assert not pads_head(x(1), 50257)  # a decode step: the copy would cost more than it saves
+    assert not pads_head(x(16 * 1024, cuda=False), 50257)

@@ -221,12 +221,14 @@ class Block(nn.Module):
 # largest product (nanoGPT and llm.c pad that vocabulary to 50,304 for the same reason). On a
 # GPU the head multiplies a zero-padded copy of its weight instead and drops the extra
 # columns: the same logits and gradients, from an aligned product. The weights keep their shape.
-HEAD_PAD = 64
+# Only for products over many rows (training, long prompts): the copy moves twice the weight's
+# bytes, which a decode step's product (one row per sequence, bound by reading the weight) would feel.
+HEAD_PAD, HEAD_PAD_MIN_ROWS = 64, 4096
 
 
 def pads_head(x: torch.Tensor, vocab_size: int) -> bool:
     """Whether the head's product runs over a vocabulary padded to a multiple of HEAD_PAD."""
-    return x.is_cuda and vocab_size % HEAD_PAD != 0
+    return x.is_cuda and vocab_size % HEAD_PAD != 0 and x.numel() >= HEAD_PAD_MIN_ROWS * x.shape[-1]
 
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor, pad: bool | None = None) -> torch.Tensor:
