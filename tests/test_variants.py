@@ -130,3 +130,24 @@ def test_head_is_padded_only_for_many_rows_on_a_gpu():
     assert not pads_head(x(16 * 1024), 50304)  # already a multiple of 64
     assert not pads_head(x(1), 50257)  # a decode step: the copy would cost more than it saves
     assert not pads_head(x(16 * 1024, cuda=False), 50257)
+
+
+@pytest.mark.gpu
+def test_padded_head_on_a_gpu_matches_the_plain_product():
+    """GPT-2's 50,257-token head over a training step's rows, in bf16 autocast on the GPU: the
+    padded product (what the model runs there) against the plain one, forward and backward."""
+    from glassformer.model import head_logits, pads_head
+
+    torch.manual_seed(0)
+    w = (0.02 * torch.randn(50257, 768, device="cuda")).requires_grad_()
+    x = torch.randn(8, 1024, 768, device="cuda", requires_grad=True)
+    assert pads_head(x, 50257)
+    out = {}
+    for pad in (False, True):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = head_logits(x, w, pad=pad)  # (8, 1024, V)
+        logits.float().square().mean().backward()
+        out[pad] = (logits.float(), w.grad.clone(), x.grad.clone())
+        w.grad, x.grad = None, None
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3)
