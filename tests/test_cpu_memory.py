@@ -57,6 +57,8 @@ def faults_of_reuse():
 
 default = faults_of_reuse()
 with keep_freed_memory() as on:
+    with keep_freed_memory():  # a nested context leaves the setting to the outer one
+        pass
     kept = faults_of_reuse()
 with keep_freed_memory(enabled=False) as off:
     pass

@@ -22,6 +22,7 @@ import platform
 # mallopt's parameter numbers (malloc.h) and glibc's defaults for them
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
+_depth = 0  # contexts open now (one process, one allocator)
 
 
 def _glibc():
@@ -47,15 +48,20 @@ def keep_freed_memory(enabled: bool = True):
     The settings are process-wide, as the allocator is; they return to glibc's defaults on
     exit (a fixed mmap threshold from then on rather than its self-adjusting one).
     """
+    global _depth
     libc = _glibc() if enabled else None
     if libc is None:
         yield False
         return
-    libc.mallopt(M_MMAP_MAX, 0)  # every block from the heap, none from a mapping of its own
-    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # never hand the heap's free top back
+    if _depth == 0:
+        libc.mallopt(M_MMAP_MAX, 0)  # every block from the heap, none from a mapping of its own
+        libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # never hand the heap's free top back
+    _depth += 1
     try:
         yield True
     finally:
-        libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
-        libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
-        libc.malloc_trim(0)  # return what the job kept
+        _depth -= 1
+        if _depth == 0:  # the outermost context restores (a nested one, e.g. eval inside a job, does not)
+            libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+            libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+            libc.malloc_trim(0)  # return what the job kept
