@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import platform
 
 # mallopt's parameter numbers (malloc.h) and glibc's defaults for them
@@ -25,6 +26,7 @@ DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
 _depth = 0  # contexts open now (one process, one allocator)
 
 
+@functools.cache
 def _glibc():
     """The process's glibc (for mallopt and malloc_trim), or None where the C library is another."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
