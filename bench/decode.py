@@ -15,7 +15,6 @@ busy machine penalises all alike. glassformer runs eager and with its decode ste
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -190,8 +189,7 @@ def main() -> None:
             "latency_growth_long_vs_128_compiled": growth["compiled"]} if args.compile else {}),
     }
     out = args.out or RESULTS / "decode.json"
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(out, res, indent=2)
 
     readings = ", ".join(f"{p['read'] / 1e9:.1f}" for p in probes)
     print(f"reference shape: {n_weights / 1e6:.1f}M weights, fp32, {args.threads} threads, batch 1, greedy")
@@ -214,7 +212,6 @@ def main() -> None:
             print(f"{f'latency growth ({k}) {max(lat)} / 128':32}{growth[k]:14.2f}x")
     if args.profile:
         profile_steps(compiled or sessions["eager"], prompt[0].tolist(), "compiled" if compiled else "eager")
-    print(f"wrote {out}")
 
 
 def profile_steps(s: Session, prompt: list[int], label: str, n: int = 20) -> None:

@@ -117,8 +117,7 @@ def main() -> None:
         packed._PACKS.clear()
 
     def compiled(options: dict, layout: str = "out_in"):
-        s = Session(model, max_len=S, compile=True)
-        s.layout = layout  # the packed weights this variant's step reads
+        s = Session(model, max_len=S, compile=True, layout=layout)  # the packed weights this variant's step reads
         s._compiled = _compile_step(s.device, options)  # this variant's step, compiled on first use
         rate(s, 2, args.context)
         return lambda n: rate(s, n, args.context)

@@ -450,6 +450,7 @@ def test_the_gpu_step_options_compile_to_the_same_tokens():
     s = Session(model, compile=True)
     s._compiled = _compile_step(torch.device("cuda"))  # what a session on a GPU compiles
     assert list(s.send(prompt, max_new_tokens=6, greedy=True)) == greedy_by_full_forward(model, prompt, 6)
+    # and compiling left the module's options whole (torch.compile pops guard_filter_fn from what it is given)
     assert CUDA_STEP_OPTIONS == {"guard_filter_fn": _step_guards, "triton.cudagraphs": True}
 
 

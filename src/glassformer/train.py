@@ -45,7 +45,7 @@ from .evaluate import score, summary
 from .metrics import MetricsLog, flops_per_token, load_plotting, machine_peak, plot_losses
 from .optim import lr_at, make_optimizer, set_lr
 from .runstate import StopFlag, plan_steps, rng_state, set_rng_state
-from .train_setup import autocast_for, build_model, read_prepared, resolve_device, set_dropout
+from .train_setup import autocast_for, build_model, read_prepared, resolve_device, set_dropout, uses_cuda
 
 
 class NonFiniteLoss(UserError):
@@ -63,12 +63,12 @@ def forward_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) one training run; returns a summary (steps, losses, last evaluation, stop reason)."""
-    kind = "cuda" if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-    d = gdist.setup(kind)
+    cuda = uses_cuda(cfg.device)
+    d = gdist.setup("cuda" if cuda else "cpu")
     threads = torch.get_num_threads()
     clean = False
     try:
-        with keep_freed_memory(cfg.keep_freed_memory and kind == "cpu"):  # CPU tensors live in malloc's memory
+        with keep_freed_memory(cfg.keep_freed_memory and not cuda):  # CPU tensors live in malloc's memory
             result = _train(cfg, d)
         clean = True
         return result

@@ -13,9 +13,14 @@ from .data import read_meta
 from .errors import UserError
 
 
+def uses_cuda(name: str) -> bool:
+    """Whether --device NAME means a CUDA GPU ('auto' does where one is present)."""
+    return name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
+
+
 def resolve_device(name: str, d: gdist.Dist | None = None) -> torch.device:
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = "cuda" if uses_cuda(name) else "cpu"
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise UserError("--device cuda asked for, but PyTorch sees no CUDA GPU: use --device cpu")

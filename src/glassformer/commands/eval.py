@@ -25,6 +25,7 @@ def run(args) -> int:
     import torch
 
     from ..checkpoint import load
+    from ..cpu_memory import keep_freed_memory
     from ..errors import UserError
     from ..evaluate import score, summary
     from ..train_setup import resolve_device
@@ -68,8 +69,6 @@ def run(args) -> int:
         raise UserError(f"--data {data} does not exist: give a text file or a prepared data folder")
     if len(ids) < 2:
         raise UserError(f"{data} holds {len(ids)} token(s): at least 2 are needed to score anything")
-    from ..cpu_memory import keep_freed_memory
-
     with keep_freed_memory(device.type == "cpu"), torch.no_grad():  # each batch reuses the last one's memory
         nats, n = score(model, ids, model.config.max_seq_len, device, batch_size=args.batch_size)
     result = summary(nats, n, n_bytes)
