@@ -4,8 +4,8 @@ A training step on the CPU allocates its activations, logits and gradients afres
 logits alone are B·T·V floats: 64 MB on the reference shape). glibc's malloc serves every
 block over its mmap threshold (128 KB to 32 MB) with a new mapping and unmaps it on free,
 so the next step touches brand-new pages and the kernel faults each 4 KB page in and
-zeroes it: ~16,000 faults for those logits, ~10% of a step on the reference shape
-(bench/train_throughput.py). While this context is open, malloc takes every block from its
+zeroes it: ~16,000 faults for those logits, ~120,000 a compiled step on the reference shape,
+~11% of its time (~3% of an eager step's; bench/cpu_memory.py). While this context is open, malloc takes every block from its
 heap and keeps freed memory there for the next step (the process holds on to its peak);
 on leaving, the defaults are set again and the free memory goes back to the system.
 
