@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 import torch
 
 from . import probes
+from .attention import cpu_decode
 from .errors import UserError
 from .kv_cache import KVCache
 from .packed import LAYOUTS, step_weights
@@ -129,6 +130,8 @@ class Session:
         self._compiled, self._step_key = None, None
         self._static = None  # the packed layers last marked static for CUDA graphs
         if compile:  # the decode step only: one token per row, the shape that repeats
+            if self.device.type == "cpu":
+                cpu_decode.load()  # its attention's C++ kernel, built with the compiler inductor uses
             self._compiled = (_compile_step(self.device) if packed else
                               torch.compile(model, dynamic=True, mode="reduce-overhead" if self.device.type == "cuda" else None))
             for layer in self.cache.layers:  # written in place every step at fixed addresses: CUDA graphs may keep them

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_decode
 from .mask import allowed
 
 # enable_gqa arrived in torch 2.5; before it, repeat the key/value heads.
@@ -18,13 +19,23 @@ def _decode_step(q, k, v, scale):
     the group's queries share one pass over it, which is what a decode step at a long
     context is bound by (bench/decode.py: 1.1-1.27x latency growth from 128 to 2000
     cached positions, against 1.33x with the fused kernel). Same math as the fused kernel.
+    A compiled step (torch.compile tracing this) calls the C++ kernel of cpu_decode.py instead
+    where a session has built it: each key and value row read once for the whole group, at
+    about a core's streaming rate (bench/decode_attention.py).
     """
+    if torch.compiler.is_compiling() and cpu_decode.usable(q, k, v):
+        return torch.ops.glassformer.cpu_decode_attention(q, k, v, _scale(q, scale))  # (B, N, 1, H)
     B, N, _, H = q.shape
     K = k.shape[1]
     qg = q.reshape(B * K, N // K, H)  # (B·K, G, H): each KV head's group of queries
     kg, vg = k.reshape(B * K, -1, H), v.reshape(B * K, -1, H)  # (B·K, Tk, H)
-    scores = torch.bmm(qg, kg.transpose(1, 2)).mul_(H ** -0.5 if scale is None else scale)  # (B·K, G, Tk)
+    scores = torch.bmm(qg, kg.transpose(1, 2)).mul_(_scale(q, scale))  # (B·K, G, Tk)
     return torch.bmm(torch.softmax(scores, -1), vg).view(B, N, 1, H)  # (B, N, 1, H)
+
+
+def _scale(q, scale) -> float:
+    """The scores' scale: 1/sqrt(head size) unless given."""
+    return q.shape[-1] ** -0.5 if scale is None else scale
 
 
 def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, start=None):

@@ -1,0 +1,138 @@
+"""A compiled CPU session's decode attention: a small C++ kernel, built once on this machine.
+
+At one query the attention reads every cached key and value and does almost nothing else;
+the library route (attention/sdpa.py's two batched products per KV head) streams them at
+~10 GB/s a core, a third of what a core can, and on a long context that is most of a
+compiled step's growth (docs/benchmarks.md). cpu_decode.cpp reads each key and value row
+once for the whole group of query heads that shares it, one thread per KV head or stretch of
+positions.
+
+Only compiled sessions use it (generate.Session(compile=True) on the CPU calls load()):
+they already need the C++ compiler that torch.compile's CPU backend uses, and the eager
+path stays plain PyTorch. It is built with that compiler (CXX, else c++/g++/clang++) into
+the cache folder (GLASSFORMER_CACHE, else ~/.cache/glassformer), once per source, machine
+and compiler; if it cannot be built, load() says why once and sessions keep the library
+route. Same numbers as the library route to float rounding (tests/test_cpu_decode.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+HEAD_DIMS = (16, 32, 64, 128)  # what the kernel is built for (its registers per query head)
+MIN_CHUNK = 256  # positions: a thread gets a stretch at least this long (shorter ones cost more to merge)
+
+enabled = True  # False: compiled steps keep the library products (set before a step is compiled; for benchmarks)
+_lib: ctypes.CDLL | None = None
+_tried = False
+_problem: str | None = None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("GLASSFORMER_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "glassformer"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(cxx: str) -> Path:
+    """The kernel's shared library for this source, machine and compiler (built if need be)."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, platform.machine(),
+                                    torch.backends.cpu.get_cpu_capability()]).encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"cpu_decode-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # built aside, then moved in whole
+        part = Path(tmp) / out.name
+        run = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(part)], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {(run.stderr or run.stdout).strip()[-800:]}")
+        os.replace(part, out)
+    return out
+
+
+def load() -> bool:
+    """Build (once) and load the kernel; False, with one warning saying why, where it cannot be."""
+    global _lib, _tried, _problem
+    if _tried:
+        return _lib is not None
+    _tried = True
+    cxx = _compiler()
+    try:
+        if cxx is None:
+            raise RuntimeError("no C++ compiler found (set CXX)")
+        lib = ctypes.CDLL(str(_build(cxx)))
+    except (OSError, RuntimeError) as e:
+        _problem = str(e)
+        warnings.warn(f"the CPU decode attention kernel could not be built, compiled steps use the library "
+                      f"products instead: {_problem}", RuntimeWarning, stacklevel=2)
+        return False
+    fn = lib.glassformer_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 9 + [ctypes.c_float] + [ctypes.c_int64] * 2
+    _lib = lib
+    return True
+
+
+def loaded() -> bool:
+    return _lib is not None
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel serves this step: loaded, fp32 on the CPU, a head size it is built for,
+    each cached row contiguous (the cache's own layout)."""
+    H = q.shape[-1]
+    return (enabled and _lib is not None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
+            and H in HEAD_DIMS and k.stride(-1) == v.stride(-1) == 1 and k.stride(-2) == v.stride(-2) == H)
+
+
+def chunks_for(rows: int, T: int, threads: int) -> int:
+    """Stretches of positions per (row, KV head): enough items for every thread, none under MIN_CHUNK."""
+    want = -(-threads // rows)  # ceil
+    return max(1, min(want, T // MIN_CHUNK))
+
+
+@torch.library.custom_op("glassformer::cpu_decode_attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks: int = 0) -> torch.Tensor:
+    """softmax(q k^T · scale) v for one query per row: q (B, N, 1, H); k, v (B, K, T, H) with
+    contiguous rows (views into a longer cache are fine); (B, N, 1, H). chunks 0: chunks_for."""
+    if _lib is None:
+        raise RuntimeError("cpu_decode.load() has not built the kernel")
+    B, N, _, H = q.shape
+    K, T = k.shape[1], k.shape[2]
+    qc = q.contiguous()
+    out = torch.empty_like(qc)
+    threads = torch.get_num_threads()
+    n = chunks or chunks_for(B * K, T, threads)
+    err = _lib.glassformer_decode_attention(qc.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                            B, K, N // K, H, T, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                            scale, threads, n)
+    if err:
+        raise ValueError(f"cpu_decode: shapes it is not built for (head size {H}, {T} positions)")
+    return out
+
+
+@attention.register_fake
+def _(q, k, v, scale, chunks=0):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
