@@ -16,6 +16,8 @@ A step whose attention streams slower than its weight products grows with the co
                positions)
   K @ q        the scores as keys times queries (positions as rows), outputs as V^T @ p
   chunks       the outputs' product split into 2 chunks of positions per head (more batches)
+  C++ kernel   attention/cpu_decode.py, what a compiled session's step calls (one pass over
+               the keys and one over the values per KV head, each row read once for the group)
 
 --halves also times each half alone, compiled: the scores from the keys (a batched product,
 or multiply-and-sums with the query heads outer or inner) and the outputs from the values
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig  # noqa: E402
+from glassformer.attention import cpu_decode  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
 
 CFG = ModelConfig(**REFERENCE_SHAPE)
@@ -90,6 +93,11 @@ def chunks(q, ks, vs, T, C: int = 2):
     return out
 
 
+def kernel(q, ks, vs, T):
+    return [cpu_decode.attention(q.reshape(1, K * G, 1, H), k[None, :, :T], v[None, :, :T], SCALE).view(K, G, H)
+            for k, v in zip(ks, vs)]
+
+
 # --halves: each half of the attention alone, compiled: the scores (keys) or the outputs (values),
 # probabilities given; a form name, its function of (q or p, the layer tensors, T), and whether
 # it reads the values transposed.
@@ -104,6 +112,8 @@ HALVES = {
 
 FORMS = {"products": (products, False), "fused": (fused, False), "sums": (sums, False),
          "sums, V^T": (sums_vt, True), "K @ q": (k_at_q, False), "chunks": (chunks, False)}
+if cpu_decode.load():
+    FORMS["C++ kernel"] = (kernel, False)
 
 
 def timed_cold(fn, flush: torch.Tensor, reps: int = 60) -> float:

@@ -11,12 +11,15 @@ median and best tokens/s of each over the rounds:
              realize_reads_threshold 1, without the guards on the model, packed weights and
              cache that the session holds fixed) against the same step over the eager path's
              (in, out) row blocks (library products), with inductor's default
-             realize_reads_threshold, with inductor's C++ wrapper (cpp_wrapper), and with
-             every guard TorchDynamo makes
+             realize_reads_threshold, with inductor's C++ wrapper (cpp_wrapper), with
+             every guard TorchDynamo makes, and with the attention as the library products
+             (two batched products per KV head and a softmax) in place of the C++ kernel of
+             attention/cpu_decode.py
 
     flock /tmp/glassformer-bench.lock python bench/decode_parts.py [--rounds 8] [--threads 2]
     python bench/decode_parts.py --pair "C++ wrapper" [--second-first] --out /tmp/pair.json
     python bench/decode_parts.py --pair "C++ wrapper" --context 1900     # the timed steps over a long cache
+    python bench/decode_parts.py --pair "the attention as library products" --context 1900
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig, Transformer, packed  # noqa: E402
+from glassformer.attention import cpu_decode  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
 from glassformer.generate import Session  # noqa: E402
 from glassformer.packed_step import CPU_STEP_OPTIONS, _compile_step  # noqa: E402
@@ -122,6 +126,17 @@ def main() -> None:
         rate(s, 2, args.context)
         return lambda n: rate(s, n, args.context)
 
+    def without_kernel(run_or_build):
+        """Run with the compiled step's attention traced as the library products (the switch is
+        read when the step is traced, and guarded: it must hold whenever this variant runs)."""
+        def go(*a):
+            cpu_decode.enabled = False
+            try:
+                return run_or_build(*a)
+            finally:
+                cpu_decode.enabled = True
+        return go
+
     default_reads = {k: v for k, v in CPU_STEP_OPTIONS.items() if k != "realize_reads_threshold"}
 
     builds = {
@@ -130,6 +145,7 @@ def main() -> None:
         "inductor's default realize_reads_threshold": lambda: compiled(default_reads),
         "C++ wrapper": lambda: compiled({**CPU_STEP_OPTIONS, "cpp_wrapper": True}),
         "every guard": lambda: compiled({k: v for k, v in CPU_STEP_OPTIONS.items() if k != "guard_filter_fn"}),
+        "the attention as library products": lambda: without_kernel(without_kernel(compiled)(CPU_STEP_OPTIONS)),
     }
     names = list(builds) if not args.pair else ["as shipped", args.pair][:: -1 if args.second_first else 1]
     res["compiled"] = race({k: builds[k]() for k in names}, args.rounds, args.tokens)
