@@ -140,3 +140,15 @@ def test_built_once_per_source(tmp_path, monkeypatch):
     stamp = first.stat().st_mtime_ns
     assert first.parent == tmp_path / "kernels" and first.suffix == ".so"
     assert cpu_decode._build(cxx) == first and first.stat().st_mtime_ns == stamp
+
+
+def test_tensors_it_does_not_fit_get_a_clear_error():
+    """Called directly with tensors the kernel cannot read, it refuses rather than read past them."""
+    q, k = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 10, 64)
+    for args in ((q, k, k[:, :1]),  # keys and values of different lengths
+                 (q, k.transpose(2, 3).contiguous().transpose(2, 3), k),  # key rows not contiguous
+                 (q.double(), k.double(), k.double()),
+                 (torch.randn(1, 4, 2, 64), k, k),  # two queries per row
+                 (torch.randn(1, 3, 1, 64), k, k)):  # 3 query heads over 2 KV heads
+        with pytest.raises(ValueError, match="cpu_decode: wants"):
+            cpu_decode.attention(*args, 0.125)

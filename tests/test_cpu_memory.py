@@ -59,7 +59,9 @@ default = faults_of_reuse()
 with keep_freed_memory() as on:
     with keep_freed_memory():  # a nested context leaves the setting to the outer one
         pass
-    kept = faults_of_reuse()
+    # the least of three tries: where a short-lived allocation lands beside a freed block can
+    # make the heap grow once more before blocks are reused (it depends on what was imported)
+    kept = min(faults_of_reuse() for _ in range(3))
 with keep_freed_memory(enabled=False) as off:
     pass
 print(json.dumps({"default": default, "kept": kept, "on": on, "off": off}))

@@ -54,10 +54,20 @@ def _compiler() -> str | None:
     return None
 
 
+def _cpu_id() -> str:
+    """What -march=native builds for: the CPU's model and feature flags where Linux says them
+    (a cache folder shared by several machines must not hand one's build to another)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(next((ln for ln in info if ln.startswith(k)), "") for k in ("model name", "flags", "Features"))
+    except OSError:
+        return platform.processor()
+
+
 def _build(cxx: str) -> Path:
     """The kernel's shared library for this source, machine and compiler (built if need be)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, platform.machine(),
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, platform.machine(), _cpu_id(),
                                     torch.backends.cpu.get_cpu_capability()]).encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"cpu_decode-{key}.so"
     if out.exists():
@@ -99,12 +109,18 @@ def loaded() -> bool:
     return _lib is not None
 
 
+def _fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """fp32 on the CPU, a head size the kernel is built for, each cached row contiguous (the
+    cache's own layout), q one query per row and its heads a whole number of groups."""
+    B, N, one, H = q.shape
+    return (one == 1 and k.shape == v.shape == (B, k.shape[1], k.shape[2], H) and N % k.shape[1] == 0
+            and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and H in HEAD_DIMS
+            and k.stride(-1) == v.stride(-1) == 1 and k.stride(-2) == v.stride(-2) == H)
+
+
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernel serves this step: loaded, fp32 on the CPU, a head size it is built for,
-    each cached row contiguous (the cache's own layout)."""
-    H = q.shape[-1]
-    return (enabled and _lib is not None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
-            and H in HEAD_DIMS and k.stride(-1) == v.stride(-1) == 1 and k.stride(-2) == v.stride(-2) == H)
+    """Whether the kernel serves this step: enabled, loaded, and the tensors fit it."""
+    return enabled and _lib is not None and _fits(q, k, v)
 
 
 def chunks_for(rows: int, T: int, threads: int) -> int:
@@ -118,6 +134,10 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks
         raise RuntimeError("cpu_decode.load() has not built the kernel")
     B, N, _, H = q.shape
     K, T = k.shape[1], k.shape[2]
+    if not _fits(q, k, v):
+        raise ValueError(
+            f"cpu_decode: wants q (B, N, 1, H) and k, v (B, K, T, H), fp32 on the CPU, rows contiguous, "
+            f"H in {HEAD_DIMS}; got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}")
     qc = q.contiguous()
     out = torch.empty_like(qc)
     threads = torch.get_num_threads()
