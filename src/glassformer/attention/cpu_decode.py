@@ -113,9 +113,10 @@ def _fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """fp32 on the CPU, a head size the kernel is built for, each cached row contiguous (the
     cache's own layout), q one query per row and its heads a whole number of groups."""
     B, N, one, H = q.shape
-    return (one == 1 and k.shape == v.shape == (B, k.shape[1], k.shape[2], H) and N % k.shape[1] == 0
-            and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and H in HEAD_DIMS
-            and k.stride(-1) == v.stride(-1) == 1 and k.stride(-2) == v.stride(-2) == H)
+    ks, vs = k.stride(), v.stride()
+    return (one == 1 and H in HEAD_DIMS and k.shape == v.shape and k.shape[0] == B and k.shape[3] == H
+            and N % k.shape[1] == 0 and ks[2:] == vs[2:] == (H, 1) and q.dtype == k.dtype == v.dtype == torch.float32
+            and q.device.type == "cpu")
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
