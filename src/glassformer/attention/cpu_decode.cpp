@@ -13,7 +13,7 @@
 // whatever the machine has (AVX-512, AVX2, NEON); no intrinsics, no torch headers.
 //
 // Per work item (row b, KV head h, positions [t0, t1)) and query head g of the group:
-//   s[t] = scale · q_g · k_t                 scores, 16 positions at a time
+//   s[t] = scale · q_g · k_t                 scores, 4 positions at a time
 //   m = max_t s[t];  p[t] = exp(s[t] - m);  l = Σ_t p[t]
 //   a = Σ_t p[t] · v_t                       unnormalised output
 // and the items of one (b, h) are merged as in FlashAttention: out = Σ_i e^(m_i - M) a_i /
