@@ -109,19 +109,21 @@ def loaded() -> bool:
     return _lib is not None
 
 
-def _fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """fp32 on the CPU, a head size the kernel is built for, each cached row contiguous (the
-    cache's own layout), q one query per row and its heads a whole number of groups."""
+def _strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | None:
+    """k's and v's strides where the kernel can read these tensors, else None: fp32 on the CPU, a
+    head size it is built for, each cached row contiguous (the cache's own layout), q one query
+    per row and its heads a whole number of groups."""
     B, N, one, H = q.shape
     ks, vs = k.stride(), v.stride()
-    return (one == 1 and H in HEAD_DIMS and k.shape == v.shape and k.shape[0] == B and k.shape[3] == H
+    fits = (one == 1 and H in HEAD_DIMS and k.shape == v.shape and k.shape[0] == B and k.shape[3] == H
             and N % k.shape[1] == 0 and ks[2:] == vs[2:] == (H, 1) and q.dtype == k.dtype == v.dtype == torch.float32
             and q.device.type == "cpu")
+    return (ks, vs) if fits else None
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the kernel serves this step: enabled, loaded, and the tensors fit it."""
-    return enabled and _lib is not None and _fits(q, k, v)
+    return enabled and _lib is not None and _strides(q, k, v) is not None
 
 
 def chunks_for(rows: int, T: int, threads: int) -> int:
@@ -133,19 +135,18 @@ def chunks_for(rows: int, T: int, threads: int) -> int:
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks: int = 0) -> torch.Tensor:
     if _lib is None:
         raise RuntimeError("cpu_decode.load() has not built the kernel")
-    B, N, _, H = q.shape
-    K, T = k.shape[1], k.shape[2]
-    if not _fits(q, k, v):
+    strides = _strides(q, k, v)
+    if strides is None:
         raise ValueError(
             f"cpu_decode: wants q (B, N, 1, H) and k, v (B, K, T, H), fp32 on the CPU, rows contiguous, "
             f"H in {HEAD_DIMS}; got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}")
+    (ks, vs), (B, N, _, H), (K, T) = strides, q.shape, k.shape[1:3]
     qc = q.contiguous()
     out = torch.empty_like(qc)
     threads = torch.get_num_threads()
     n = chunks or chunks_for(B * K, T, threads)
     err = _lib.glassformer_decode_attention(qc.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                                            B, K, N // K, H, T, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                            scale, threads, n)
+                                            B, K, N // K, H, T, ks[0], ks[1], vs[0], vs[1], scale, threads, n)
     if err:
         raise ValueError(f"cpu_decode: shapes it is not built for (head size {H}, {T} positions)")
     return out
