@@ -126,16 +126,17 @@ def main() -> None:
         rate(s, 2, args.context)
         return lambda n: rate(s, n, args.context)
 
-    def without_kernel(run_or_build):
-        """Run with the compiled step's attention traced as the library products (the switch is
-        read when the step is traced, and guarded: it must hold whenever this variant runs)."""
-        def go(*a):
+    def library_attention():
+        """The step with its attention traced as the library products: the switch is read when the
+        step is traced, and guarded, so it must also be off whenever this variant runs."""
+        def off(fn, *a):
             cpu_decode.enabled = False
             try:
-                return run_or_build(*a)
+                return fn(*a)
             finally:
                 cpu_decode.enabled = True
-        return go
+        run = off(compiled, CPU_STEP_OPTIONS)
+        return lambda n: off(run, n)
 
     default_reads = {k: v for k, v in CPU_STEP_OPTIONS.items() if k != "realize_reads_threshold"}
 
@@ -145,7 +146,7 @@ def main() -> None:
         "inductor's default realize_reads_threshold": lambda: compiled(default_reads),
         "C++ wrapper": lambda: compiled({**CPU_STEP_OPTIONS, "cpp_wrapper": True}),
         "every guard": lambda: compiled({k: v for k, v in CPU_STEP_OPTIONS.items() if k != "guard_filter_fn"}),
-        "the attention as library products": lambda: without_kernel(without_kernel(compiled)(CPU_STEP_OPTIONS)),
+        "the attention as library products": library_attention,
     }
     names = list(builds) if not args.pair else ["as shipped", args.pair][:: -1 if args.second_first else 1]
     res["compiled"] = race({k: builds[k]() for k in names}, args.rounds, args.tokens)

@@ -80,18 +80,15 @@ def test_chunks_rule():
     assert cpu_decode.chunks_for(rows=4, T=100, threads=16) == 1  # too short to split
 
 
-def test_usable_rules():
+def test_usable_rules(monkeypatch):
     q, k = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 10, 64)
     assert cpu_decode.usable(q, k, k)
     assert not cpu_decode.usable(q.double(), k.double(), k.double())  # fp32 only
     assert not cpu_decode.usable(q[..., :24], k[..., :24], k[..., :24])  # a head size it is not built for
     kt = torch.randn(1, 2, 64, 10).transpose(2, 3)  # rows not contiguous
     assert not cpu_decode.usable(q, kt, kt)
-    cpu_decode.enabled = False
-    try:
-        assert not cpu_decode.usable(q, k, k)
-    finally:
-        cpu_decode.enabled = True
+    monkeypatch.setattr(cpu_decode, "enabled", False)
+    assert not cpu_decode.usable(q, k, k)
 
 
 def test_compiled_session_runs_the_kernel_and_stays_right():

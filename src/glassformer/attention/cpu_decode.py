@@ -10,7 +10,7 @@ positions.
 Only compiled sessions use it (generate.Session(compile=True) on the CPU calls load()):
 they already need the C++ compiler that torch.compile's CPU backend uses, and the eager
 path stays plain PyTorch. It is built with that compiler (CXX, else c++/g++/clang++) into
-the cache folder (GLASSFORMER_CACHE, else ~/.cache/glassformer), once per source, machine
+the project's cache folder (corpus.cache_dir: GLASSFORMER_CACHE, else ~/.cache/glassformer), once per source, machine
 and compiler; if it cannot be built, load() says why once and sessions keep the library
 route. Same numbers as the library route to float rounding (tests/test_cpu_decode.py).
 """
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from ..corpus import cache_dir
+
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 HEAD_DIMS = (16, 32, 64, 128)  # what the kernel is built for (its registers per query head)
@@ -37,14 +39,6 @@ MIN_CHUNK = 256  # positions: a thread gets a stretch at least this long (shorte
 enabled = True  # False: compiled steps keep the library products (set before a step is compiled; for benchmarks)
 _lib: ctypes.CDLL | None = None
 _tried = False
-_problem: str | None = None
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("GLASSFORMER_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "glassformer"
 
 
 def _compiler() -> str | None:
@@ -84,7 +78,7 @@ def _build(cxx: str) -> Path:
 
 def load() -> bool:
     """Build (once) and load the kernel; False, with one warning saying why, where it cannot be."""
-    global _lib, _tried, _problem
+    global _lib, _tried
     if _tried:
         return _lib is not None
     _tried = True
@@ -94,19 +88,14 @@ def load() -> bool:
             raise RuntimeError("no C++ compiler found (set CXX)")
         lib = ctypes.CDLL(str(_build(cxx)))
     except (OSError, RuntimeError) as e:
-        _problem = str(e)
         warnings.warn(f"the CPU decode attention kernel could not be built, compiled steps use the library "
-                      f"products instead: {_problem}", RuntimeWarning, stacklevel=2)
+                      f"products instead: {e}", RuntimeWarning, stacklevel=2)
         return False
     fn = lib.glassformer_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 9 + [ctypes.c_float] + [ctypes.c_int64] * 2
     _lib = lib
     return True
-
-
-def loaded() -> bool:
-    return _lib is not None
 
 
 def _strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | None:
@@ -152,8 +141,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks
     return out
 
 
-# An operator of its own, so that a compiled graph calls it as one opaque step (torch.library's
-# plain registration: ~7 us less a call than its custom_op decorator, which adds autograd wrappers).
+# An operator of its own, so that a compiled graph calls it as one opaque step; registered with
+# torch.library's plain API rather than its custom_op decorator, which wraps every call for autograd.
 _OPS = torch.library.Library("glassformer", "DEF")
 _OPS.define("cpu_decode_attention(Tensor q, Tensor k, Tensor v, float scale, int chunks=0) -> Tensor")
 _OPS.impl("cpu_decode_attention", _run, "CPU")

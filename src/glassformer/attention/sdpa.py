@@ -24,7 +24,7 @@ def _decode_step(q, k, v, scale):
     about a core's streaming rate (bench/decode_attention.py).
     """
     if torch.compiler.is_compiling() and cpu_decode.usable(q, k, v):
-        return torch.ops.glassformer.cpu_decode_attention(q, k, v, _scale(q, scale))  # (B, N, 1, H)
+        return cpu_decode.attention(q, k, v, _scale(q, scale))  # (B, N, 1, H)
     B, N, _, H = q.shape
     K = k.shape[1]
     qg = q.reshape(B * K, N // K, H)  # (B·K, G, H): each KV head's group of queries
