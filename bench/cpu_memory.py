@@ -29,8 +29,8 @@ from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig, Transformer  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
-from glassformer.cpu_memory import keep_freed_memory  # noqa: E402
-from glassformer.optim import make_optimizer  # noqa: E402
+from glassformer.train.cpu_memory import keep_freed_memory  # noqa: E402
+from glassformer.train.optim import make_optimizer  # noqa: E402
 
 SETTINGS = ("allocator's defaults", "freed memory kept")
 

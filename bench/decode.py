@@ -30,7 +30,7 @@ from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 from glassformer import ModelConfig, Transformer, generate  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
 from glassformer.convert import to_transformers  # noqa: E402
-from glassformer.generate import PackedForward, Session, prefill  # noqa: E402
+from glassformer.generation.session import PackedForward, Session, prefill  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

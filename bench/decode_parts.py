@@ -38,8 +38,8 @@ from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 from glassformer import ModelConfig, Transformer, packed  # noqa: E402
 from glassformer.attention import cpu_decode  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
-from glassformer.generate import Session  # noqa: E402
-from glassformer.packed_step import CPU_STEP_OPTIONS, _compile_step  # noqa: E402
+from glassformer.generation.session import Session  # noqa: E402
+from glassformer.generation.compiled import CPU_STEP_OPTIONS, _compile_step  # noqa: E402
 
 
 ROWS = (packed._t, packed._lin)  # what packed.py does: row blocks

@@ -42,10 +42,10 @@ sys.path.insert(0, str(REPO / "src"))
 
 from glassformer import ModelConfig, Transformer  # noqa: E402
 from glassformer.convert import to_transformers  # noqa: E402
-from glassformer.generate import Session  # noqa: E402
-from glassformer.metrics import flops_per_token, gpu_peak  # noqa: E402
+from glassformer.generation.session import Session  # noqa: E402
+from glassformer.train.metrics import flops_per_token, gpu_peak  # noqa: E402
 from glassformer.model import head_logits  # noqa: E402
-from glassformer.optim import make_optimizer  # noqa: E402
+from glassformer.train.optim import make_optimizer  # noqa: E402
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, NVIDIA H200 SXM datasheet (cost/hardware.py)
 

@@ -4,7 +4,7 @@
    split) encodes the same documents three ways, interleaved over several rounds:
      raw encode_batch       tokenizers' Tokenizer.encode_batch(docs), ids collected
      raw encode_batch_fast  the same without offsets (the fastest path tokenizers offers)
-     prepare                glassformer.data.prepare(): read, decode, cut, encode, write
+     prepare                glassformer.text.data.prepare(): read, decode, cut, encode, write
                             train.bin/val.bin/meta.json, fsync, rename
    Overhead = median over rounds of prepare's time / encode_batch_fast's time, minus 1
    (target: at most 10%), in wall time and in CPU time (the machine may be shared).
@@ -38,9 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from glassformer.corpus import default_corpus, read_text  # noqa: E402
-from glassformer.data import prepare  # noqa: E402
-from glassformer.tokenizer import Tokenizer  # noqa: E402
+from glassformer.text.corpus import default_corpus, read_text  # noqa: E402
+from glassformer.text.data import prepare  # noqa: E402
+from glassformer.text.tokenizer import Tokenizer  # noqa: E402
 
 
 def cpu_seconds() -> float:

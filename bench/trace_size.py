@@ -23,7 +23,7 @@ from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 import glassformer  # noqa: E402
 from glassformer.model import rope_inv_freq  # noqa: E402
-from glassformer.trace import trace  # noqa: E402
+from glassformer.tracing.trace import trace  # noqa: E402
 
 OPTIONS = {
     "everything (7 digits)": dict(),

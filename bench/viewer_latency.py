@@ -2,7 +2,7 @@
 
 Side by side in one process, for the same ids:
   forward      the model's plain forward pass (no recorder): the floor
-  trace        glassformer.trace of every probe (tiled kernel, its tile log, top logits)
+  trace        glassformer.tracing.trace of every probe (tiled kernel, its tile log, top logits)
   payload      everything /api/trace computes: the trace, the pre-norm/post-norm twin's
                trace, the costs, the next-token table (what the page draws)
   http         a POST /api/trace to a running server, answer parsed: payload + JSON both ways

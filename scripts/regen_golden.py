@@ -29,7 +29,7 @@ def trajectory(workdir: Path, args: list[str]) -> list[float]:
     import torch
 
     from glassformer.cli import main
-    from glassformer.metrics import read_metrics
+    from glassformer.train.metrics import read_metrics
     from tests.train_fixtures import make_token_stream
 
     data = make_token_stream(workdir / "data")

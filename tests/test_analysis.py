@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from glassformer.analysis import analysis_for, decode_step, flash_walkthrough, head_summary, norm_placement, norm_rms
+from glassformer.tracing.analysis import analysis_for, decode_step, flash_walkthrough, head_summary, norm_placement, norm_rms
 from glassformer.errors import UserError
-from glassformer.trace import trace
+from glassformer.tracing.trace import trace
 
 from .helpers import reinit, tiny_model
 

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from glassformer.checkpoint import load, save_model  # noqa: E402
+from glassformer.checkpoint.folders import load, save_model  # noqa: E402
 from glassformer.cli import main  # noqa: E402
 
 from .helpers import greedy_cached, reinit, tiny_model  # noqa: E402
@@ -152,7 +152,7 @@ def test_half_precision_weights_keep_or_change_dtype(stored, converted, tmp_path
 
 
 def test_tokenizer_json_is_carried_along_every_way(tmp_path):
-    from glassformer.tokenizer import Tokenizer
+    from glassformer.text.tokenizer import Tokenizer
 
     tok = Tokenizer.train(["to be or not to be, that is the question"] * 20, vocab_size=300)
     save_model(tmp_path / "ours", tiny_model(), tok)

@@ -380,7 +380,7 @@ def test_cli_table_plot_config_and_checkpoint(tmp_path, capsys):
     cfg = ModelConfig.from_preset("tiny", tie_embeddings=True, pos="learned")
     (tmp_path / "cfg.json").write_text(cfg.to_json())
     assert run_json(capsys, "--config", str(tmp_path / "cfg.json"))["params"] == Transformer(cfg).num_params()
-    from glassformer.checkpoint import save_model
+    from glassformer.checkpoint.folders import save_model
 
     model = Transformer(cfg.replace(n_layers=3))
     save_model(tmp_path / "ckpt", model)

@@ -9,7 +9,7 @@ import torch
 
 from glassformer.attention import cpu_decode
 from glassformer.attention.naive import naive_attention
-from glassformer.generate import Session
+from glassformer.generation.session import Session
 
 from .helpers import tiny_model
 from .test_generate import greedy_by_full_forward

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from glassformer.cli import main
-from glassformer.cpu_memory import available
+from glassformer.train.cpu_memory import available
 
 from .test_train import inject, losses
 from .train_fixtures import data  # noqa: F401  (a fixture)
@@ -46,7 +46,7 @@ def own_mappings_for_a_new_block() -> int:
 # 64 MB block three more times, with the defaults, then inside keep_freed_memory().
 FAULTS = """
 import json, resource, torch
-from glassformer.cpu_memory import keep_freed_memory
+from glassformer.train.cpu_memory import keep_freed_memory
 
 def faults_of_reuse():
     torch.ones(16 << 20).sum()

@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glassformer.corpus import DecodeStats, _file_doc, iter_text, pair_folios, user_corpus
-from glassformer.data import TokenFile, dtype_for_vocab, get_batch, load_split
+from glassformer.text.corpus import DecodeStats, _file_doc, iter_text, pair_folios, user_corpus
+from glassformer.text.data import TokenFile, dtype_for_vocab, get_batch, load_split
 from glassformer.errors import UserError
-from glassformer.tokenizer import Tokenizer
+from glassformer.text.tokenizer import Tokenizer
 
 from .test_tokenizer import SAMPLE, llama3_style
 

@@ -22,7 +22,7 @@ def test_eval_matches_hugging_face_on_windows(setup, tmp_path, capsys):
     """`glassformer eval` of the HF folder on a text file == HF's own loss over the same non-overlapping windows."""
     import json
 
-    from glassformer.tokenizer import Tokenizer
+    from glassformer.text.tokenizer import Tokenizer
 
     root, data, hf = setup
     text = "The king walks to the castle.\nWhere a knight waits with his sword, the old man sings.\n" * 12
@@ -65,7 +65,7 @@ def test_eval_of_a_prepared_folder_and_bad_input(setup, tmp_path, capsys):
 
 
 def test_windows():
-    from glassformer.evaluate import windows
+    from glassformer.train.evaluate import windows
 
     assert windows(10, 4) == [(0, 4), (4, 4), (8, 1)]
     assert windows(9, 4) == [(0, 4), (4, 4)]

@@ -9,7 +9,7 @@ import torch
 
 from glassformer import ModelConfig, Transformer, explain
 from glassformer.errors import UserError
-from glassformer.trace import trace, weight_matrix
+from glassformer.tracing.trace import trace, weight_matrix
 
 from .helpers import reinit, tiny_model
 

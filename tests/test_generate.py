@@ -7,7 +7,7 @@ import torch
 
 from glassformer import generate
 from glassformer.errors import UserError
-from glassformer.generate import Session, apply_repetition_penalty, logits_to_probs, sample
+from glassformer.generation.session import Session, apply_repetition_penalty, logits_to_probs, sample
 
 from .helpers import tiny_model
 
@@ -233,7 +233,7 @@ def packed_steps(model, ids: torch.Tensor, n_prefill: int, layout: str = "rows")
     """The packed forward over ids (B, T): a prefill of the first n_prefill tokens, then one
     step per token; (logits (B, T, V), the cache)."""
     from glassformer import KVCache
-    from glassformer.packed import packed_forward
+    from glassformer.generation.packed import packed_forward
 
     B, T = ids.shape
     cache = KVCache.for_model(model, B, T)
@@ -248,7 +248,7 @@ def packed_steps(model, ids: torch.Tensor, n_prefill: int, layout: str = "rows")
 def test_packed_forward_equals_the_model(over, layout):
     """Both packed layouts (packed._t): prefill, then single steps of two rows (products of
     many rows) and of one row (the matrix-vector products each layout does its own way)."""
-    from glassformer.packed import pack
+    from glassformer.generation.packed import pack
 
     model = tiny_model(**over)
     for B in (2, 1):
@@ -268,7 +268,7 @@ def test_packed_forward_in_bf16_is_as_close_to_fp32_as_the_model(layout):
     position to the end of the context, err from the fp32 model about as much as the bf16
     model's own forward does; its RoPE tables stay fp32 as the model's do (in bf16 an angle
     keeps 3 digits and late positions turn by wrong angles)."""
-    from glassformer.packed import pack
+    from glassformer.generation.packed import pack
 
     exact = tiny_model()
     model = tiny_model().to(torch.bfloat16)
@@ -296,7 +296,7 @@ def test_a_session_over_either_layout_gives_the_same_tokens():
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 def test_packed_row_blocks_give_the_same_steps(threads):
     """One row block per thread (a matrix whose rows the blocks do not divide stays whole: 3 here)."""
-    from glassformer.packed import pack
+    from glassformer.generation.packed import pack
 
     model = tiny_model()
     ids = torch.randint(0, 512, (1, 10))
@@ -318,7 +318,7 @@ def test_packed_row_blocks_give_the_same_steps(threads):
 
 def test_prefill_runs_the_head_on_each_rows_last_token_only():
     from glassformer import KVCache
-    from glassformer.generate import PackedForward, prefill
+    from glassformer.generation.session import PackedForward, prefill
 
     model = tiny_model()
     ids = torch.randint(0, 512, (3, 9))
@@ -394,7 +394,7 @@ def test_compiled_steps_drop_the_held_guards_yet_stay_right():
     assert more == greedy_by_full_forward(a, prompt, 9)[5:]
     # Every session's step got the guard filter: torch.compile takes it out of the options it
     # is given, which once left every step after the first with all its guards.
-    from glassformer.packed_step import CPU_STEP_OPTIONS, _step_guards
+    from glassformer.generation.compiled import CPU_STEP_OPTIONS, _step_guards
     assert CPU_STEP_OPTIONS["guard_filter_fn"] is _step_guards
 
 
@@ -424,8 +424,8 @@ def test_mark_static_marks_every_packed_tensor(monkeypatch):
     replay: a packed tensor that packed_step.mark_static misses would be copied at every step."""
     from torch._dynamo.utils import get_static_address_type
 
-    from glassformer.packed_step import mark_static
-    from glassformer.packed import step_weights
+    from glassformer.generation.compiled import mark_static
+    from glassformer.generation.packed import step_weights
 
     model = tiny_model()
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two row blocks per matrix: views to mark too
@@ -443,7 +443,7 @@ def test_the_gpu_step_options_compile_to_the_same_tokens():
     """The GPU's compile options (CUDA graphs, the guard filter) checked where CUDA graphs are
     skipped (CPU tensors): an option that inductor refuses, or one that changes the math,
     fails here rather than on the first GPU run."""
-    from glassformer.packed_step import CUDA_STEP_OPTIONS, _compile_step, _step_guards
+    from glassformer.generation.compiled import CUDA_STEP_OPTIONS, _compile_step, _step_guards
 
     model = tiny_model()
     prompt = [2, 7, 1, 8]
@@ -460,7 +460,7 @@ def test_cuda_graphs_read_the_packed_weights_in_place():
     would copy them in before every replay) and gives the tokens of full forwards."""
     import copy
 
-    from glassformer.packed import step_weights, tensors
+    from glassformer.generation.packed import step_weights, tensors
 
     model = tiny_model(dim=768, n_layers=6, ffn_dim=2048, vocab_size=8192)  # ~180 MB packed: well above workspaces
     prompt = [2, 7, 1, 8]

@@ -5,7 +5,7 @@ the same operations in another order of bookkeeping."""
 import pytest
 import torch
 
-from glassformer.generate import Session
+from glassformer.generation.session import Session
 
 from .helpers import tiny_model
 

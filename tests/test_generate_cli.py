@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from glassformer import ModelConfig, Transformer, generate
-from glassformer.checkpoint import save_model
+from glassformer.checkpoint.folders import save_model
 from glassformer.cli import main
 from glassformer.commands.generate import TextStream
-from glassformer.tokenizer import Tokenizer
+from glassformer.text.tokenizer import Tokenizer
 
 from .helpers import reinit
 
@@ -42,7 +42,7 @@ def test_the_cache_is_sized_to_the_call(ckpt, capsys, monkeypatch):
     whole cache every step); the slide policy keeps the full context to slide in."""
     import importlib
 
-    gen = importlib.import_module("glassformer.generate")  # the module (the package's name is the function)
+    gen = importlib.import_module("glassformer.generation.session")  # the module (the package's name is the function)
     sizes = []
 
     class Recording(gen.Session):

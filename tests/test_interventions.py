@@ -7,7 +7,7 @@ import torch
 
 from glassformer import probes
 from glassformer.errors import UserError
-from glassformer.interventions import ablate, logit_lens, patch, remove_head, run_with
+from glassformer.tracing.interventions import ablate, logit_lens, patch, remove_head, run_with
 
 from .helpers import tiny_model
 

@@ -11,8 +11,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from glassformer.cli import main
-from glassformer.data import TokenFile, get_batch, load_split, read_meta
-from glassformer.tokenizer import Tokenizer
+from glassformer.text.data import TokenFile, get_batch, load_split, read_meta
+from glassformer.text.tokenizer import Tokenizer
 
 WORDS = "the king queen castle knight sword sea stars hill sings walks waits old young Ça naïve 東京 🙂".split()
 HELD_OUT_WORD = "zyxwvutsrq"  # only in the held-out tail: the tokenizer must never learn it
@@ -211,7 +211,7 @@ def test_tokenize_shows_ids_and_bytes(prepared, capsys):
 
 
 def _default_archive():
-    from glassformer.corpus import default_archive
+    from glassformer.text.corpus import default_archive
     from glassformer.errors import UserError
 
     try:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
 from glassformer.errors import UserError
-from glassformer.tokenizer import EOT, MAX_VOCAB, MIN_VOCAB, Tokenizer, bytes_to_unicode
+from glassformer.text.tokenizer import EOT, MAX_VOCAB, MIN_VOCAB, Tokenizer, bytes_to_unicode
 
 SAMPLE = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"

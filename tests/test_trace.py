@@ -8,8 +8,8 @@ import torch
 
 import glassformer
 from glassformer import probes
-from glassformer.trace import Trace, trace
-from glassformer.trace_format import numbers_text
+from glassformer.tracing.trace import Trace, trace
+from glassformer.tracing.format import numbers_text
 
 from .helpers import tiny_model
 
@@ -194,9 +194,9 @@ def test_size_of_a_100m_weight_model_trace_stays_under_50_mb():
 
 
 def test_cli_trace_writes_a_strict_trace_file(tmp_path, capsys):
-    from glassformer.checkpoint import save_model
+    from glassformer.checkpoint.folders import save_model
     from glassformer.cli import main
-    from glassformer.tokenizer import Tokenizer
+    from glassformer.text.tokenizer import Tokenizer
 
     tok = Tokenizer.train(["the cat saw the hat and the cat sat on the mat"] * 20, 300)
     m = tiny_model(vocab_size=tok.vocab_size)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from glassformer.checkpoint import complete_checkpoints, load, read_pointer
+from glassformer.checkpoint.folders import complete_checkpoints, load, read_pointer
 from glassformer.cli import main
-from glassformer.metrics import read_metrics
+from glassformer.train.metrics import read_metrics
 
 from .train_fixtures import data  # noqa: F401  (a fixture)
 
@@ -54,7 +54,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 def inject(monkeypatch, at_call: int, action):
     """Run action(loss) on the at_call-th forward of training (1-based), via the loop's forward_loss hook."""
-    import glassformer.train as T
+    import glassformer.train.loop as T
 
     real, calls = T.forward_loss, {"n": 0}
 
@@ -196,7 +196,7 @@ def test_time_budget_fixes_and_records_the_schedule(data, tmp_path):
     assert plan["total_steps"] == state["total_steps"] == state["step"] == len(losses(out))
     assert plan["calibrated_at"] == 3  # one warm-up step + 2 timed steps, within the 3 warm-up steps
     # The learning rate followed the fixed schedule from the first step.
-    from glassformer.optim import lr_at
+    from glassformer.train.optim import lr_at
 
     lrs = [r["lr"] for r in read_metrics(out / "metrics.jsonl") if "lr" in r]
     assert lrs == [lr_at(s, 3e-3, 3e-4, 3, state["total_steps"]) for s in range(len(lrs))]
@@ -206,8 +206,8 @@ def test_time_budget_counts_a_real_evaluation_and_checkpoint(data, tmp_path, mon
     """The plan's cost of an evaluation is measured (here: a slow disk), not guessed from a forward."""
     import time
 
-    import glassformer.train as train_mod
-    from glassformer.train import plan_steps
+    import glassformer.train.loop as train_mod
+    from glassformer.train.loop import plan_steps
 
     real_save = train_mod.save_training
 
@@ -267,7 +267,7 @@ def test_config_file_and_flags(data, tmp_path):
 
 
 def test_lr_schedule_formula():
-    from glassformer.optim import lr_at
+    from glassformer.train.optim import lr_at
 
     assert [lr_at(s, 1.0, 0.1, 4, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_at(19, 1.0, 0.1, 4, 20) == pytest.approx(0.1)
@@ -277,7 +277,7 @@ def test_lr_schedule_formula():
 
 def test_weight_decay_only_on_matrices():
     from glassformer import ModelConfig, Transformer
-    from glassformer.optim import make_optimizer
+    from glassformer.train.optim import make_optimizer
 
     model = Transformer(ModelConfig.from_preset("tiny", tie_embeddings=True))
     opt = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"))
@@ -291,7 +291,7 @@ def test_flops_per_token_matches_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
 
     from glassformer import ModelConfig, Transformer
-    from glassformer.metrics import flops_per_token
+    from glassformer.train.metrics import flops_per_token
 
     cfg = ModelConfig.from_preset("tiny", attention="naive", n_kv_heads=2)
     model = Transformer(cfg)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from glassformer.checkpoint import write_pointer
+from glassformer.checkpoint.folders import write_pointer
 from glassformer.cli import main
-from glassformer.metrics import read_metrics
+from glassformer.train.metrics import read_metrics
 
 from .train_fixtures import data  # noqa: F401  (a fixture)
 
@@ -71,7 +71,7 @@ def test_time_budget_under_torchrun_every_rank_plans_the_same_steps(data, tmp_pa
     """Ranks average their calibration timings, so all stop at one step (different counts would hang)."""
     import json
 
-    from glassformer.checkpoint import read_pointer
+    from glassformer.checkpoint.folders import read_pointer
 
     out = tmp_path / "budget"
     proc = torchrun(out, data, "--time-budget", "6", "--calibrate-steps", "2")  # --max-steps yields to the budget

@@ -7,8 +7,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from glassformer.cli import main  # noqa: E402
-from glassformer.data import TokenFile, get_batch  # noqa: E402
-from glassformer.metrics import read_metrics  # noqa: E402
+from glassformer.text.data import TokenFile, get_batch  # noqa: E402
+from glassformer.train.metrics import read_metrics  # noqa: E402
 
 from .train_fixtures import hf_llama_with_data, hf_loss  # noqa: E402
 

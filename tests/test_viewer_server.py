@@ -224,8 +224,8 @@ def test_html_options_write_self_contained_pages(tmp_path):
 def test_view_from_a_checkpoint_folder(tmp_path):
     # The path a trained model takes: a checkpoint folder with its tokenizer.json, loaded by
     # `glassformer view --checkpoint`, traced live; the toy model's weights give known numbers.
-    from glassformer import worked
-    from glassformer.checkpoint import save_model
+    from glassformer.worked import model as worked
+    from glassformer.checkpoint.folders import save_model
     from glassformer.commands.view import build_explorer
 
     save_model(tmp_path / "ckpt", worked.build_one_head(), worked.TOKENIZER)
@@ -283,8 +283,8 @@ def test_cost_formulas_shown_equal_the_estimate(overrides):
 def test_rms_calculations_of_the_comparison():
     """Each RMS in the pre/post table carries explain_rms's calculation: recomputed from its
     operands it is the table's number, and its operands are the stream's own numbers."""
-    from glassformer.analysis import norm_rms
-    from glassformer.explain import explain, step_value
+    from glassformer.tracing.analysis import norm_rms
+    from glassformer.explaining.explain import explain, step_value
     from glassformer.viewer import source
 
     model = tiny_model()

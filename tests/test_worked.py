@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glassformer import worked
+from glassformer.worked import model as worked
 from glassformer.cli import main
 from glassformer.errors import UserError
 

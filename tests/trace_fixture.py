@@ -1,7 +1,7 @@
 """A minimal recorder that writes design.md's trace-file format, for the viewer tests.
 
 It exists so the viewer can be tested against a trace of a real model independently of
-`glassformer.trace`: it taps every probe of one forward pass with `glassformer.probes` and
+`glassformer.tracing.trace`: it taps every probe of one forward pass with `glassformer.probes` and
 writes {tokens, ids, positions, config, probes: name -> {shape, axes, data}}.
 """
 

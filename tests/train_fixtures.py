@@ -27,7 +27,7 @@ def synthetic_text(n_sentences: int, seed: int) -> str:
 
 def make_prepared(folder: Path, vocab_size: int = 300, n_train: int = 1500, n_val: int = 200) -> Path:
     """A prepared folder in the data contract's layout: tokenizer.json, train.bin, val.bin, meta.json."""
-    from glassformer.tokenizer import Tokenizer
+    from glassformer.text.tokenizer import Tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     train_text, val_text = synthetic_text(n_train, 1), synthetic_text(n_val, 2)

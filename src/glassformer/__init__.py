@@ -5,11 +5,11 @@ __version__ = "0.1.0"
 from .config import PRESETS, ModelConfig  # noqa: E402
 from .kv_cache import KVCache  # noqa: E402
 from .model import Transformer  # noqa: E402
-from .trace import trace  # noqa: E402
-from .explain import explain  # noqa: E402
-from .generate import generate  # noqa: E402  (the function, not the module)
-from .checkpoint import load  # noqa: E402
-from .tokenizer import Tokenizer  # noqa: E402
+from .tracing.trace import trace  # noqa: E402
+from .explaining.explain import explain  # noqa: E402
+from .generation import generate  # noqa: E402  (the function; the module is glassformer.generation)
+from .checkpoint.folders import load  # noqa: E402
+from .text.tokenizer import Tokenizer  # noqa: E402
 
 __all__ = ["ModelConfig", "PRESETS", "Transformer", "KVCache", "trace", "explain", "generate", "load", "Tokenizer",
            "__version__"]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..corpus import cache_dir
+from ..text.corpus import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]

@@ -60,7 +60,7 @@ def _stored_dtype(folder):
 def run(args) -> int:
     import torch
 
-    from ..checkpoint import load, resolve, save_model
+    from ..checkpoint.folders import load, resolve, save_model
     from ..convert import convert_kv_heads, load_hf, save_hf
     from ..convert.families import family_for
     from ..convert.hf import parse_dtype

@@ -43,7 +43,7 @@ def load_config(args):
         if not path.is_file():
             raise UserError(f"config file {path} does not exist: give a JSON file of ModelConfig fields")
         return _config_from_json(read_json(path), path)
-    from ..checkpoint import read_config
+    from ..checkpoint.folders import read_config
 
     return _config_from_json(read_config(args.checkpoint), Path(args.checkpoint))
 

@@ -23,7 +23,7 @@ def add_arguments(p) -> None:
 
 def sample_ids(model, ids: list[int], n: int, seed: int, temperature: float = 0.8, top_k: int = 40) -> list[int]:
     """n sampled token ids after ids; the window slides when prompt + sample outgrow the context."""
-    from ..generate import generate
+    from ..generation.session import generate
 
     return list(generate(model, ids, max_new_tokens=n, temperature=temperature, top_k=top_k, seed=seed,
                          context_policy="slide"))
@@ -33,7 +33,7 @@ def run(args) -> int:
     import shutil
     from pathlib import Path
 
-    from ..checkpoint import load
+    from ..checkpoint.folders import load
     from ..cli import main
 
     out = Path(args.out)

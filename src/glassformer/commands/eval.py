@@ -24,24 +24,24 @@ def run(args) -> int:
     import numpy as np
     import torch
 
-    from ..checkpoint import load
-    from ..cpu_memory import keep_freed_memory
+    from ..checkpoint.folders import load
+    from ..train.cpu_memory import keep_freed_memory
     from ..errors import UserError
-    from ..evaluate import score, summary
-    from ..train_setup import resolve_device
+    from ..train.evaluate import score, summary
+    from ..train.setup import resolve_device
 
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     elif device.type == "cpu":
-        from ..metrics import pick_threads
+        from ..train.metrics import pick_threads
 
         pick_threads(torch.get_num_threads())
     model, tokenizer = load(args.checkpoint, device=device)
     model.float().eval()
     data = Path(args.data)
     if data.is_dir():
-        from ..data import TokenFile, read_meta
+        from ..text.data import TokenFile, read_meta
 
         meta = read_meta(data)
         if meta["vocab_size"] != model.config.vocab_size:
@@ -51,7 +51,7 @@ def run(args) -> int:
         n_bytes = int(meta["val_bytes"])
     elif data.is_file():
         if args.tokenizer:
-            from ..tokenizer import Tokenizer
+            from ..text.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_file(args.tokenizer)
         if tokenizer is None:

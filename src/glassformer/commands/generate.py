@@ -93,9 +93,9 @@ def run(args) -> int:
 
     import torch
 
-    from ..checkpoint import load, read_config, resolve
+    from ..checkpoint.folders import load, read_config, resolve
     from ..errors import UserError
-    from ..generate import Session, cache_length, check_sampling
+    from ..generation.session import Session, cache_length, check_sampling
 
     check_sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty)
     if args.max_new_tokens < 0:

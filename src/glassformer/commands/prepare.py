@@ -30,10 +30,10 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import json
 
-    from ..corpus import get_corpus
-    from ..data import prepare
+    from ..text.corpus import get_corpus
+    from ..text.data import prepare
     from ..errors import UserError
-    from ..tokenizer import Tokenizer, check_vocab_size
+    from ..text.tokenizer import Tokenizer, check_vocab_size
 
     tokenizer = None
     if args.tokenizer is not None:

@@ -17,7 +17,7 @@ def run(args) -> int:
     import json
     import sys
 
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(args.tokenizer)
     text = sys.stdin.read() if args.text == "-" else args.text

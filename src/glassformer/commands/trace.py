@@ -51,13 +51,13 @@ def _load(args):
     from ..errors import UserError
 
     if args.worked:
-        from .. import worked
+        from ..worked import model as worked
 
         model, tok = worked.load_worked(args.variant)
         return model, tok, worked.SENTENCE
     if not args.checkpoint:
         raise UserError("say which model to trace: --checkpoint CKPT or --worked")
-    from ..checkpoint import load
+    from ..checkpoint.folders import load
 
     model, tok = load(args.checkpoint, device=args.device)
     return model, tok, None
@@ -89,8 +89,8 @@ def run(args) -> int:
         raise UserError(f"{args.checkpoint} has no tokenizer.json, so --text cannot be turned into tokens")
     ids = tok.encode(text)
 
-    from ..analysis import analysis_for
-    from ..trace import trace
+    from ..tracing.analysis import analysis_for
+    from ..tracing.trace import trace
 
     tr = trace(model, ids, tokens=token_strings(tok, ids), layers=args.layers, heads=args.heads, top_k=args.top_k,
                with_weights=args.with_weights or args.worked, attention=args.attention, query=args.query, tile=args.tile)

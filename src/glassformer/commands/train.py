@@ -62,7 +62,7 @@ def resolve_config(args) -> "TrainConfig":  # noqa: F821
     """defaults < the resumed run's saved settings < --config FILE < flags given."""
     import json
 
-    from ..checkpoint import newest_checkpoint
+    from ..checkpoint.folders import newest_checkpoint
     from ..config import TrainConfig
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -79,7 +79,7 @@ def resolve_config(args) -> "TrainConfig":  # noqa: F821
 
 def run(args) -> int:
     from ..errors import UserError
-    from ..train import train
+    from ..train.loop import train
 
     cfg = resolve_config(args)
     if not cfg.data:

@@ -14,7 +14,7 @@ def run(args) -> int:
     import json
 
     from ..errors import UserError
-    from ..worked import figures, walkthrough
+    from ..worked.model import figures, walkthrough
 
     fig = figures()
     if args.html:

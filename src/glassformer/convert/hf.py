@@ -256,7 +256,7 @@ def _tokenizer(folder: Path):
     if not path.is_file():
         return None
     try:
-        from ..tokenizer import Tokenizer
+        from ..text.tokenizer import Tokenizer
     except ImportError:
         return None
     try:
@@ -281,7 +281,7 @@ def load_hf(folder: str | Path, device: str | torch.device = "cpu", dtype: str |
 
 
 def hf_state_from_model(model: torch.nn.Module, family: Family, dtype: torch.dtype | None = None) -> dict:
-    from ..checkpoint import model_state
+    from ..checkpoint.folders import model_state
 
     cfg = model.config
     ours = model_state(model)
@@ -311,7 +311,7 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: Any = None, dtyp
     """
     from safetensors.torch import save_file
 
-    from ..checkpoint import atomic_folder
+    from ..checkpoint.folders import atomic_folder
 
     family = family_for(model.config)
     dtype = parse_dtype(dtype) or next(model.parameters()).dtype

@@ -138,7 +138,7 @@ def stream_rms(trace: dict) -> tuple[list[str], list[list[float]]]:
 def norm_comparison(traces: dict[str, dict], about: str | None = None) -> dict:
     """{'pre': trace, 'post': trace} of one text → the RMS tables the page plots side by side."""
     out: dict[str, Any] = {"rms": {}, "about": about}
-    from ..trace_format import as_trace
+    from ..tracing.format import as_trace
     from .source import rms_calcs
 
     for kind, tr in traces.items():

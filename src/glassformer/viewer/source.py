@@ -48,7 +48,7 @@ def encode(tokenizer, text: str, max_len: int) -> tuple[list[int], list[str]]:
 def trace_for_page(model, ids: list[int], tokens: list[str], focus: int | None = None, with_weights: bool = False):
     """The trace the page draws: every layer and head, the top logits, and the tiled kernel's
     own log for the focus row (default the last token) at the page's tile size."""
-    from ..trace import trace
+    from ..tracing.trace import trace
 
     cfg = model.config
     old_tile = cfg.attention_tile
@@ -80,7 +80,7 @@ def _rounded(t, decimals: int):
 def page_dict(tr, decimals: int = 6) -> dict:
     """A Trace as the dict its file holds (docs/trace-format.md), built straight from the
     tensors for the server's answers; weights are left out (the page never draws them)."""
-    from ..trace_format import FORMAT, FORMAT_VERSION, _tiles_json, json_ready
+    from ..tracing.format import FORMAT, FORMAT_VERSION, _tiles_json, json_ready
 
     probes = {}
     for name, p in tr.probes.items():
@@ -116,8 +116,8 @@ def norm_view(models: dict, ids: list[int], tokens: list[str], model=None, trace
     """RMS of the stream after every addition for the same text, pre-norm and post-norm
     (glassformer.analysis.norm_rms of each). `traced`, the Trace of `model` itself, is
     reused when `model` is one of the pair."""
-    from ..analysis import norm_rms
-    from ..trace import trace
+    from ..tracing.analysis import norm_rms
+    from ..tracing.trace import trace
 
     out: dict[str, Any] = {"rms": {}, "about": "the same weights with the norms before each sublayer (pre) "
                                               "or after each addition (post)"}
@@ -138,7 +138,7 @@ def rms_calcs(tr, points: list[str], own: bool = True, model: str | None = None)
     own=False: the trace is of the twin model, not of the page's trace, so its operands
     cannot be explained on this page: they are marked source 'twin' (shown, not linked).
     """
-    from ..explain import explain_rms
+    from ..explaining.explain import explain_rms
     from .render import to_plain
 
     out = []
@@ -205,7 +205,7 @@ def costs_view(cfg, T: int) -> dict | None:
 def page_args(model, tokenizer, text: str, *, model_name: str, mode: str = "static", norm: dict | None = None,
               focus: int | None = None, vocab: list[str] | None = None) -> tuple[Any, dict]:
     """(trace, build_payload keyword arguments) for one sentence."""
-    from ..explain import explain
+    from ..explaining.explain import explain
 
     ids, tokens = encode(tokenizer, text, model.config.max_seq_len)
     focus = focus if focus is not None and focus < len(ids) else None
@@ -237,7 +237,7 @@ def write_page(path, model, tokenizer, text: str, *, model_name: str, **kw):
 
 def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict | None = None, vocab=None, focus=None):
     """The server's Explorer for a model: recompute the trace of any sentence, explain any number."""
-    from ..explain import explain
+    from ..explaining.explain import explain
     from .server import Explorer
 
     model.eval()
@@ -271,7 +271,7 @@ def worked_parts(variant: str = "one_head") -> dict:
     """A walkthrough toy model (default the one-head one) with what its page needs: keyword
     arguments for page_args / explorer (the two-block pre-norm and post-norm models for the
     comparison)."""
-    from .. import worked
+    from ..worked import model as worked
 
     model, tokenizer = worked.load_worked(variant)
     norm = {"pre": worked.build_two_blocks("pre").eval(), "post": worked.build_two_blocks("post").eval()}
@@ -282,14 +282,14 @@ def worked_parts(variant: str = "one_head") -> dict:
 
 def worked_explorer(variant: str = "one_head"):
     parts = worked_parts(variant)
-    from .. import worked
+    from ..worked import model as worked
 
     return explorer(parts.pop("model"), parts.pop("tokenizer"), worked.SENTENCE, **parts)
 
 
 def write_worked_page(path, text: str | None = None):
     """The walkthrough's page ('I like cats too' unless text is given) as one file."""
-    from .. import worked
+    from ..worked import model as worked
 
     parts = worked_parts()
     return write_page(path, parts.pop("model"), parts.pop("tokenizer"), text or worked.SENTENCE, **parts)
@@ -309,8 +309,8 @@ def write_trace_page(trace, path, model=None, tokenizer=None, sentence: str | No
     from pathlib import Path
 
     from ..config import ModelConfig
-    from ..explain import explain
-    from ..trace_format import as_trace
+    from ..explaining.explain import explain
+    from ..tracing.format import as_trace
     from .render import norm_comparison, write_html
 
     if isinstance(trace, (str, Path)):

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from . import distributed as gdist
-from .config import ModelConfig, TrainConfig
-from .data import read_meta
-from .errors import UserError
+from ..config import ModelConfig, TrainConfig
+from ..text.data import read_meta
+from ..errors import UserError
 
 
 def uses_cuda(name: str) -> bool:
@@ -59,10 +59,10 @@ def set_dropout(model: torch.nn.Module, p: float) -> None:
 
 def build_model(cfg: TrainConfig, meta: dict):
     """A fresh model from the preset (+ --model overrides), or the weights of --init-from."""
-    from .model import Transformer
+    from ..model import Transformer
 
     if cfg.init_from:
-        from .checkpoint import load
+        from ..checkpoint.folders import load
 
         model, _ = load(cfg.init_from)
         if model.config.vocab_size != meta["vocab_size"]:

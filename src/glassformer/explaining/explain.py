@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import UserError
-from .trace_format import as_trace
+from ..errors import UserError
+from ..tracing.format import as_trace
 
 MAX_TERMS = 8
 
@@ -236,7 +236,7 @@ def explain(trace, probe: str, index: Sequence[int] | int, model=None, *, max_te
     >>> e = explain(t, "blocks.0.attn.q", (2, 0, 0))   # token 2, head 0, feature 0
     >>> e.result == e.steps[-1]["value"]; print(e.text)
     """
-    from .explain_rules import RULES, Context
+    from .rules import RULES, Context
 
     tr = as_trace(trace)
     index = [int(index)] if isinstance(index, int) else [int(i) for i in index]
@@ -263,7 +263,7 @@ def explain_rms(trace, probe: str, token: int, model=None, *, max_terms: int = M
 
     Its operands are the probe's numbers, each with its own calculation (`explain`).
     """
-    from .explain_rules import Context, rms_of_stream
+    from .rules import Context, rms_of_stream
 
     tr = as_trace(trace)
     p = tr.probe(probe)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 from .trace import TraceRecorder, eval_mode, recording, trace
-from .trace_format import Trace, json_ready
+from .format import Trace, json_ready
 
 
 def _rms(x: torch.Tensor) -> list[float]:
@@ -47,7 +47,7 @@ def norm_rms(tr: Trace) -> dict:
 
 def norm_placement(model, ids, tokens=None) -> dict:
     """The model's weights run pre-norm and post-norm: the stream's RMS after every addition, side by side."""
-    from .model import Transformer
+    from ..model import Transformer
 
     out = {}
     for placement in ("pre", "post"):
@@ -108,7 +108,7 @@ def decode_step(model, ids, new_id: int | None = None, layers=None) -> dict:
     cached keys (after RoPE) and values of every position 0..T, shape (K, T+1, H), and the new
     row of scaled scores and weights, shape (N, T+1).
     """
-    from .kv_cache import KVCache
+    from ..kv_cache import KVCache
 
     cfg = model.config
     ids = [int(i) for i in ids]

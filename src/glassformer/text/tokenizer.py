@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from .errors import UserError
+from ..errors import UserError
 
 EOT = "<|endoftext|>"
 # End-of-text names used by common tokenizer.json files, in the order we look for them.

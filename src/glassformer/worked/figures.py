@@ -12,9 +12,9 @@ import math
 
 import torch
 
-from . import worked as W
-from .config import ModelConfig
-from .kv_cache import KVCache
+from . import model as W
+from ..config import ModelConfig
+from ..kv_cache import KVCache
 
 ABOUT = (
     "Every figure that the hand-calculation walkthrough states for its toy model (sentence 'I like cats too', "

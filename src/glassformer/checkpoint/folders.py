@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from .config import ModelConfig
-from .errors import UserError, read_json
+from ..config import ModelConfig
+from ..errors import UserError, read_json
 
 FORMAT = "glassformer"
 FORMAT_VERSION = 1
@@ -137,13 +137,13 @@ def read_config(folder: str | Path) -> dict:
 
 def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """(model, tokenizer) from a checkpoint, run or Hugging Face folder; tokenizer is None if absent."""
-    from .model import Transformer
+    from ..model import Transformer
 
     folder = resolve(path)
     meta = read_config(folder)
     if meta.get("format") != FORMAT:
         if "model_type" in meta:
-            from .convert import load_hf  # the conversion module handles Hugging Face folders
+            from ..convert import load_hf  # the conversion module handles Hugging Face folders
 
             return load_hf(folder, device=device, dtype=dtype)
         raise UserError(f"{folder / 'config.json'} is neither a glassformer nor a Hugging Face config")
@@ -159,7 +159,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     state = load_file(str(folder / "model.safetensors"))
     model = model.to_empty(device=device)
     if cfg.pos == "rope":
-        from .model import rope_inv_freq
+        from ..model import rope_inv_freq
 
         model.rope_inv_freq = rope_inv_freq(cfg).to(device)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -172,7 +172,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
         model = model.to(dtype)
     tokenizer = None
     if (folder / "tokenizer.json").is_file():
-        from .tokenizer import Tokenizer
+        from ..text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_file(folder / "tokenizer.json")
     return model.eval(), tokenizer

@@ -5,7 +5,7 @@ Numbers are shown to the digits the walkthrough prints; the figures dict keeps t
 
 from __future__ import annotations
 
-from . import worked as W
+from . import model as W
 
 
 def _f(x: float, d: int = 2) -> str:

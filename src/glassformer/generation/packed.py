@@ -44,7 +44,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .model import RMSNorm, ffn_activation
+from ..model import RMSNorm, ffn_activation
 
 _PACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

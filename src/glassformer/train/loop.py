@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from . import distributed as gdist
-from .checkpoint import (
+from ..checkpoint.folders import (
     load_training,
     newest_checkpoint,
     prune,
@@ -37,15 +37,15 @@ from .checkpoint import (
     save_training,
     write_pointer,
 )
-from .config import ModelConfig, TrainConfig
+from ..config import ModelConfig, TrainConfig
 from .cpu_memory import keep_freed_memory
-from .data import TokenFile, get_batch
-from .errors import UserError
+from ..text.data import TokenFile, get_batch
+from ..errors import UserError
 from .evaluate import score, summary
 from .metrics import MetricsLog, flops_per_token, load_plotting, machine_peak, plot_losses
 from .optim import lr_at, make_optimizer, set_lr
 from .runstate import StopFlag, plan_steps, rng_state, set_rng_state
-from .train_setup import autocast_for, build_model, read_prepared, resolve_device, set_dropout, uses_cuda
+from .setup import autocast_for, build_model, read_prepared, resolve_device, set_dropout, uses_cuda
 
 
 class NonFiniteLoss(UserError):
@@ -108,7 +108,7 @@ def _train(cfg: TrainConfig, d: gdist.Dist) -> dict:
 
     torch.manual_seed(cfg.seed)
     if saved is not None:
-        from .model import Transformer
+        from ..model import Transformer
 
         mcfg = ModelConfig.from_dict(json.loads((resume_from / "config.json").read_text())["model"])
         model = Transformer(mcfg)

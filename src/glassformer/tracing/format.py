@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 FORMAT = "glassformer-trace"
 FORMAT_VERSION = 1

@@ -22,11 +22,11 @@ from typing import Iterable, Sequence
 
 import torch
 
-from . import probes
-from .attention.mask import allowed
-from .attention.tiled import tiled_attention
-from .errors import UserError
-from .trace_format import Probe, Trace, as_trace  # noqa: F401  (re-exported)
+from .. import probes
+from ..attention.mask import allowed
+from ..attention.tiled import tiled_attention
+from ..errors import UserError
+from .format import Probe, Trace, as_trace  # noqa: F401  (re-exported)
 
 # Axis names of each probe, by the last part of its name (docs/trace-format.md).
 _AXES = {

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from .attention.tiled import tiled_attention
-from .config import ModelConfig
-from .convert.heads import convert_kv_heads
-from .errors import UserError
-from .model import Transformer
-from .probes import set_recorder
+from ..attention.tiled import tiled_attention
+from ..config import ModelConfig
+from ..convert.heads import convert_kv_heads
+from ..errors import UserError
+from ..model import Transformer
+from ..probes import set_recorder
 
 SENTENCE = "I like cats too"
 
@@ -284,14 +284,14 @@ def tile_walk(probes: dict[str, torch.Tensor], tile: int, layer: int = 0) -> lis
 
 def figures() -> dict:
     """Every figure of the walkthrough, recomputed (worked_figures.py)."""
-    from .worked_figures import figures as _figures
+    from .figures import figures as _figures
 
     return _figures()
 
 
 def walkthrough(fig: dict | None = None) -> str:
     """The walkthrough as text, section by section, with the recomputed figures."""
-    from .worked_text import walkthrough as _walkthrough
+    from .text import walkthrough as _walkthrough
 
     return _walkthrough(figures() if fig is None else fig)
 

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from .errors import UserError
+from ..errors import UserError
 from .explain import Steps, fmt, operand
 
 _SYMBOL = {"attn.out": "attn_out", "attn.scores": "s", "attn.weights": "w", "logits": "logit", "probs": "p",
@@ -74,7 +74,7 @@ class Context:
             raise UserError(f"this calculation needs the weight {name}, which the trace does not hold: "
                             "trace with --with-weights (with_weights=True) or pass model=")
         if name not in self._weights:
-            from .trace import weight_matrix
+            from ..tracing.trace import weight_matrix
 
             sd = self.model.state_dict()
             if name not in sd and name != "lm_head.weight":

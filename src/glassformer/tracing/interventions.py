@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 from .trace import TraceRecorder, eval_mode, probe_axes, recording
 
 _SHOWN_ONLY = ("scores", "weights", "probs", "tiles")

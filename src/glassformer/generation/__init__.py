@@ -1,0 +1,12 @@
+"""Generation: sampling rules, a session over one KV cache, and `generate`.
+
+    sampling.py   logits -> probabilities -> a token (temperature, top-k, top-p, min-p, penalty)
+    session.py    prefill, decode_step, Session (a cache and the tokens in it), generate
+    compiled.py   how a session compiles its decode step (torch.compile options and guards)
+"""
+
+from .sampling import apply_repetition_penalty, check_sampling, logits_to_probs, sample
+from .session import Session, cache_length, decode_step, generate, prefill
+
+__all__ = ["check_sampling", "apply_repetition_penalty", "logits_to_probs", "sample", "prefill", "decode_step",
+           "Session", "cache_length", "generate"]
