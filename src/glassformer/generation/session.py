@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .. import probes
+from ..probes import active as probes_active
 from ..attention import cpu_decode
 from ..errors import UserError
 from ..kv_cache import KVCache
@@ -162,7 +162,7 @@ class Session:
     def _model(self, decode: bool = False):
         """The forward to run: the packed one (see packed.py) unless probes are listening or
         the model trains (dropout), where only the model itself does the right thing."""
-        if self.model.training or probes.active():
+        if self.model.training or probes_active():
             return self.model
         if decode and self._compiled is not None:
             if not self.packed:

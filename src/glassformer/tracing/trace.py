@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .. import probes
+from ..probes import set_recorder
 from ..attention.mask import allowed
 from ..attention.tiled import tiled_attention
 from ..errors import UserError
@@ -94,11 +94,11 @@ class TraceRecorder:
 @contextlib.contextmanager
 def recording(recorder):
     """Install `recorder` for the duration of the block; the previous one comes back after."""
-    old = probes.set_recorder(recorder)
+    old = set_recorder(recorder)
     try:
         yield recorder
     finally:
-        probes.set_recorder(old)
+        set_recorder(old)
 
 
 @contextlib.contextmanager
