@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from glassformer.cli import main
 
-from .train_fixtures import synthetic_text
+from .support import synthetic_text
 
 
 def test_demo_runs_end_to_end(tmp_path, capsys):

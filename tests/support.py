@@ -1,0 +1,197 @@
+"""What the tests share: tiny random models, tiny prepared data folders, Hugging Face twins, and a
+minimal recorder that writes the trace-file format independently of glassformer.tracing.
+
+Everything is made here: the tests read nothing outside the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from glassformer import ModelConfig, Transformer, probes
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+WORKED_FIGURES = TESTS / "data" / "worked_example.json"  # the walkthrough's figures, copied from the shared picture
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@torch.no_grad()
+def reinit(model: torch.nn.Module, std: float = 0.1, seed: int = 0) -> torch.nn.Module:
+    """Re-draw every weight with a large std: the default init makes logits so small that
+    real bugs hide under an absolute tolerance."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
+    return model
+
+
+def tiny_model(seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig.from_preset("tiny", **overrides)
+    return reinit(Transformer(cfg), seed=seed).eval()
+
+
+def greedy_cached(model, ids: torch.Tensor, steps: int) -> list[int]:
+    """Greedy tokens with a KV cache: prefill, then one token at a time."""
+    from glassformer import KVCache
+
+    cache = KVCache.for_model(model, ids.shape[0], ids.shape[1] + steps)
+    logits, _ = model(ids, cache=cache, pos=0)
+    out, pos = [], ids.shape[1]
+    for _ in range(steps):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        out.append(int(nxt[0, 0]))
+        logits, _ = model(nxt, cache=cache, pos=pos)
+        pos += 1
+    return out
+
+# ----------------------------------------------------------------------------- prepared data
+
+
+WORDS = ("the king and queen walk to the castle where a knight waits with his sword while "
+         "the old man sings of the sea and the stars above the hill").split()
+
+
+def synthetic_text(n_sentences: int, seed: int) -> str:
+    """Sentences from a tiny vocabulary with some structure (a model can learn to predict it)."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_sentences):
+        k = rng.randint(4, 10)
+        start = rng.randrange(len(WORDS))
+        words = [WORDS[(start + i * rng.choice((1, 1, 1, 2))) % len(WORDS)] for i in range(k)]
+        lines.append(" ".join(words).capitalize() + ".")
+    return "\n".join(lines) + "\n"
+
+
+def make_prepared(folder: Path, vocab_size: int = 300, n_train: int = 1500, n_val: int = 200) -> Path:
+    """A prepared folder in the data contract's layout: tokenizer.json, train.bin, val.bin, meta.json."""
+    from glassformer.text.tokenizer import Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    train_text, val_text = synthetic_text(n_train, 1), synthetic_text(n_val, 2)
+    tok = Tokenizer.train([train_text], vocab_size)
+    tok.save(folder / "tokenizer.json")
+    train_ids = np.asarray(tok.encode(train_text), dtype=np.uint16)
+    val_ids = np.asarray(tok.encode(val_text), dtype=np.uint16)
+    train_ids.tofile(folder / "train.bin")
+    val_ids.tofile(folder / "val.bin")
+    meta = {"dtype": "uint16", "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+            "train_tokens": len(train_ids), "val_tokens": len(val_ids),
+            "train_bytes": len(train_text.encode()), "val_bytes": len(val_text.encode()),
+            "corpus": "synthetic", "val_fraction": n_val / (n_train + n_val)}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """A prepared folder shared by a test module's training runs (import it by this name)."""
+    return make_prepared(tmp_path_factory.mktemp("data") / "prep")
+
+
+def make_token_stream(folder: Path, vocab_size: int = 512, n_train: int = 20000, n_val: int = 2000) -> Path:
+    """A prepared folder whose ids come from a fixed arithmetic rule, independent of any tokenizer
+    (for the golden trajectory, which must not move when the tokenizer trainer changes)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    # A noisy counting pattern: each next id is (a·id + b) mod V, with a deterministic jump every 7 tokens.
+    def stream(n: int, start: int) -> np.ndarray:
+        out = np.empty(n, dtype=np.uint16)
+        x = start
+        for i in range(n):
+            x = (5 * x + 3 + (i % 7 == 0) * (i % 11)) % vocab_size
+            out[i] = x
+        return out
+
+    stream(n_train, 1).tofile(folder / "train.bin")
+    stream(n_val, 2).tofile(folder / "val.bin")
+    meta = {"dtype": "uint16", "vocab_size": vocab_size, "eot_id": 0, "train_tokens": n_train,
+            "val_tokens": n_val, "train_bytes": 3 * n_train, "val_bytes": 3 * n_val, "corpus": "arithmetic"}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    (folder / "tokenizer.json").write_text("{}")  # never read in training; copied into checkpoints
+    return folder
+
+
+def hf_llama_with_data(root: Path):
+    """A prepared data folder and a tiny random Hugging Face Llama over its vocabulary, saved
+    to root/hf: (root, data, hf). Weights larger than the default init, so the loss is far
+    from uniform."""
+    import torch
+    import transformers
+
+    data = make_prepared(root / "data")
+    meta = json.loads((data / "meta.json").read_text())
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=meta["vocab_size"], hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    hf.save_pretrained(root / "hf", safe_serialization=True)
+    return root, data, hf
+
+
+def hf_loss(hf, x, y) -> float:
+    """Hugging Face's mean cross-entropy of y given x."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf(input_ids=x).logits
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1)))
+
+# ----------------------------------------------------------------------------- a recorder independent of glassformer.tracing
+
+
+_AXES = {
+    "q": ["token", "head", "feature"], "k": ["token", "head", "feature"], "v": ["token", "head", "feature"],
+    "q_rot": ["token", "head", "feature"], "k_rot": ["token", "head", "feature"], "z": ["token", "head", "feature"],
+    "scores": ["token", "head", "key"], "weights": ["token", "head", "key"],
+    "logits": ["token", "vocab"], "probs": ["token", "vocab"],
+}
+
+
+class _Record:
+    def __init__(self):
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name, x):
+        self.seen[name] = x.detach().float()[0].clone()  # drop the batch axis
+        return x
+
+    def wants(self, name):
+        return True
+
+
+@torch.no_grad()
+def fixture_trace(model, ids: list[int], tokens: list[str]) -> dict:
+    rec = _Record()
+    old = probes.set_recorder(rec)
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        probes.set_recorder(old)
+    out = {}
+    T = len(ids)
+    causal = torch.ones(T, T).tril().bool()  # (T, Tk)
+    for name, x in rec.seen.items():
+        leaf = name.rsplit(".", 1)[-1]
+        axes = _AXES.get(leaf, ["token", "feature"])
+        if leaf == "weights":
+            data = [[[float(x[i, h, j]) if causal[i, j] else None for j in range(T)]
+                     for h in range(x.shape[1])] for i in range(T)]
+        else:
+            data = x.tolist()
+        out[name] = {"shape": list(x.shape), "axes": axes, "data": data}
+    return {"tokens": tokens, "ids": list(ids), "positions": list(range(T)),
+            "config": model.config.to_dict(), "probes": out}
