@@ -5,7 +5,7 @@ new PyTorch), and say why in the commit:
 
     PYTHONPATH=src python scripts/regen_golden.py
 
-The test (tests/test_train_golden.py) replays the recorded arguments and compares every
+The test (tests/train/test_train_golden.py) replays the recorded arguments and compares every
 step's loss with rtol 1e-5.
 """
 
@@ -30,7 +30,7 @@ def trajectory(workdir: Path, args: list[str]) -> list[float]:
 
     from glassformer.cli import main
     from glassformer.train.metrics import read_metrics
-    from tests.train_fixtures import make_token_stream
+    from tests.support import make_token_stream
 
     data = make_token_stream(workdir / "data")
     out = workdir / "run"
