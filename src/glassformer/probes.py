@@ -54,3 +54,56 @@ def set_recorder(r: Recorder | None) -> Recorder | None:
     global _recorder
     old, _recorder = _recorder, r
     return old
+
+
+# ----------------------------------------------------------------------------- stream wiring
+# Which probe holds the residual stream at each point of block i, for each norm placement.
+# This is the one statement of it (explain, analysis, the viewer and its page, worked, the
+# logit lens all read it); tests/tracing/test_wiring.py checks it against model.Block.forward.
+# Pre-norm never normalises the stream, so it is the sum itself (resid_mid, resid_out);
+# post-norm normalises the stream right after each addition, so the stream proper is the
+# norm's output (attn_norm, ffn_norm) and the sums resid_mid/resid_out are what those norms read.
+# Keys (leaf names inside block i; "in" is the stream entering block i):
+#   mid               the stream after the attention addition
+#   out               the stream leaving the block (what block i+1, or the final norm, reads)
+#   attn_reads        what attention's q, k, v projections read
+#   ffn_reads         what the feed-forward reads
+#   attn_norm_reads   what the attention-side norm normalises
+#   ffn_norm_reads    what the feed-forward-side norm normalises
+STREAM_WIRING = {
+    "pre": {"mid": "resid_mid", "out": "resid_out", "attn_reads": "attn_norm", "ffn_reads": "ffn_norm",
+            "attn_norm_reads": "in", "ffn_norm_reads": "resid_mid"},
+    "post": {"mid": "attn_norm", "out": "ffn_norm", "attn_reads": "in", "ffn_reads": "attn_norm",
+             "attn_norm_reads": "resid_mid", "ffn_norm_reads": "resid_out"},
+}
+
+
+def stream_probes(layer: int, norm_placement: str) -> dict[str, str]:
+    """Full probe names of STREAM_WIRING for block `layer`, with "in" resolved.
+
+    >>> stream_probes(1, "post")["in"], stream_probes(0, "pre")["attn_norm_reads"]
+    ('blocks.0.ffn_norm', 'embed')
+    """
+    if norm_placement not in STREAM_WIRING:
+        raise ValueError(f"norm_placement must be one of {sorted(STREAM_WIRING)}, got {norm_placement!r}")
+    row = STREAM_WIRING[norm_placement]
+    enter = "embed" if layer == 0 else f"blocks.{layer - 1}.{row['out']}"
+    out = {"in": enter}
+    for key, leaf in row.items():
+        out[key] = enter if leaf == "in" else f"blocks.{layer}.{leaf}"
+    return out
+
+
+def stream_wiring(n_layers: int, norm_placement: str) -> list[dict[str, str]]:
+    """stream_probes of every block, in order (the page receives this in its data)."""
+    return [stream_probes(i, norm_placement) for i in range(n_layers)]
+
+
+def final_norm_reads(n_layers: int, norm_placement: str) -> str:
+    """The stream the final norm reads: the one leaving the last block."""
+    return stream_probes(n_layers - 1, norm_placement)["out"] if n_layers else "embed"
+
+
+def stream_points(n_layers: int, norm_placement: str) -> list[str]:
+    """The stream at the embedding, then after every addition: embed, mid and out of each block."""
+    return ["embed"] + [p for w in stream_wiring(n_layers, norm_placement) for p in (w["mid"], w["out"])]

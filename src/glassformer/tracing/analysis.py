@@ -13,32 +13,33 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from .trace import TraceRecorder, eval_mode, recording, trace
+from ..kv_cache import KVCache
+from ..probes import stream_points, stream_wiring
 from .format import Trace, json_ready
+from .interventions import logit_lens_top
+from .stream import placement_twins, stream_rms
+from .tiles import head_walk
+from .trace import TraceRecorder, eval_mode, probe_layer, recording, trace
 
 
 def _rms(x: torch.Tensor) -> list[float]:
-    return x.double().pow(2).mean(-1).sqrt().tolist()  # (T,)
+    return stream_rms(x).tolist()  # (T,)
 
 
 def norm_rms(tr: Trace) -> dict:
     """RMS √(mean x²) of each token's residual stream after every addition, in order.
 
-    points: the probes measured. Pre-norm: embed, then resid_mid and resid_out of each block
-    (the stream itself is never normalised, so its RMS grows). Post-norm: embed, then
-    attn_norm and ffn_norm (the stream right after each addition and its norm: ≈ 1);
-    `before_norm` holds the sums resid_mid/resid_out before the norm.
+    points: the probes that hold the stream (probes.stream_points): embed, then the stream
+    after each addition. Pre-norm never normalises it, so its RMS grows; post-norm normalises
+    it after each addition (≈ 1), and `before_norm` holds the sums resid_mid/resid_out
+    that those norms read.
     """
-    pre = tr.config["norm_placement"] == "pre"
-    points, labels, before = ["embed"], ["embed"], []
-    for i in tr.layers:
-        if pre:
-            points += [f"blocks.{i}.resid_mid", f"blocks.{i}.resid_out"]
-        else:
-            points += [f"blocks.{i}.attn_norm", f"blocks.{i}.ffn_norm"]
-            before += [f"blocks.{i}.resid_mid", f"blocks.{i}.resid_out"]
-        labels += [f"{i}: + attention", f"{i}: + FFN"]
-    out = {"placement": tr.config["norm_placement"], "tokens": tr.tokens, "points": points, "labels": labels,
+    placement, L = tr.config["norm_placement"], int(tr.config["n_layers"])
+    points = [p for p in stream_points(L, placement) if p == "embed" or probe_layer(p) in tr.layers]
+    before = [w[k] for w in stream_wiring(L, placement) if probe_layer(w["mid"]) in tr.layers
+              for k in ("attn_norm_reads", "ffn_norm_reads") if w[k] not in points and w[k] != w["in"]]
+    labels = ["embed"] + [f"{i}: + {part}" for i in tr.layers for part in ("attention", "FFN")]
+    out = {"placement": placement, "tokens": tr.tokens, "points": points, "labels": labels,
            "rms": [_rms(tr[p]) for p in points]}
     if before:
         out["before_norm"] = {"points": before, "rms": [_rms(tr[p]) for p in before]}
@@ -47,15 +48,7 @@ def norm_rms(tr: Trace) -> dict:
 
 def norm_placement(model, ids, tokens=None) -> dict:
     """The model's weights run pre-norm and post-norm: the stream's RMS after every addition, side by side."""
-    from ..model import Transformer
-
-    out = {}
-    for placement in ("pre", "post"):
-        cfg = model.config.replace(norm_placement=placement)
-        twin = Transformer(cfg).to(next(model.parameters()).device)
-        twin.load_state_dict(model.state_dict())
-        out[placement] = norm_rms(trace(twin.eval(), ids, tokens=tokens))
-    return out
+    return {kind: norm_rms(trace(twin, ids, tokens=tokens)) for kind, twin in placement_twins(model).items()}
 
 
 def head_summary(tr: Trace) -> dict:
@@ -75,29 +68,15 @@ def head_summary(tr: Trace) -> dict:
 
 
 def flash_walkthrough(tr: Trace, layer: int, head: int) -> dict:
-    """One query row of one head through the tiled kernel, tile by tile (trace with attention='tiled').
-
-    Each step: key range, skipped or not, this row's scores in the tile, and the running max m,
-    sum l, output o and rescale alpha after it. `output` = o / l after the last tile, which is
-    the kernel's output for this row; `z` is the traced .z of that row for comparison.
-    """
+    """One query row of one head through the tiled kernel, tile by tile (trace with attention='tiled'):
+    tiles.head_walk of the trace's own tile log, with `z`, the traced .z of that row, to compare."""
     if layer not in tr.tiles:
         raise UserError("this trace has no tile states: trace with attention='tiled' (--attention tiled)")
     t = tr.tiles[layer]
     if head not in t["heads"]:
         raise UserError(f"head {head} was not traced; traced heads: {t['heads']}")
-    h = t["heads"].index(head)
-    steps, m, l, o = [], None, None, None
-    for s in t["steps"]:
-        step = {"q": s["q"], "k": s["k"], "skipped": s["skipped"]}
-        if not s["skipped"]:
-            m, l, o = float(s["m"][h]), float(s["l"][h]), [float(v) for v in s["o"][h]]
-            step.update(scores=s["scores"][h].tolist(), m=m, l=l, alpha=float(s["alpha"][h]), o=o)
-        steps.append(step)
-    output = [v / l for v in o] if l else None
     z = tr[f"blocks.{layer}.attn.z"][t["query"], tr.heads.index(head)].tolist() if head in tr.heads else None
-    return json_ready({"layer": layer, "head": head, "query": t["query"], "position": t["position"],
-                   "tile_size": t["tile_size"], "steps": steps, "output": output, "z": z})
+    return json_ready({"layer": layer, **head_walk(t, head), "z": z})
 
 
 @torch.no_grad()
@@ -108,8 +87,6 @@ def decode_step(model, ids, new_id: int | None = None, layers=None) -> dict:
     cached keys (after RoPE) and values of every position 0..T, shape (K, T+1, H), and the new
     row of scaled scores and weights, shape (N, T+1).
     """
-    from ..kv_cache import KVCache
-
     cfg = model.config
     ids = [int(i) for i in ids]
     T = len(ids)
@@ -146,8 +123,6 @@ def decode_step(model, ids, new_id: int | None = None, layers=None) -> dict:
 
 def analysis_for(model, tr: Trace, lens_top: int = 5, tokenizer=None) -> dict:
     """Everything the viewer draws beside the probes, for the trace file's `analysis` key."""
-    from .interventions import logit_lens_top
-
     out = {"norm_rms": norm_rms(tr), "head_summary": head_summary(tr),
            "logit_lens": logit_lens_top(model, tr.ids, lens_top, tokenizer)}
     if tr.tiles:

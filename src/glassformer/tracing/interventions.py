@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import UserError
+from ..probes import stream_wiring
 from .trace import TraceRecorder, eval_mode, probe_axes, recording
 
 _SHOWN_ONLY = ("scores", "weights", "probs", "tiles")
@@ -187,9 +188,7 @@ def logit_lens(model, ids) -> torch.Tensor:
     """(L, T, V) logits from the stream after each block, through the final norm and the LM head
     (nostalgebraist, 2020). The last one equals the model's own logits."""
     cfg = model.config
-    # The stream leaving a block: resid_out for pre-norm, the normalised ffn_norm for post-norm.
-    leaf = "resid_out" if cfg.norm_placement == "pre" else "ffn_norm"
-    names = [f"blocks.{i}.{leaf}" for i in range(cfg.n_layers)]
+    names = [w["out"] for w in stream_wiring(cfg.n_layers, cfg.norm_placement)]  # the stream leaving each block
     _, seen = run_with(model, ids, {}, record=names)
     dev = next(model.parameters()).device
     stream = torch.stack([seen[n][0] for n in names]).to(dev)  # (L, T, D)

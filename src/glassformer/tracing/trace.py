@@ -11,7 +11,7 @@ costs nothing when it is off.
     torch.Size([4, 1, 2])
     >>> t.to_json("trace.json")               # docs/trace-format.md
 
-The file format lives in trace_format.py; this module records.
+The file format lives in format.py, the tile walk in tiles.py; this module records.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..probes import set_recorder
+from ..probes import set_recorder, stream_probes
 from ..attention.mask import allowed
 from ..attention.tiled import tiled_attention
 from ..errors import UserError
 from .format import Probe, Trace, as_trace  # noqa: F401  (re-exported)
+from .tiles import row_walk
 
 # Axis names of each probe, by the last part of its name (docs/trace-format.md).
 _AXES = {
@@ -186,76 +187,24 @@ def trace(
     """
     cfg = model.config
     ids = [int(i) for i in (ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids)]
+    _check_text(cfg, ids, tokens, pos)
     T = len(ids)
-    if T == 0:
-        raise UserError("nothing to trace: the text has no tokens")
-    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
-    if bad:
-        raise UserError(f"token ids {bad[:5]} are outside the vocabulary 0..{cfg.vocab_size - 1}")
-    if pos < 0 or pos + T > cfg.max_seq_len:
-        raise UserError(f"{T} tokens from position {pos} do not fit the model's context of {cfg.max_seq_len}: shorten the text")
-    if tokens is not None and len(tokens) != T:
-        raise UserError(f"{len(tokens)} token strings for {T} ids")
     layers = _as_list(layers, cfg.n_layers, "layers")
     heads = _as_list(heads, cfg.n_heads, "heads")
-    if top_k is not None and not 1 <= top_k:
-        raise UserError(f"--top-k must be a positive integer, got {top_k}")
     kernel = attention or cfg.attention
-    tile = int(tile or cfg.attention_tile)
-    if tile < 1:
-        raise UserError(f"tile must be a positive integer, got {tile}")
-    query = T - 1 if query is None else int(query)
-    if not 0 <= query < T:
-        raise UserError(f"query row {query} is outside the text's {T} tokens")
+    tile, query = _check_options(cfg, T, top_k, tile, query)
 
     tile_logs = {i: [] for i in layers} if kernel == "tiled" else None
-    # The stream entering each traced block (and the final norm) is kept too, so that explain
-    # can start a calculation from it when the block before was not traced.
-    feeds = {i - 1 for i in layers if i > 0} | {cfg.n_layers - 1}
-    rec = TraceRecorder(layers, also=[f"blocks.{i}.{n}" for i in feeds for n in ("resid_out", "ffn_norm")])
-    device = next(model.parameters()).device
-    idx = torch.tensor([ids], device=device)  # (1, T)
-    with eval_mode(model), attention_kernel(model, attention, tile_logs, tile), recording(rec):
-        model(idx, pos=pos)
+    rec = _record(model, ids, pos, layers, attention, tile_logs, tile)
+    found = _probes_of(rec.seen, cfg, heads, pos, T)
+    _cut_vocab(found, top_k, cfg.vocab_size)
 
     config = cfg.to_dict()
     config["attention"] = kernel
     if kernel == "tiled":
         config["attention_tile"] = tile
-    q_pos = torch.arange(pos, pos + T)[None]  # (1, T)
-    kv_heads = sorted({h // cfg.n_rep for h in heads})
-    found: dict[str, Probe] = {}
-    for name, x in rec.seen.items():
-        x = x[0]  # drop the batch axis
-        axes = probe_axes(name)
-        p = Probe(x, axes)
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "weights":
-            ok = allowed(q_pos, torch.arange(x.shape[-1]), None, cfg.sliding_window)[0]  # (T, Tk)
-            p.data = x.masked_fill(~ok[:, None, :], float("nan"))  # masked cells are null in the file
-        if "head" in axes and len(heads) < cfg.n_heads:
-            p.data, p.index["head"] = p.data[:, heads], list(heads)
-        if "kv_head" in axes and len(kv_heads) < cfg.n_kv_heads:
-            p.data, p.index["kv_head"] = p.data[:, kv_heads], list(kv_heads)
-        found[name] = p
-    if "logits" in found:
-        lg = found["logits"].data  # (T, V)
-        found["logits"].extra["logsumexp"] = torch.logsumexp(lg.double(), -1).tolist()
-        if top_k is not None and top_k < cfg.vocab_size:
-            top = lg.topk(top_k, dim=-1).indices  # (T, k)
-            for n in ("logits", "probs"):
-                if n in found:
-                    found[n].data = found[n].data.gather(-1, top)
-                    found[n].index["vocab"] = top.tolist()
-
-    tiles = {}
-    if tile_logs is not None:
-        for i, log in tile_logs.items():
-            tiles[i] = tile_walk(log, query, heads, cfg.n_heads, pos + query, tile)
-
-    weights = {}
-    if with_weights:
-        weights = _weights(model, layers, ids, list(range(pos, pos + T)), found, top_k, heads)
+    tiles = {i: row_walk(log, query, heads, cfg.n_heads, pos + query, tile) for i, log in (tile_logs or {}).items()}
+    weights = _weights(model, layers, ids, list(range(pos, pos + T)), found, top_k, heads) if with_weights else {}
     rope = model.rope_inv_freq.float().cpu().tolist() if cfg.pos == "rope" else None
     return Trace(
         tokens=list(tokens) if tokens is not None else [f"#{i}" for i in ids],
@@ -266,28 +215,77 @@ def trace(
     )
 
 
-def tile_walk(log: list[dict], row: int, heads: list[int], n_heads: int, position: int, tile: int) -> dict:
-    """The tiles that query row `row` went through, from the tiled kernel's tile_log (batch row 0)."""
-    steps = []
-    for e in log:
-        q0, q1 = e["q"]
-        if not q0 <= row < q1:
-            continue
-        step = {"q": [q0, q1], "k": list(e["k"]), "skipped": bool(e["skipped"])}
-        if not e["skipped"]:
-            r = row - q0
+def _check_text(cfg, ids: list[int], tokens, pos: int) -> None:
+    T = len(ids)
+    if T == 0:
+        raise UserError("nothing to trace: the text has no tokens")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise UserError(f"token ids {bad[:5]} are outside the vocabulary 0..{cfg.vocab_size - 1}")
+    if pos < 0 or pos + T > cfg.max_seq_len:
+        raise UserError(f"{T} tokens from position {pos} do not fit the model's context of {cfg.max_seq_len}: shorten the text")
+    if tokens is not None and len(tokens) != T:
+        raise UserError(f"{len(tokens)} token strings for {T} ids")
 
-            def per_head(t):  # (B, K, G, tq, X) -> (heads, X) for this row
-                t = t[0].reshape(n_heads, t.shape[3], t.shape[4])[:, r]  # (N, X)
-                return t[heads].float()
 
-            step["scores"] = per_head(e["scores"])  # (h, tk), -inf where masked
-            step["m"] = per_head(e["m"])[:, 0]
-            step["l"] = per_head(e["l"])[:, 0]
-            step["alpha"] = per_head(e["alpha"])[:, 0]
-            step["o"] = per_head(e["o"])  # (h, H)
-        steps.append(step)
-    return {"query": row, "position": position, "tile_size": tile, "heads": list(heads), "steps": steps}
+def _check_options(cfg, T: int, top_k, tile, query) -> tuple[int, int]:
+    """(tile, query) with their defaults, checked."""
+    if top_k is not None and not 1 <= top_k:
+        raise UserError(f"--top-k must be a positive integer, got {top_k}")
+    tile = int(tile or cfg.attention_tile)
+    if tile < 1:
+        raise UserError(f"tile must be a positive integer, got {tile}")
+    query = T - 1 if query is None else int(query)
+    if not 0 <= query < T:
+        raise UserError(f"query row {query} is outside the text's {T} tokens")
+    return tile, query
+
+
+def _record(model, ids, pos, layers, attention, tile_logs, tile) -> TraceRecorder:
+    """One forward pass with the recorder on: every probe of the traced layers."""
+    cfg = model.config
+    # The stream entering each traced block (and the final norm) is kept too, so that explain
+    # can start a calculation from it when the block before was not traced.
+    feeds = {i - 1 for i in layers if i > 0} | {cfg.n_layers - 1}
+    rec = TraceRecorder(layers, also=[stream_probes(i, cfg.norm_placement)["out"] for i in feeds])
+    idx = torch.tensor([ids], device=next(model.parameters()).device)  # (1, T)
+    with eval_mode(model), attention_kernel(model, attention, tile_logs, tile), recording(rec):
+        model(idx, pos=pos)
+    return rec
+
+
+def _probes_of(seen: dict[str, torch.Tensor], cfg, heads: list[int], pos: int, T: int) -> dict[str, Probe]:
+    """The recorded tensors as Probes: batch axis dropped, masked weights NaN, kept heads only."""
+    q_pos = torch.arange(pos, pos + T)[None]  # (1, T)
+    kv_heads = sorted({h // cfg.n_rep for h in heads})
+    found: dict[str, Probe] = {}
+    for name, x in seen.items():
+        x = x[0]  # drop the batch axis
+        axes = probe_axes(name)
+        p = Probe(x, axes)
+        if name.rsplit(".", 1)[-1] == "weights":
+            ok = allowed(q_pos, torch.arange(x.shape[-1]), None, cfg.sliding_window)[0]  # (T, Tk)
+            p.data = x.masked_fill(~ok[:, None, :], float("nan"))  # masked cells are null in the file
+        if "head" in axes and len(heads) < cfg.n_heads:
+            p.data, p.index["head"] = p.data[:, heads], list(heads)
+        if "kv_head" in axes and len(kv_heads) < cfg.n_kv_heads:
+            p.data, p.index["kv_head"] = p.data[:, kv_heads], list(kv_heads)
+        found[name] = p
+    return found
+
+
+def _cut_vocab(found: dict[str, Probe], top_k: int | None, vocab_size: int) -> None:
+    """logsumexp of every row of logits; with top_k, only the k largest logits (and probs) stay."""
+    if "logits" not in found:
+        return
+    lg = found["logits"].data  # (T, V)
+    found["logits"].extra["logsumexp"] = torch.logsumexp(lg.double(), -1).tolist()
+    if top_k is not None and top_k < vocab_size:
+        top = lg.topk(top_k, dim=-1).indices  # (T, k)
+        for n in ("logits", "probs"):
+            if n in found:
+                found[n].data = found[n].data.gather(-1, top)
+                found[n].index["vocab"] = top.tolist()
 
 
 def _head_cols(heads: list[int], H: int) -> list[int]:

@@ -1,0 +1,79 @@
+"""The FlashAttention walk-through: one query row through the tiled kernel, tile by tile.
+
+The kernel (attention/tiled.py) logs, for every (query tile, key tile), its running max m,
+sum l, output o and rescale alpha. This module is the one place that turns such a log into
+the walk of one query row (`row_walk`, stored in a trace as `blocks.i.attn.tiles`), runs the
+kernel to get one (`kernel_walk`: the worked example, the page's other rows and tile sizes),
+and reads one head's steps out of it (`head_walk`: analysis, the page). docs/trace-format.md
+describes the stored form.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.tiled import tiled_attention
+from .format import json_ready
+
+
+def row_walk(log: list[dict], row: int, heads: list[int], n_heads: int, position: int, tile: int) -> dict:
+    """The tiles that query row `row` went through, from the tiled kernel's tile_log (batch row 0)."""
+    steps = []
+    for e in log:
+        q0, q1 = e["q"]
+        if not q0 <= row < q1:
+            continue
+        step = {"q": [q0, q1], "k": list(e["k"]), "skipped": bool(e["skipped"])}
+        if not e["skipped"]:
+            r = row - q0
+
+            def per_head(t):  # (B, K, G, tq, X) -> (heads, X) for this row
+                t = t[0].reshape(n_heads, t.shape[3], t.shape[4])[:, r]  # (N, X)
+                return t[heads].float().cpu()
+
+            step["scores"] = per_head(e["scores"])  # (h, tk), -inf where masked
+            step["m"] = per_head(e["m"])[:, 0]
+            step["l"] = per_head(e["l"])[:, 0]
+            step["alpha"] = per_head(e["alpha"])[:, 0]
+            step["o"] = per_head(e["o"])  # (h, H)
+        steps.append(step)
+    return {"query": row, "position": position, "tile_size": tile, "heads": list(heads), "steps": steps}
+
+
+def kernel_walk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, row: int, tile: int,
+                positions: list[int] | None = None, window: int | None = None, heads: list[int] | None = None) -> dict:
+    """Run the tiled kernel on one text's q (T, N, H), k and v (T, K, H) (as traced: after RoPE)
+    and return row `row`'s walk (row_walk's form); `output` is the kernel's whole result (T, N, H)."""
+    T, N = q.shape[0], q.shape[1]
+    positions = list(range(T)) if positions is None else list(positions)
+    heads = list(range(N)) if heads is None else list(heads)
+    log: list[dict] = []
+    out = tiled_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # (1, heads, T, H)
+                          q_pos=torch.tensor([positions]), window=window, start=positions[0], tile=tile, tile_log=log)
+    walk = row_walk(log, row, heads, N, positions[row], tile)
+    walk["output"] = out[0].transpose(0, 1)  # (T, N, H)
+    return walk
+
+
+def head_walk(tiles: dict, head: int) -> dict:
+    """One head's steps of a row walk (tensors or their JSON lists), as plain JSON data.
+
+    Each step: key range, skipped or not, this row's scaled scores in the tile (None where
+    masked), and m, l, alpha, o after it. `output` = o / l after the last tile: the kernel's
+    output for this row.
+    """
+    h = tiles["heads"].index(head)
+    steps, l, o = [], None, None
+    for s in tiles["steps"]:
+        step = {"q": list(s["q"]), "k": list(s["k"]), "skipped": bool(s["skipped"])}
+        if not s["skipped"]:
+            l, o = float(s["l"][h]), [float(x) for x in s["o"][h]]
+            step.update(scores=[None if x is None else float(x) for x in s["scores"][h]], m=float(s["m"][h]), l=l,
+                        alpha=float(s["alpha"][h]), o=o)
+        steps.append(step)
+    output = [x / l for x in o] if l else None
+    return json_ready({"head": head, "query": tiles["query"], "position": tiles["position"],
+                       "tile_size": tiles["tile_size"], "steps": steps, "output": output})
+
+
+__all__ = ["row_walk", "kernel_walk", "head_walk"]
