@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from glassformer.checkpoint.folders import complete_checkpoints, load, read_pointer
+from glassformer.checkpoint.folders import complete_checkpoints, read_pointer
+from glassformer.checkpoint.loading import load
 from glassformer.cli import main
 from glassformer.train.metrics import read_metrics
 
@@ -52,8 +53,8 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 def inject(monkeypatch, at_call: int, action):
-    """Run action(loss) on the at_call-th forward of training (1-based), via the loop's forward_loss hook."""
-    import glassformer.train.loop as T
+    """Run action(loss) on the at_call-th forward of training (1-based), via train_step's forward_loss hook."""
+    import glassformer.train.step as T
 
     real, calls = T.forward_loss, {"n": 0}
 

@@ -11,6 +11,7 @@ torch.distributed.checkpoint.state_dict, so a checkpoint written at one world si
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -76,6 +77,20 @@ def wrap(model: torch.nn.Module, d: Dist, fsdp: bool, device: torch.device) -> t
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def micro_batch_sync(net: torch.nn.Module, d: Dist | None, last: bool):
+    """The context for one micro-batch's backward: gradients are reduced across ranks only on the
+    last micro-batch of a step, since a reduction per micro-batch would repeat the same traffic.
+    DDP skips its all-reduce inside `no_sync()`; FSDP2 has no such context, so its flag is set
+    (off before the first micro-batch, back on for the last). A no-op in one process."""
+    if d is None or not d.enabled:
+        return contextlib.nullcontext()
+    if hasattr(net, "no_sync"):  # DDP
+        return contextlib.nullcontext() if last else net.no_sync()
+    if hasattr(net, "set_requires_gradient_sync"):  # FSDP2: the flag stays as set until changed
+        net.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,14 +1,69 @@
-"""What a run needs to stop and resume exactly: every RNG state, a flag set by SIGINT/SIGTERM,
-and the step count that fits a time budget."""
+"""The state of one training run (`RunState`, what the loop's phases pass along), and what a
+run needs to stop and resume exactly: every RNG state, a flag set by SIGINT/SIGTERM, and the
+step count that fits a time budget."""
 
 from __future__ import annotations
 
+import math
 import random
 import signal
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
+
+
+@dataclass
+class RunState:
+    """Everything the phases of `train` (train/loop.py) read and change; built by `start_run`
+    (train/setup.py). Times are time.perf_counter() seconds."""
+
+    cfg: Any  # the TrainConfig
+    d: Any  # distributed.Dist
+    device: torch.device
+    data: Path  # the prepared data folder
+    out: Path  # the run folder
+    model: torch.nn.Module  # the Transformer
+    net: torch.nn.Module  # what runs the forward: the model, or its DDP/FSDP wrapper
+    optimizer: torch.optim.Optimizer
+    train_tokens: Any  # text.data.TokenFile
+    eval_ids: np.ndarray  # the held-out tokens each evaluation scores
+    eval_bytes: int  # their UTF-8 bytes, for bits per byte
+    seq_len: int
+    micro: int  # rows per micro-batch
+    accum: int  # micro-batches per step on this process
+    autocast: Callable
+    n_threads: int
+    step: int = 0  # optimizer steps done
+    total_steps: int | None = None  # None until a time budget fixes it
+    elapsed0: float = 0.0  # seconds spent by the run before it was resumed
+    best: dict = field(default_factory=lambda: {"name": None, "val_loss": math.inf})
+    plan: dict | None = None  # the time budget's plan, once made
+    peak: float | None = None  # FLOP/s for MFU (rank 0)
+    flops_per_token: float = 0.0
+    metrics: Any = None  # metrics.MetricsLog on rank 0
+    bar: Any = None  # the tqdm progress bar
+    t_start: float = 0.0
+    start_step: int = 0  # the step this process began at (after a resume: the checkpoint's)
+    t_calib: float | None = None  # when the time budget's timed steps began
+    t_log: float = 0.0  # when tokens/s was last measured from
+    tok_log: int = 0  # tokens trained since then
+    lr: float = 0.0  # the last step's learning rate
+    last: Any = None  # the last step's step.StepResult
+    losses: list = field(default_factory=list)  # every step's training loss
+    last_val: dict | None = None  # the last evaluation
+    stop_reason: str | None = None  # the signal that stopped the run
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.seq_len
+
+    @property
+    def done(self) -> bool:
+        return self.total_steps is not None and self.step >= self.total_steps
 
 
 def rng_state() -> tuple[dict, dict[str, torch.Tensor]]:

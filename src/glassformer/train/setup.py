@@ -1,16 +1,27 @@
-"""What a training run sets up before its loop: the device, autocast, the data folder, the model."""
+"""What a training run sets up before its loop: the device, autocast, the data folder, the model,
+and `start_run`, the loop's first phase (fresh, --init-from or --resume)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
+import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import distributed as gdist
+from ..checkpoint.folders import newest_checkpoint, remove_leftovers
+from ..checkpoint.training import load_training
 from ..config import ModelConfig, TrainConfig
-from ..text.data import read_meta
 from ..errors import UserError
+from ..text.data import TokenFile, read_meta
+from .metrics import MetricsLog, flops_per_token, machine_peak, pick_threads
+from .optim import make_optimizer
+from .runstate import RunState, set_rng_state
 
 
 def uses_cuda(name: str) -> bool:
@@ -62,7 +73,7 @@ def build_model(cfg: TrainConfig, meta: dict):
     from ..model import Transformer
 
     if cfg.init_from:
-        from ..checkpoint.folders import load
+        from ..checkpoint.loading import load
 
         model, _ = load(cfg.init_from)
         if model.config.vocab_size != meta["vocab_size"]:
@@ -76,3 +87,146 @@ def build_model(cfg: TrainConfig, meta: dict):
         model = Transformer(ModelConfig.from_preset(cfg.preset, **overrides))
     set_dropout(model, cfg.dropout)
     return model
+
+
+def say(d: gdist.Dist, msg: str) -> None:
+    """A line on stderr from rank 0 alone."""
+    if d.main:
+        print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- start or resume a run
+
+
+def start_run(cfg: TrainConfig, d: gdist.Dist) -> RunState:
+    """The run folder, the model (fresh, --init-from, or resumed with its optimizer and RNG states),
+    the data, the thread count and the progress bar: everything the loop's first step needs."""
+    t_start = time.perf_counter()
+    device = resolve_device(cfg.device, d)
+    data, out = Path(cfg.data), Path(cfg.out)
+    meta = read_prepared(data)
+    open_run_folder(out, d)
+    resume_from, saved = find_checkpoint(cfg, out, d)
+    torch.manual_seed(cfg.seed)
+    model = resumed_model(cfg, resume_from, saved[0]) if saved else build_model(cfg, meta)
+    seq_len, micro, accum = batch_shape(cfg, model.config, d)
+    train_tokens, val_tokens = (TokenFile(data / f"{split}.bin", meta["dtype"]) for split in ("train", "val"))
+    if len(train_tokens) <= seq_len + 1:
+        raise UserError(f"{data}/train.bin has {len(train_tokens)} tokens, fewer than one sequence of {seq_len + 1}")
+    net, optimizer = place_model(cfg, model, d, device)
+    eval_ids = np.asarray(val_tokens[: (cfg.eval_tokens + 1) if cfg.eval_tokens else len(val_tokens)])
+    run = RunState(cfg=cfg, d=d, device=device, data=data, out=out, model=model, net=net, optimizer=optimizer,
+                   train_tokens=train_tokens, eval_ids=eval_ids,
+                   eval_bytes=int(round(meta.get("val_bytes", 0) * min(1.0, len(eval_ids) / max(1, len(val_tokens))))),
+                   seq_len=seq_len, micro=micro, accum=accum, autocast=contextlib.nullcontext, n_threads=0,
+                   total_steps=None if cfg.time_budget else cfg.max_steps, t_start=t_start)
+    if saved:
+        restore_training(run, *saved[1:])
+    if cfg.time_budget and cfg.calibrate_steps > cfg.warmup_steps and run.total_steps is None:
+        raise UserError("--calibrate-steps must not exceed --warmup-steps with --time-budget, so the "
+                        "calibration steps' learning rate does not depend on the step count it fixes")
+    run.n_threads = set_threads(cfg, d, device, (saved[2] if saved else {}).get("threads"))
+    run.autocast = autocast_for(device, cfg.dtype)
+    start_measuring(run)
+    run.plan = saved[2].get("time_budget_plan") if saved else None
+    run.start_step = run.step
+    run.t_log = time.perf_counter()
+    return run
+
+
+def open_run_folder(out: Path, d: gdist.Dist) -> None:
+    """Create the run folder and delete what a killed checkpoint write left there (rank 0)."""
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        left = remove_leftovers(out)
+        if left:
+            say(d, f"removed unfinished checkpoint writes: {', '.join(left)}")
+    gdist.barrier(d)
+
+
+def find_checkpoint(cfg: TrainConfig, out: Path, d: gdist.Dist) -> tuple[Path | None, tuple | None]:
+    """With --resume: (newest complete checkpoint, its (model state, optimizer state, train state,
+    RNG tensors)); (None, None) for a fresh run, which --resume on an empty run folder is too."""
+    resume_from = newest_checkpoint(out) if cfg.resume else None
+    if cfg.resume and resume_from is None:
+        say(d, f"--resume: no complete checkpoint in {out} yet, so starting fresh")
+    if resume_from is None:
+        if cfg.init_from:
+            say(d, f"initialising from {cfg.init_from}")
+        return None, None
+    saved = load_training(resume_from)
+    say(d, f"resuming from {resume_from} (step {saved[2]['step']})")
+    return resume_from, saved
+
+
+def resumed_model(cfg: TrainConfig, folder: Path, state_dict: dict):
+    """The checkpoint's model, with the run's dropout."""
+    from ..checkpoint.builder import model_from_state
+
+    mcfg = ModelConfig.from_dict(json.loads((folder / "config.json").read_text())["model"])
+    model = model_from_state(mcfg, state_dict, dtype=torch.get_default_dtype(), where=str(folder)).train()
+    set_dropout(model, cfg.dropout)
+    return model
+
+
+def batch_shape(cfg: TrainConfig, mcfg: ModelConfig, d: gdist.Dist) -> tuple[int, int, int]:
+    """(seq_len, micro-batch rows, micro-batches per step): global batch = world · micro · accum."""
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    if seq_len > mcfg.max_seq_len:
+        raise UserError(f"--seq-len {seq_len} is longer than the model's context ({mcfg.max_seq_len})")
+    if cfg.batch_size % d.world_size:
+        raise UserError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({d.world_size})")
+    per_rank = cfg.batch_size // d.world_size
+    micro = cfg.micro_batch or per_rank
+    if per_rank % micro:
+        raise UserError(f"--micro-batch {micro} must divide the per-process batch {per_rank}")
+    return seq_len, micro, per_rank // micro
+
+
+def place_model(cfg: TrainConfig, model, d: gdist.Dist, device: torch.device):
+    """(net, optimizer): the model on its device, compiled if asked, wrapped for DDP/FSDP."""
+    model.to(device)
+    if cfg.compile:
+        model.compile()
+        say(d, "compile: the first step (and the first evaluation) compile the model once, tens of seconds on a CPU")
+    net = gdist.wrap(model, d, cfg.fsdp, device)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), device, sharded=cfg.fsdp and d.enabled)
+    return net, optimizer
+
+
+def restore_training(run: RunState, optim_sd: dict, state: dict, rng_tensors: dict) -> None:
+    """A resumed run's optimizer moments, RNG states, step counts and best checkpoint."""
+    gdist.load_optimizer(run.net, run.optimizer, optim_sd)
+    set_rng_state(state["rng"], rng_tensors)
+    run.step, run.total_steps, run.elapsed0 = state["step"], state["total_steps"], state["elapsed"]
+    run.best = state.get("best") or run.best
+    if run.best.get("val_loss") is None:
+        run.best["val_loss"] = math.inf
+
+
+def set_threads(cfg: TrainConfig, d: gdist.Dist, device: torch.device, saved_threads: int | None) -> int:
+    """CPU threads as asked, as the resumed run had them (same reduction order, same bits), or measured."""
+    n_threads = cfg.threads or saved_threads or 0
+    if n_threads:
+        torch.set_num_threads(n_threads)
+    elif device.type == "cpu":
+        n_threads, one, many = pick_threads(torch.get_num_threads())
+        say(d, f"CPU threads: {n_threads} (one thread {one / 1e9:.0f} GFLOP/s, all {many / 1e9:.0f} GFLOP/s "
+               "on a training-sized matmul; --threads N fixes it)")
+    return torch.get_num_threads()
+
+
+def start_measuring(run: RunState) -> None:
+    """The MFU peak, metrics.jsonl (cut back to the resumed step), the model's summary line, the bar."""
+    from tqdm import tqdm
+
+    cfg, d, mcfg = run.cfg, run.d, run.model.config
+    run.peak, peak_src = machine_peak(run.device) if d.main else (None, "")
+    run.flops_per_token = flops_per_token(mcfg, run.seq_len)
+    run.metrics = MetricsLog(run.out / "metrics.jsonl", truncate_after_step=run.step) if d.main else None
+    say(d, f"model: {run.model.num_params():,} weights ({mcfg.n_layers} layers, width {mcfg.dim}, vocab {mcfg.vocab_size}); "
+           f"batch {cfg.batch_size}×{run.seq_len} tokens = {d.world_size} process(es) × {run.micro} × {run.accum} "
+           f"accumulation; device {run.device}"
+           + (f"; MFU peak {run.peak / 1e9:.1f} GFLOP/s ({peak_src})" if run.peak else ""))
+    run.bar = tqdm(total=run.total_steps, initial=run.step, disable=not (d.main and cfg.progress), unit="step",
+                   dynamic_ncols=True, file=sys.stderr)

@@ -1,0 +1,74 @@
+"""One optimizer step, as a function of the model, the optimizer and a batch of token ids.
+
+`train_step` is what the loop (train/loop.py) calls once per step, and what tests call on a
+tiny model with tensors they made themselves: no data folder, run folder or process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import distributed as gdist
+from .optim import set_lr
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean cross-entropy over the step's micro-batches (and ranks)
+    grad_norm: float  # global L2 norm of the gradient, before clipping
+    stepped: bool  # False: loss or norm not finite, so the gradients were dropped and no weight moved
+
+
+def forward_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of one micro-batch (a module-level function so tests can inject faults)."""
+    _, loss = model(x, y)
+    return loss
+
+
+def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
+               accum: int = 1, lr: float | None = None, grad_clip: float = 0.0,
+               autocast=contextlib.nullcontext, d: gdist.Dist | None = None,
+               device: torch.device | None = None) -> StepResult:
+    """One optimizer step on this process's rows x, y (B, T): `accum` micro-batches of B/accum rows,
+    their mean loss backpropagated (gradients reduced across ranks on the last one only), the global
+    gradient norm, clipping to grad_clip (0: none), then the optimizer step at learning rate lr
+    (None: as the optimizer has it). A non-finite loss or norm drops the gradients and skips the step.
+
+    net is the model or its DDP/FSDP wrapper; d the process group (None: one process).
+    """
+    assert x.shape == y.shape and x.shape[0] % accum == 0, (x.shape, y.shape, accum)
+    if lr is not None:
+        set_lr(optimizer, lr)
+    device = device or next(net.parameters()).device
+    loss_mean = _accumulate_gradients(net, x, y, accum, autocast, d, device)
+    loss = float(gdist.all_mean(loss_mean, d)) if d is not None else float(loss_mean)
+    params = [p for p in gdist.unwrap(net).parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # FSDP2: the norm is a DTensor
+        norm = norm.full_tensor()
+    norm = float(norm)
+    stepped = math.isfinite(loss) and math.isfinite(norm)
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss=loss, grad_norm=norm, stepped=stepped)
+
+
+def _accumulate_gradients(net, x, y, accum, autocast, d, device) -> torch.Tensor:
+    """Backward of each micro-batch's loss / accum, so the summed gradient is that of the whole
+    batch's mean loss; returns the mean loss (a tensor on device, detached)."""
+    micro = x.shape[0] // accum
+    loss_sum = torch.zeros((), device=device)
+    for m in range(accum):
+        xm = x[m * micro:(m + 1) * micro].to(device, non_blocking=True)  # (micro, T)
+        ym = y[m * micro:(m + 1) * micro].to(device, non_blocking=True)  # (micro, T)
+        with gdist.micro_batch_sync(net, d, last=m == accum - 1):
+            with autocast():
+                loss = forward_loss(net, xm, ym)
+            (loss / accum).backward()
+        loss_sum += loss.detach().float()
+    return loss_sum / accum
