@@ -7,221 +7,20 @@ weight they come from) and text, e.g.
 
 Recomputing a step from its operands (docs/trace-format.md, "explain results") gives the
 traced value. For sums too wide to print, the largest terms are shown and the rest summed.
-The rules of each probe live in explain_rules.py; this module holds the data types, the
-text and the recomputation.
+The steps and their recomputation live in steps.py, the rule of each probe in rules.py;
+this module is the entry point.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 from ..errors import UserError
 from ..tracing.format import as_trace
-
-MAX_TERMS = 8
-
-
-# ----------------------------------------------------------------------------- numbers as text
-
-
-def fmt(x: float | None, digits: int = 4) -> str:
-    """A number the way the walkthrough prints it: 4 significant digits, a real minus sign.
-
-    >>> fmt(-0.49312), fmt(1.0), fmt(2e-7)
-    ('−0.4931', '1', '2e−07')
-    """
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "masked"
-    if math.isinf(x):
-        return "∞" if x > 0 else "−∞"
-    s = f"%.{digits}g" % x
-    if s in ("-0", "0"):
-        s = "0"
-    return s.replace("-", "−")
-
-
-def _factor_text(v: float) -> str:
-    s = fmt(v)
-    return f"({s})" if s.startswith("−") else s
-
-
-# ----------------------------------------------------------------------------- data
-
-
-def operand(label: str, value: float, source: str = "const", name: str | None = None, index=None, power: int = 1) -> dict:
-    """One number a step uses: from a probe, a weight, an earlier step, or a constant."""
-    d = {"label": label, "source": source, "name": name, "index": None if index is None else [int(i) for i in index],
-         "value": float(value)}
-    if power != 1:
-        d["power"] = power
-    return d
-
-
-def step_value(step: dict) -> float | None:
-    """Recompute a step from its operands (the rule table of docs/trace-format.md), in float64."""
-    op = step["op"]
-    rest = step.get("rest") or {}
-    if op == "masked":
-        return None
-    if op == "sum":
-        total = sum(math.prod(o["value"] ** o.get("power", 1) for o in t) for t in step["terms"])
-        total += rest.get("value", 0.0)
-        return POST[step.get("post")](total)
-    if op == "max":
-        vals = [o["value"] for o in step["over"]] + ([rest["value"]] if rest else [])
-        return max(vals)
-    if op == "softmax":
-        m = step["max"]
-        den = sum(math.exp(o["value"] - m) for o in step["over"]) + rest.get("value", 0.0)
-        return math.exp(step["target"]["value"] - m) / den
-    raise ValueError(f"unknown step op {op!r}")
-
-
-def _gelu(x: float) -> float:
-    return 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))
-
-
-def _gelu_tanh(x: float) -> float:
-    return 0.5 * x * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-
-
-POST = {
-    None: lambda x: x,
-    "sqrt": math.sqrt,
-    "relu": lambda x: max(x, 0.0),
-    "gelu": _gelu,
-    "gelu_tanh": _gelu_tanh,
-    "silu": lambda x: x / (1.0 + math.exp(-x)) if x > -700 else 0.0,
-    "exp": math.exp,
-}
-
-
-@dataclass
-class Explanation:
-    """The calculation of one traced number: steps (data) and their text."""
-
-    probe: str
-    index: list[int]
-    label: str
-    value: float | None  # the traced value (None for a masked cell)
-    steps: list[dict] = field(default_factory=list)
-
-    @property
-    def result(self) -> float | None:
-        """The last step recomputed from its operands."""
-        return self.steps[-1]["value"] if self.steps else None
-
-    @property
-    def text(self) -> str:
-        return "\n".join(s["text"] for s in self.steps)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"probe": self.probe, "index": self.index, "label": self.label, "value": self.value,
-                "result": self.result, "steps": self.steps, "text": self.text}
-
-    def __str__(self) -> str:
-        return self.text
-
-
-class Steps:
-    """Builds an explanation step by step; each step is recomputed from its operands as it is added."""
-
-    def __init__(self, max_terms: int):
-        self.max_terms = max_terms
-        self.steps: list[dict] = []
-
-    def ref(self, k: int, label: str | None = None, power: int = 1) -> dict:
-        s = self.steps[k]
-        return operand(label or s["label"], s["value"], "step", None, [k], power)
-
-    def sum(self, label: str, formula: str, terms: list[list[dict]], post: str | None = None,
-            wide: bool = True, fixed: list[list[dict]] = ()) -> int:
-        """A sum of products, post(Σ Π); when wide, only the largest max_terms products are listed.
-
-        `fixed` terms (ε, −μ²) are always listed, after the others.
-        """
-        rest = None
-        if wide and len(terms) > self.max_terms:
-            prods = [abs(math.prod(o["value"] ** o.get("power", 1) for o in t)) for t in terms]
-            keep = sorted(sorted(range(len(terms)), key=lambda i: -prods[i])[: self.max_terms])
-            kept = set(keep)
-            others = [t for i, t in enumerate(terms) if i not in kept]
-            rest = {"count": len(others),
-                    "value": sum(math.prod(o["value"] ** o.get("power", 1) for o in t) for t in others)}
-            terms = [terms[i] for i in keep]
-        terms = list(terms) + list(fixed)
-        step = {"label": label, "op": "sum", "post": post, "formula": formula, "terms": terms, "rest": rest}
-        step["value"] = step_value(step)
-        body = " + ".join(_term_text(t) for t in terms)
-        if rest:
-            body += f" + [{rest['count']} smaller terms: {fmt(rest['value'])}]"
-        if post:
-            inner = fmt(terms[0][0]["value"]) if len(terms) == 1 and len(terms[0]) == 1 and not rest else body
-            body = f"{post}({inner})"
-        step["text"] = f"{label} = {formula} = {body} = {fmt(step['value'])}"
-        return self._add(step)
-
-    def max(self, label: str, over: list[dict]) -> int:
-        rest = None
-        if len(over) > self.max_terms:
-            order = sorted(range(len(over)), key=lambda i: -over[i]["value"])
-            rest = {"count": len(over) - self.max_terms, "value": over[order[self.max_terms]]["value"]}
-            over = [over[i] for i in sorted(order[: self.max_terms])]
-        step = {"label": label, "op": "max", "formula": "max_j", "over": over, "rest": rest}
-        step["value"] = step_value(step)
-        more = f", … {rest['count']} more" if rest else ""
-        step["text"] = f"{label} = max({', '.join(fmt(o['value']) for o in over)}{more}) = {fmt(step['value'])}"
-        return self._add(step)
-
-    def softmax(self, label: str, target: dict, over: list[dict], m: float, formula: str,
-                rest_value: float | None = None, rest_count: int = 0, note: str = "") -> int:
-        """exp(target − m) / Σ exp(o − m); when wide, the largest exps are listed and the rest summed."""
-        rest = None
-        if len(over) > self.max_terms:
-            order = sorted(range(len(over)), key=lambda i: -over[i]["value"])
-            keep = set(order[: self.max_terms - 1])
-            keep.add(next(i for i, o in enumerate(over) if o is target))
-            extra = [o for i, o in enumerate(over) if i not in keep]
-            rest = {"count": len(extra), "value": sum(math.exp(o["value"] - m) for o in extra)}
-            over = [o for i, o in enumerate(over) if i in keep]
-        if rest_value is not None:  # entries that are not in the trace (top-k logits)
-            rest = {"count": (rest or {}).get("count", 0) + rest_count,
-                    "value": (rest or {}).get("value", 0.0) + rest_value}
-        step = {"label": label, "op": "softmax", "formula": formula, "target": target, "over": over,
-                "max": m, "rest": rest}
-        step["value"] = step_value(step)
-        den = " + ".join(f"exp({fmt(o['value'])} − {fmt(m)})" for o in over)
-        if rest:
-            den += f" + [{rest['count']} more: {fmt(rest['value'])}]"
-        step["text"] = (f"{label} = {formula} = exp({fmt(target['value'])} − {fmt(m)}) / ({den}) "
-                        f"= {fmt(step['value'])}{note}")
-        return self._add(step)
-
-    def masked(self, label: str, reason: str) -> int:
-        return self._add({"label": label, "op": "masked", "formula": "masked", "reason": reason, "value": None,
-                          "text": f"{label} = masked: {reason} (weight 0, shown as null)"})
-
-    def _add(self, step: dict) -> int:
-        self.steps.append(step)
-        return len(self.steps) - 1
-
-
-def _term_text(t: list[dict]) -> str:
-    """'a·b', with a repeated factor as a square and a factor of power −1 as a division."""
-    s, k = "", 0
-    while k < len(t):
-        o = t[k]
-        if o.get("power", 1) == -1:
-            s += "/" + _factor_text(o["value"])
-        elif k + 1 < len(t) and t[k + 1] is o:
-            s += ("·" if k else "") + _factor_text(o["value"]) + "²"
-            k += 1
-        else:
-            s += ("·" if k else "") + _factor_text(o["value"])
-        k += 1
-    return s
+from ..tracing.stream import stream_rms
+from .rules import RULES, Context, rms_of_stream
+from .steps import MAX_TERMS, POST, Explanation, Steps, fmt, operand, step_value  # noqa: F401  (re-exported)
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -236,8 +35,6 @@ def explain(trace, probe: str, index: Sequence[int] | int, model=None, *, max_te
     >>> e = explain(t, "blocks.0.attn.q", (2, 0, 0))   # token 2, head 0, feature 0
     >>> e.result == e.steps[-1]["value"]; print(e.text)
     """
-    from .rules import RULES, Context
-
     tr = as_trace(trace)
     index = [int(index)] if isinstance(index, int) else [int(i) for i in index]
     leaf = probe.split(".")[-1]
@@ -259,12 +56,10 @@ def explain(trace, probe: str, index: Sequence[int] | int, model=None, *, max_te
 
 def explain_rms(trace, probe: str, token: int, model=None, *, max_terms: int = MAX_TERMS) -> Explanation:
     """The calculation of the RMS √(Σ_i x[i]²/D) of token `token`'s vector in `probe` (a stream
-    probe: embed, resid_mid, resid_out, or a norm's output), as in glassformer.analysis.norm_rms.
+    probe: embed, resid_mid, resid_out, or a norm's output), as in glassformer.tracing.analysis.norm_rms.
 
     Its operands are the probe's numbers, each with its own calculation (`explain`).
     """
-    from .rules import Context, rms_of_stream
-
     tr = as_trace(trace)
     p = tr.probe(probe)
     if p.axes[0] != "token" or len(p.axes) != 2:
@@ -272,8 +67,7 @@ def explain_rms(trace, probe: str, token: int, model=None, *, max_terms: int = M
     t = int(token)
     if not 0 <= t < p.data.shape[0]:
         raise UserError(f"{probe} has {p.data.shape[0]} tokens; token {t} is out of range")
-    x = p.data[t].double()
-    value = float(x.pow(2).mean().sqrt())
+    value = float(stream_rms(p.data[t]))
     ctx = Context(tr, model, Steps(max_terms))
     rms_of_stream(ctx, probe, t)
     label = ctx.steps.steps[-1]["label"]

@@ -1,12 +1,11 @@
 """The rule for each probe: which operands make it, and how (used by glassformer.explain).
 
 Each rule adds steps to ctx.steps; the last step is the explained number. The data flow
-follows model.py exactly, pre-norm and post-norm:
+follows model.py exactly, pre-norm and post-norm; which probe each part reads (the stream
+wiring) comes from probes.STREAM_WIRING:
 
-    pre:  x → attn_norm → q,k,v → q_rot,k_rot → scores → weights → z → out;  resid_mid = x + out
-          resid_mid → ffn_norm → up,gate → act → down;  resid_out = resid_mid + down
-    post: x → q,k,v → … → out;  resid_mid = x + out;  attn_norm = norm(resid_mid)
-          attn_norm → up,gate → act → down;  resid_out = attn_norm + down;  ffn_norm = norm(resid_out)
+    x → (norm) → q,k,v → q_rot,k_rot → scores → weights → z → out;  resid_mid = x + out
+    mid → (norm) → up,gate → act → down;  resid_out = mid + down
 """
 
 from __future__ import annotations
@@ -16,7 +15,9 @@ import math
 import numpy as np
 
 from ..errors import UserError
-from .explain import Steps, fmt, operand
+from ..probes import final_norm_reads, stream_probes
+from ..tracing.trace import weight_matrix
+from .steps import Steps, fmt, operand
 
 _SYMBOL = {"attn.out": "attn_out", "attn.scores": "s", "attn.weights": "w", "logits": "logit", "probs": "p",
            "ffn.up": "up", "ffn.gate": "gate", "ffn.act": "act", "ffn.down": "down"}
@@ -30,7 +31,6 @@ class Context:
         self.cfg = tr.config
         self.H = int(self.cfg["head_dim"])
         self.n_rep = int(self.cfg["n_heads"]) // int(self.cfg["n_kv_heads"])
-        self.pre = self.cfg["norm_placement"] == "pre"
         self._weights: dict = {}
         names = [_clean(s) for s in tr.tokens]
         self.names = [n if names.count(n) == 1 and n else (f"{n}@{t}" if n else f"#{t}") for t, n in enumerate(names)]
@@ -74,8 +74,6 @@ class Context:
             raise UserError(f"this calculation needs the weight {name}, which the trace does not hold: "
                             "trace with --with-weights (with_weights=True) or pass model=")
         if name not in self._weights:
-            from ..tracing.trace import weight_matrix
-
             sd = self.model.state_dict()
             if name not in sd and name != "lm_head.weight":
                 raise UserError(f"the model has no weight {name}")
@@ -88,16 +86,18 @@ class Context:
         return self.model is not None and name in self.model.state_dict()
 
     # ---- where each tensor comes from ------------------------------------------------
+    def wire(self, i: int) -> dict[str, str]:
+        """Block i's stream wiring for this trace's norm placement (probes.stream_probes)."""
+        return stream_probes(i, self.cfg["norm_placement"])
+
     def block_input(self, i: int) -> str:
-        if i == 0:
-            return "embed"
-        return f"blocks.{i - 1}.resid_out" if self.pre else f"blocks.{i - 1}.ffn_norm"
+        return self.wire(i)["in"]
 
     def attn_input(self, i: int) -> str:
-        return f"blocks.{i}.attn_norm" if self.pre else self.block_input(i)
+        return self.wire(i)["attn_reads"]
 
     def ffn_input(self, i: int) -> str:
-        return f"blocks.{i}.ffn_norm" if self.pre else f"blocks.{i}.attn_norm"
+        return self.wire(i)["ffn_reads"]
 
 
 def _clean(tok: str) -> str:
@@ -133,7 +133,7 @@ def rule_embed(ctx, probe, idx):
 
 def rms_of_stream(ctx: Context, probe: str, t: int) -> None:
     """RMS √(Σ_i x[i]²/D) of token t's stream vector `probe` (no ε: the stream itself, as
-    glassformer.analysis.norm_rms measures it, not a norm's denominator)."""
+    glassformer.tracing.analysis.norm_rms measures it, not a norm's denominator)."""
     D = int(ctx.tr.probe(probe).data.shape[-1])
     xs = [ctx.p(probe, [t, i]) for i in range(D)]
     inv_d = operand("D", D, power=-1)
@@ -169,19 +169,18 @@ def norm(ctx: Context, probe: str, idx, x_probe: str, wname: str):
 
 def rule_attn_norm(ctx, probe, idx):
     i = _layer(probe)
-    x = ctx.block_input(i) if ctx.pre else f"blocks.{i}.resid_mid"
+    x = ctx.wire(i)["attn_norm_reads"]
     norm(ctx, probe, idx, x, f"blocks.{i}.attn_norm")
 
 
 def rule_ffn_norm(ctx, probe, idx):
     i = _layer(probe)
-    x = f"blocks.{i}.resid_mid" if ctx.pre else f"blocks.{i}.resid_out"
+    x = ctx.wire(i)["ffn_norm_reads"]
     norm(ctx, probe, idx, x, f"blocks.{i}.ffn_norm")
 
 
 def rule_final_norm(ctx, probe, idx):
-    last = int(ctx.cfg["n_layers"]) - 1
-    x = f"blocks.{last}.resid_out" if ctx.pre else f"blocks.{last}.ffn_norm"
+    x = final_norm_reads(int(ctx.cfg["n_layers"]), ctx.cfg["norm_placement"])
     norm(ctx, probe, idx, x, "final_norm")
 
 
@@ -294,7 +293,7 @@ def rule_resid_mid(ctx, probe, idx):
 
 def rule_resid_out(ctx, probe, idx):
     i = _layer(probe)
-    h = ctx.p(f"blocks.{i}.resid_mid" if ctx.pre else f"blocks.{i}.attn_norm", idx)
+    h = ctx.p(ctx.wire(i)["mid"], idx)
     ctx.steps.sum(ctx.lab(probe, idx), "h + down", [[h], [ctx.p(f"blocks.{i}.ffn.down", idx)]], wide=False)
 
 
