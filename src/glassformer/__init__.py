@@ -8,7 +8,7 @@ from .model import Transformer  # noqa: E402
 from .tracing.trace import trace  # noqa: E402
 from .explaining.explain import explain  # noqa: E402
 from .generation import generate  # noqa: E402  (the function; the module is glassformer.generation)
-from .checkpoint.folders import load  # noqa: E402
+from .checkpoint.loading import load  # noqa: E402
 from .text.tokenizer import Tokenizer  # noqa: E402
 
 __all__ = ["ModelConfig", "PRESETS", "Transformer", "KVCache", "trace", "explain", "generate", "load", "Tokenizer",

@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from glassformer.checkpoint.folders import load, save_model  # noqa: E402
+from glassformer.checkpoint.folders import save_model  # noqa: E402
+from glassformer.checkpoint.loading import load  # noqa: E402
 from glassformer.cli import main  # noqa: E402
 
 from ..support import greedy_cached, reinit, tiny_model  # noqa: E402

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_decode
+from .cpu_decode import attention as cpu_decode_attention
+from .cpu_decode import usable as cpu_decode_usable
 from .mask import allowed
 
 # enable_gqa arrived in torch 2.5; before it, repeat the key/value heads.
@@ -23,8 +24,8 @@ def _decode_step(q, k, v, scale):
     where a session has built it: each key and value row read once for the whole group, at
     about a core's streaming rate (bench/decode_attention.py).
     """
-    if torch.compiler.is_compiling() and cpu_decode.usable(q, k, v):
-        return cpu_decode.attention(q, k, v, _scale(q, scale))  # (B, N, 1, H)
+    if torch.compiler.is_compiling() and cpu_decode_usable(q, k, v):
+        return cpu_decode_attention(q, k, v, _scale(q, scale))  # (B, N, 1, H)
     B, N, _, H = q.shape
     K = k.shape[1]
     qg = q.reshape(B * K, N // K, H)  # (B·K, G, H): each KV head's group of queries

@@ -60,10 +60,11 @@ def _stored_dtype(folder):
 def run(args) -> int:
     import torch
 
-    from ..checkpoint.folders import load, resolve, save_model
-    from ..convert import convert_kv_heads, load_hf, save_hf
+    from ..checkpoint.folders import resolve, save_model
+    from ..checkpoint.loading import load
     from ..convert.families import family_for
-    from ..convert.hf import parse_dtype
+    from ..convert.heads import convert_kv_heads
+    from ..convert.hf import load_hf, parse_dtype, save_hf
     from ..errors import UserError
 
     dtype = parse_dtype(args.dtype)

@@ -34,7 +34,8 @@ def load_config(args):
     from pathlib import Path
 
     from ..config import ModelConfig
-    from ..errors import UserError, read_json
+    from ..errors import UserError
+    from ..files import read_json
 
     if args.preset:
         return ModelConfig.from_preset(args.preset)
@@ -48,23 +49,18 @@ def load_config(args):
     return _config_from_json(read_config(args.checkpoint), Path(args.checkpoint))
 
 
-def _config_from_json(data: dict, where) -> "object":
-    from .. import convert
+def _config_from_json(data: dict, where):
+    """The ModelConfig in a glassformer config.json, a Hugging Face one, or a dict of ModelConfig fields."""
     from ..config import ModelConfig
+    from ..convert.keymap import config_from_hf
     from ..errors import UserError
 
     if not isinstance(data, dict):
         raise UserError(f"{where}: expected a JSON object of ModelConfig fields")
     if data.get("format") == "glassformer":
         return ModelConfig.from_dict(data["model"])
-    if "model_type" in data:  # a Hugging Face config.json
-        generic = getattr(convert, "config_from_hf", None)
-        if generic is not None:
-            return generic(data)
-        if data["model_type"] in ("llama", "mistral", "qwen2"):
-            return convert.config_from_hf_llama(data)
-        raise UserError(f"{where}: Hugging Face model_type {data['model_type']!r} is not supported here; "
-                        "convert it with `glassformer convert --from-hf` first")
+    if "model_type" in data:  # a Hugging Face config.json; an unsupported model_type is refused by name
+        return config_from_hf(data)
     return ModelConfig.from_dict(data)
 
 

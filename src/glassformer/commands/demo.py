@@ -33,7 +33,7 @@ def run(args) -> int:
     import shutil
     from pathlib import Path
 
-    from ..checkpoint.folders import load
+    from ..checkpoint.loading import load
     from ..cli import main
 
     out = Path(args.out)

@@ -24,7 +24,7 @@ def run(args) -> int:
     import numpy as np
     import torch
 
-    from ..checkpoint.folders import load
+    from ..checkpoint.loading import load
     from ..train.cpu_memory import keep_freed_memory
     from ..errors import UserError
     from ..train.evaluate import score, summary

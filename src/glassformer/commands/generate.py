@@ -88,20 +88,10 @@ class TextStream:
         return out
 
 
-def run(args) -> int:
-    import time
-
-    import torch
-
-    from ..checkpoint.folders import load, read_config, resolve
+def _prompts(args) -> list[str]:
+    """The prompts to continue: --prompt, or the non-blank lines of --prompts-file."""
     from ..errors import UserError
-    from ..generation.session import Session, cache_length, check_sampling
 
-    check_sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty)
-    if args.max_new_tokens < 0:
-        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.prompts_file is not None:
         try:
             lines = open(args.prompts_file, encoding="utf-8").read().splitlines()
@@ -114,6 +104,27 @@ def run(args) -> int:
         prompts = [args.prompt]
     if any(not p for p in prompts):
         raise UserError("the prompt is empty: give some text to continue")
+    return prompts
+
+
+def _check_args(args) -> None:
+    from ..errors import UserError
+    from ..generation.session import check_sampling
+
+    check_sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty)
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.num_samples < 1:
+        raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
+
+
+def _load_model(args):
+    """(model, tokenizer) from --checkpoint on --device in --dtype, with --attention set."""
+    import torch
+
+    from ..checkpoint.folders import read_config, resolve
+    from ..checkpoint.loading import load
+    from ..errors import UserError
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but PyTorch sees no CUDA GPU here; use --device cpu")
@@ -126,6 +137,57 @@ def run(args) -> int:
         raise UserError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
     if args.attention:
         model.set_attention(args.attention)
+    return model, tok
+
+
+def _stream(session, steps, streams, eot, out, clock) -> tuple[int, list[tuple[float, int]]]:
+    """Run the steps, feeding each row's tokens to its TextStream; one row is written as it comes.
+    Returns (tokens made, [(seconds, tokens)] after the prefill and after the first decode step)."""
+    single, made, marks = len(streams) == 1, 0, []
+    for step in steps:
+        step = [step] if single else step
+        for b, t in enumerate(step):
+            if t is None or t == eot:
+                continue
+            made += 1
+            piece = streams[b].push(t)
+            if streams[b].done:
+                session.finish(b)
+            if single and piece:
+                out.write(piece)
+                out.flush()
+        if len(marks) < 2:
+            marks.append((clock(), made))
+        if single and streams[0].done:
+            break
+    return made, marks
+
+
+def _write_batch(out, prompts: list[str], streams: list[TextStream], num_samples: int) -> None:
+    for b, s in enumerate(streams):
+        p, k = divmod(b, num_samples)
+        out.write(f"=== prompt {p + 1}" + (f", sample {k + 1}" if num_samples > 1 else "") + " ===\n")
+        out.write(prompts[p] + s.text[:s.shown] + s.flush() + "\n")
+
+
+def _summary(made: int, seconds: float, marks: list[tuple[float, int]], compiled: bool) -> str:
+    summary = f"{made} tokens in {seconds:.2f} s"
+    if len(marks) == 2 and made > marks[1][1]:  # the steady decode rate, apart from the prefill and any compiling
+        rate = (made - marks[1][1]) / max(seconds - marks[1][0], 1e-9)
+        compiling = f", first decode step {marks[1][0] - marks[0][0]:.2f} s with compiling" if compiled else ""
+        summary += f" (prefill {marks[0][0]:.2f} s{compiling}; then {rate:.1f} tokens/s)"
+    return summary
+
+
+def run(args) -> int:
+    import time
+
+    from ..errors import UserError
+    from ..generation.session import Session, cache_length
+
+    _check_args(args)
+    prompts = _prompts(args)
+    model, tok = _load_model(args)
     rows = [tok.encode(p) for p in prompts for _ in range(args.num_samples)]
     if any(not r for r in rows):
         raise UserError("a prompt encodes to no tokens: give some text to continue")
@@ -139,40 +201,15 @@ def run(args) -> int:
     if args.compile:
         print("compile: the first decode step compiles it once (tens of seconds on a CPU)", file=sys.stderr, flush=True)
     streams = [TextStream(tok, args.stop) for _ in rows]
-    out, made, t0 = sys.stdout, 0, time.perf_counter()
-    marks = []  # (seconds, tokens) after the first two steps: the prefill, then the first decode step (it compiles)
+    out, t0 = sys.stdout, time.perf_counter()
     if len(rows) == 1:
         out.write(prompts[0])
         out.flush()
-    for step in steps:
-        step = [step] if len(rows) == 1 else step
-        for b, t in enumerate(step):
-            if t is None or t == eot:
-                continue
-            made += 1
-            piece = streams[b].push(t)
-            if streams[b].done:
-                session.finish(b)
-            if len(rows) == 1 and piece:
-                out.write(piece)
-                out.flush()
-        if len(marks) < 2:
-            marks.append((time.perf_counter() - t0, made))
-        if len(rows) == 1 and streams[0].done:
-            break
+    made, marks = _stream(session, steps, streams, eot, out, lambda: time.perf_counter() - t0)
     if len(rows) == 1:
         out.write(streams[0].flush() + "\n")
     else:
-        for b, s in enumerate(streams):
-            p, k = divmod(b, args.num_samples)
-            out.write(f"=== prompt {p + 1}" + (f", sample {k + 1}" if args.num_samples > 1 else "") + " ===\n")
-            out.write(prompts[p] + s.text[:s.shown] + s.flush() + "\n")
+        _write_batch(out, prompts, streams, args.num_samples)
     out.flush()
-    dt = time.perf_counter() - t0
-    summary = f"{made} tokens in {dt:.2f} s"
-    if len(marks) == 2 and made > marks[1][1]:  # the steady decode rate, apart from the prefill and any compiling
-        rate = (made - marks[1][1]) / max(dt - marks[1][0], 1e-9)
-        compiling = f", first decode step {marks[1][0] - marks[0][0]:.2f} s with compiling" if args.compile else ""
-        summary += f" (prefill {marks[0][0]:.2f} s{compiling}; then {rate:.1f} tokens/s)"
-    print(summary, file=sys.stderr)
+    print(_summary(made, time.perf_counter() - t0, marks, args.compile), file=sys.stderr)
     return 0

@@ -57,7 +57,7 @@ def _load(args):
         return model, tok, worked.SENTENCE
     if not args.checkpoint:
         raise UserError("say which model to trace: --checkpoint CKPT or --worked")
-    from ..checkpoint.folders import load
+    from ..checkpoint.loading import load
 
     model, tok = load(args.checkpoint, device=args.device)
     return model, tok, None

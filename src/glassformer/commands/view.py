@@ -28,7 +28,7 @@ def build_explorer(args):
         if args.text:
             ex.default_text = args.text
         return ex
-    from ..checkpoint.folders import load
+    from ..checkpoint.loading import load
 
     model, tokenizer = load(args.checkpoint)
     model = model.to(args.device).eval()

@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .keymap import hf_rope
 from .transforms import R, Rule
 
 # ----------------------------------------------------------------------------- families
@@ -51,6 +50,19 @@ def _need(hf: dict, key: str, family: str) -> Any:
     if hf.get(key) is None:
         raise UserError(f"config.json of a {family} model has no {key!r}: the folder's config is incomplete")
     return hf[key]
+
+
+def hf_rope(hf: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from a config.json of either era: transformers < 5 writes
+    `rope_theta` and `rope_scaling`, transformers >= 5 one `rope_parameters` dict.
+    A scaling whose type is 'default' is plain RoPE and comes back as None."""
+    params = dict(hf.get("rope_parameters") or {})
+    theta = float(hf.get("rope_theta") or params.pop("rope_theta", None) or 10000.0)
+    params.pop("rope_theta", None)
+    scaling = dict(hf.get("rope_scaling") or params)
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return theta, None
+    return theta, scaling
 
 
 def _check_rope_scaling(scaling: dict | None) -> None:

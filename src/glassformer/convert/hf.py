@@ -13,15 +13,17 @@ torch.load(weights_only=True), which rebuilds tensors but no other objects.
 from __future__ import annotations
 
 import json
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from ..checkpoint.builder import model_from_state, model_state
+from ..checkpoint.folders import write_tokenizer
 from ..config import ModelConfig
-from ..errors import UserError, read_json
+from ..errors import UserError
+from ..files import atomic_folder, read_json
 from .families import Family, family_for, family_named
 from .transforms import Rule
 
@@ -237,20 +239,6 @@ def hf_to_our_state(w: Weights, family: Family, cfg: ModelConfig, folder: Path, 
     return state
 
 
-def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device="cpu"):
-    """A Transformer holding exactly `state` (no second copy of the weights is made on the CPU)."""
-    from ..model import Transformer, rope_inv_freq
-
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.pos == "rope":
-        model.rope_inv_freq = rope_inv_freq(cfg)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
-    return model.to(device).eval()
-
-
 def _tokenizer(folder: Path):
     path = folder / "tokenizer.json"
     if not path.is_file():
@@ -274,15 +262,13 @@ def load_hf(folder: str | Path, device: str | torch.device = "cpu", dtype: str |
     family = family_named(hf["model_type"], str(folder / "config.json"))
     cfg = family.config_from_hf(hf)
     state = hf_to_our_state(open_weights(folder, allow_pickle), family, cfg, folder, parse_dtype(dtype))
-    return model_from_state(cfg, state, device), _tokenizer(folder)
+    return model_from_state(cfg, state, device, where=str(folder)), _tokenizer(folder)
 
 
 # ----------------------------------------------------------------------------- writing
 
 
 def hf_state_from_model(model: torch.nn.Module, family: Family, dtype: torch.dtype | None = None) -> dict:
-    from ..checkpoint.folders import model_state
-
     cfg = model.config
     ours = model_state(model)
     out = {}
@@ -311,8 +297,6 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: Any = None, dtyp
     """
     from safetensors.torch import save_file
 
-    from ..checkpoint.folders import atomic_folder
-
     family = family_for(model.config)
     dtype = parse_dtype(dtype) or next(model.parameters()).dtype
     state = hf_state_from_model(model, family, dtype)
@@ -321,10 +305,7 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: Any = None, dtyp
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(hf_config(model, family, dtype, eot), indent=2) + "\n")
         save_file(state, str(tmp / SAFE), metadata={"format": "pt"})
-        if isinstance(tokenizer, (str, Path)):
-            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-        elif tokenizer is not None:
-            tokenizer.save(str(tmp / "tokenizer.json"))
+        write_tokenizer(tmp, tokenizer)
 
     return atomic_folder(out, write)
 

@@ -1,69 +1,35 @@
-"""Declarative key map between Hugging Face Llama-family names and ours.
+"""The Llama key map by name, read off the one set of rules in families.py (LLAMA's rules,
+shared by Mistral and Qwen2): nothing here restates a key.
 
 Hugging Face's Llama keeps RoPE in the 'half' pair layout (rotate_half), which is ours by
-default, so weights copy across unchanged: no permutation of Q and K rows is needed.
+default, so weights copy across unchanged; a model built with rope_pairs='interleaved'
+has its Q and K rows permuted by the rules' rope_q / rope_k transforms.
 """
 
 from __future__ import annotations
 
-import re
+from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from ..config import ModelConfig
-
-# Ours  <->  Hugging Face LlamaForCausalLM ("{i}" is the layer index).
-LLAMA_KEYS: dict[str, str] = {
-    "embed.weight": "model.embed_tokens.weight",
-    "final_norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-    "blocks.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blocks.{i}.attn.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blocks.{i}.attn.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blocks.{i}.attn.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blocks.{i}.attn.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blocks.{i}.attn.wq.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blocks.{i}.attn.wk.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blocks.{i}.attn.wv.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blocks.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blocks.{i}.ffn.w_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blocks.{i}.ffn.w_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blocks.{i}.ffn.w_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
+from .families import LLAMA, family_named
 
 
-def _pattern(template: str) -> re.Pattern:
-    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+def _every_llama_rule() -> list:
+    """The rules of a Llama with every optional tensor (Q/K/V biases, an untied head), '{i}' unfilled."""
+    full = SimpleNamespace(qkv_bias=True, tie_embeddings=False)  # the two fields the rule lists read
+    return LLAMA.global_rules(full) + LLAMA.layer_rules(full)
 
 
-_FROM_HF = [(_pattern(hf), ours) for ours, hf in LLAMA_KEYS.items()]
-
-
-def hf_to_ours_key(key: str) -> str | None:
-    for pat, ours in _FROM_HF:
-        m = pat.match(key)
-        if m:
-            return ours.replace("{i}", m.group(1)) if m.groups() else ours
-    return None
-
-
-def hf_rope(hf: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from a config.json of either era: transformers < 5 writes
-    `rope_theta` and `rope_scaling`, transformers >= 5 one `rope_parameters` dict.
-    A scaling whose type is 'default' is plain RoPE and comes back as None."""
-    params = dict(hf.get("rope_parameters") or {})
-    theta = float(hf.get("rope_theta") or params.pop("rope_theta", None) or 10000.0)
-    params.pop("rope_theta", None)
-    scaling = dict(hf.get("rope_scaling") or params)
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        return theta, None
-    return theta, scaling
+# Ours  ->  Hugging Face LlamaForCausalLM ("{i}" is the layer index), for reading and for docs/convert.md.
+LLAMA_KEYS: dict[str, str] = {ours: rule.hf for rule in _every_llama_rule() for ours in rule.ours}
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig from any supported Hugging Face config.json dict (llama, mistral, qwen2, gpt2),
     refusing by name what glassformer cannot express."""
-    from .families import family_named
-
     return family_named(hf.get("model_type")).config_from_hf(hf)
 
 
@@ -72,19 +38,19 @@ def config_from_hf_llama(hf: dict[str, Any]) -> ModelConfig:
     return config_from_hf({"model_type": "llama", **hf})
 
 
-def llama_state_from_hf(hf_state: dict, config: ModelConfig) -> dict:
-    """Rename a Hugging Face Llama state dict to ours; every key must be used, none missing."""
-    out, unused = {}, []
-    for key, tensor in hf_state.items():
-        if key.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer recomputed from the config
-        ours = hf_to_ours_key(key)
-        if ours is None:
-            unused.append(key)
-        else:
-            out[ours] = tensor
+def llama_state_from_hf(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict from a Hugging Face Llama-family state dict, by LLAMA's rules; every key
+    must be used (recomputed buffers and a tied head aside), none missing."""
+    rules = LLAMA.rules(config)
+    used = {r.hf for r in rules}
+    unused = [k for k in hf_state if k not in used and not LLAMA.ignored(k)
+              and not (config.tie_embeddings and k == "lm_head.weight")]
     if unused:
         raise ValueError(f"unexpected keys in the Hugging Face checkpoint: {unused[:5]}{' ...' if len(unused) > 5 else ''}")
-    if config.tie_embeddings:
-        out.pop("lm_head.weight", None)
+    missing = [r.hf for r in rules if r.hf not in hf_state]
+    if missing:
+        raise ValueError(f"keys missing from the Hugging Face checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    out: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        out.update(rule.to_ours(hf_state[rule.hf], config))
     return out

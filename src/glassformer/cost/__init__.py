@@ -10,13 +10,23 @@ model is built. Each figure is checked against the real model in tests/test_cost
 Formulas and every key of `estimate`'s dict: docs/cost.md.
 """
 
-from .flops import causal_pairs, crossover_seq, decode_flops, forward_flops, score_pairs, tiled_pairs, train_step_flops
+from .flops import (
+    causal_pairs,
+    crossover_seq,
+    decode_flops,
+    forward_flops,
+    score_pairs,
+    tiled_pairs,
+    train_flops_per_token,
+    train_step_flops,
+)
 from .hardware import HARDWARE, Hardware, get_hardware, parse_bytes
 from .memory import (
     activation_bytes,
     activations,
     kv_cache_bytes,
     kv_cache_bytes_per_token,
+    kv_cache_numbers_per_token,
     max_inference_batch,
     max_train_batch,
     train_memory,
@@ -27,7 +37,8 @@ from .params import layer_weights, num_weights, weights
 
 __all__ = [
     "estimate", "format_table", "plot_costs", "weights", "layer_weights", "num_weights", "forward_flops", "train_step_flops",
+    "train_flops_per_token",
     "decode_flops", "score_pairs", "causal_pairs", "tiled_pairs", "crossover_seq", "activations",
-    "activation_bytes", "train_memory", "kv_cache_bytes_per_token", "kv_cache_bytes", "max_train_batch",
+    "activation_bytes", "train_memory", "kv_cache_bytes_per_token", "kv_cache_numbers_per_token", "kv_cache_bytes", "max_train_batch",
     "max_inference_batch", "HARDWARE", "Hardware", "get_hardware", "parse_bytes",
 ]

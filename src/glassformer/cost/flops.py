@@ -110,6 +110,13 @@ def train_step_flops(forward_total: int) -> int:
     return 3 * forward_total
 
 
+def train_flops_per_token(cfg: ModelConfig, T: int) -> float:
+    """FLOPs of a training step per token over rows of T tokens, the full score grid counted: 6 per
+    weight of a matrix product (the LM head too, tied or not) plus 12·L·T·N·H for the scores.
+    PaLM's formula (Chowdhery et al., 2022, appendix B), the figure MFU is quoted against."""
+    return train_step_flops(forward_flops(cfg, 1, T, "naive")["total"]) / T
+
+
 def decode_flops(cfg: ModelConfig, context: int) -> int:
     """FLOPs of the matrix products to decode one token that reads `context` cached positions."""
     f = forward_flops(cfg, 1, 1)

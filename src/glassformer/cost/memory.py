@@ -151,9 +151,14 @@ def train_memory(
     return parts
 
 
+def kv_cache_numbers_per_token(cfg: ModelConfig) -> int:
+    """2 (k and v) · L · K · H: the numbers a KV cache keeps per token (a key and a value per layer per KV head)."""
+    return 2 * cfg.n_layers * cfg.kv_dim
+
+
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
-    """2 (k and v) · L · K · H numbers per token. Llama 3 8B in bf16: 2·32·8·128·2 = 131,072 bytes."""
-    return 2 * cfg.n_layers * cfg.kv_dim * dtype_bytes(dtype)
+    """kv_cache_numbers_per_token at the dtype's size. Llama 3 8B in bf16: 2·32·8·128·2 = 131,072 bytes."""
+    return kv_cache_numbers_per_token(cfg) * dtype_bytes(dtype)
 
 
 def kv_cache_bytes(cfg: ModelConfig, tokens: int, batch: int = 1, dtype: str = "bf16") -> int:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..config import ModelConfig
-from . import flops as fl
-from . import memory as mem
+from .flops import crossover_seq, forward_flops
+from .memory import kv_cache_bytes, train_memory
 from .params import num_weights
 
 
@@ -29,7 +29,7 @@ def plot_costs(cfg: ModelConfig, path, batch: int = 1, dtype: str = "bf16", memo
     Ts = seq_grid(cfg, lo=min(16, cfg.max_seq_len))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
 
-    per_tok = lambda T, part, k="naive": fl.forward_flops(cfg, batch, T, k)[part] / (batch * T)  # noqa: E731
+    per_tok = lambda T, part, k="naive": forward_flops(cfg, batch, T, k)[part] / (batch * T)  # noqa: E731
     dense = [sum(per_tok(T, p) for p in ("attn_qkv", "attn_o", "ffn", "lm_head")) for T in Ts]
     ffn = [per_tok(T, "ffn") for T in Ts]
     ax1.plot(Ts, dense, "k-", lw=2, label="products with weights (flat in T)")
@@ -37,7 +37,7 @@ def plot_costs(cfg: ModelConfig, path, batch: int = 1, dtype: str = "bf16", memo
     for k, style in (("naive", "C3-"), ("tiled", "C1--"), ("causal", "C2-.")):
         sc = [2 * per_tok(T, "attn_scores", k) for T in Ts]
         ax1.plot(Ts, sc, style, label=f"attention scores, {k}" + (" (full T×T grid)" if k == "naive" else ""))
-    cross = fl.crossover_seq(cfg, "naive")
+    cross = crossover_seq(cfg, "naive")
     if cross <= Ts[-1]:
         ax1.axvline(cross, color="C3", alpha=0.3)
         ax1.text(cross * 0.9, ffn[0] * 0.25, f"full-grid scores\npass the FFN\nat T={cross:,}", fontsize=8,
@@ -46,14 +46,14 @@ def plot_costs(cfg: ModelConfig, path, batch: int = 1, dtype: str = "bf16", memo
             title="FLOPs per token")
     ax1.legend(fontsize=8)
 
-    fixed = mem.train_memory(cfg, batch, Ts[0], dtype, "sdpa", optimizer)
+    fixed = train_memory(cfg, batch, Ts[0], dtype, "sdpa", optimizer)
     fixed = fixed["total"] - fixed["activations"]
     gib = 2**30
     ax2.axhline(fixed / gib, color="k", lw=1, label=f"weights, grads, {optimizer} state ({dtype})")
     for k, style in (("naive", "C3-"), ("tiled", "C1--"), ("sdpa", "C0-")):
-        tot = [mem.train_memory(cfg, batch, T, dtype, k, optimizer)["total"] / gib for T in Ts]
+        tot = [train_memory(cfg, batch, T, dtype, k, optimizer)["total"] / gib for T in Ts]
         ax2.plot(Ts, tot, style, label=f"training memory, {k} kernel")
-    kv = [mem.kv_cache_bytes(cfg, T, batch, dtype) / gib for T in Ts]
+    kv = [kv_cache_bytes(cfg, T, batch, dtype) / gib for T in Ts]
     ax2.plot(Ts, kv, "C4:", label=f"KV cache ({dtype})")
     if memory:
         ax2.axhline(memory / gib, color="C7", ls="--", label=f"memory {memory / 1e9:.0f} GB")

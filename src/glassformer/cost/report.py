@@ -5,12 +5,91 @@ from __future__ import annotations
 import math
 
 from ..config import ModelConfig
-from . import flops as fl
-from . import memory as mem
-from .hardware import get_hardware, parse_bytes
+from .flops import KERNELS, crossover_seq, decode_flops, forward_flops, score_pairs, tiled_pairs, train_step_flops
+from .hardware import Hardware, get_hardware, parse_bytes
+from .memory import (
+    activations,
+    dtype_bytes,
+    kv_cache_bytes,
+    kv_cache_bytes_per_token,
+    kv_cache_numbers_per_token,
+    max_inference_batch,
+    max_train_batch,
+    train_memory,
+)
 from .params import weights
 
 CHINCHILLA_TOKENS_PER_WEIGHT = 20  # Hoffmann et al., 2022: compute-optimal training data
+
+
+def _check_inputs(cfg: ModelConfig, B: int, T: int, mfu: float, kernel: str) -> None:
+    if B < 1 or T < 1:
+        raise ValueError(f"batch and seq must be positive, got batch={B}, seq={T}")
+    if T > cfg.max_seq_len:
+        raise ValueError(f"seq {T} exceeds the model's context of {cfg.max_seq_len} tokens: choose --seq <= {cfg.max_seq_len}")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    if kernel not in KERNELS:
+        raise ValueError(f"attention must be one of {', '.join(KERNELS)}; got {kernel!r}")
+
+
+def _train_length(P: int, B: int, T: int, tokens: int | None, steps: int | None) -> tuple[int, int]:
+    """(tokens, steps): whole steps of B·T tokens; tokens default to 20 per weight."""
+    if tokens is not None and steps is not None:
+        raise ValueError("give --tokens or --steps, not both")
+    if steps is None:
+        tokens = CHINCHILLA_TOKENS_PER_WEIGHT * P if tokens is None else int(tokens)
+        steps = math.ceil(tokens / (B * T))
+    return steps * B * T, steps
+
+
+def _weight_keys(cfg: ModelConfig) -> dict:
+    w = weights(cfg)
+    return {"params": w["total"], "params_non_embedding": w["non_embedding"],
+            "params_by_part": {k: v for k, v in w.items() if k not in ("total", "non_embedding")}}
+
+
+def _flop_keys(cfg: ModelConfig, B: int, T: int) -> dict:
+    fwd = forward_flops(cfg, B, T, "naive")
+    no_scores = fwd["total"] - fwd["attn_scores"] - fwd["attn_values"]
+    tiles = tiled_pairs(T, cfg.attention_tile, cfg.sliding_window)
+    scores = {k: 4 * cfg.n_layers * B * cfg.q_dim * score_pairs(cfg, T, k) for k in ("naive", "tiled", "causal")}
+    return {
+        "flops_forward": fwd["total"],
+        "flops_forward_by_part": {k: v for k, v in fwd.items() if k != "total"},
+        "flops_forward_no_scores": no_scores,
+        "flops_per_token": fwd["total"] / (B * T),
+        "flops_per_token_no_scores": no_scores / (B * T),
+        "flops_scores": scores,
+        "tiled_tiles": {"tile": cfg.attention_tile, "computed": tiles["tiles"], "skipped": tiles["tiles_skipped"],
+                        "flops_skipped": scores["naive"] - scores["tiled"]},
+        "flops_train_step": train_step_flops(fwd["total"]),
+        "crossover_seq": crossover_seq(cfg, "naive"),
+        "crossover_seq_causal": crossover_seq(cfg, "causal"),
+    }
+
+
+def _memory_keys(cfg: ModelConfig, B: int, T: int, dtype: str, kernel: str, optimizer: str,
+                 master_weights: bool | None) -> dict:
+    act = activations(cfg, B, T, kernel)
+    train = train_memory(cfg, B, T, dtype, kernel, optimizer, master_weights)
+    return {
+        "activations": act["total"],
+        "activations_by_part": {k: v for k, v in act.items() if k != "total"},
+        "activation_bytes": train["activations"],
+        "train_memory_bytes": train["total"],
+        "train_memory_by_part": {k: v for k, v in train.items() if k != "total"},
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg, dtype),
+        "kv_cache_numbers_per_token_per_layer": kv_cache_numbers_per_token(cfg) // cfg.n_layers,
+        "kv_cache_bytes": kv_cache_bytes(cfg, T, B, dtype),
+    }
+
+
+def _decode_keys(cfg: ModelConfig, P: int, T: int, dtype: str, hw: Hardware) -> dict:
+    # Each decoded token reads every weight and the whole cache once.
+    decode_bytes = P * dtype_bytes(dtype) + kv_cache_bytes_per_token(cfg, dtype) * T
+    return {"context": T, "flops_per_token": decode_flops(cfg, T), "bytes_per_token": decode_bytes,
+            "tokens_per_second_bound": hw.bandwidth / decode_bytes, "bandwidth": hw.bandwidth}
 
 
 def estimate(
@@ -32,79 +111,33 @@ def estimate(
     seq defaults to the model's context, dtype to bf16 on a GPU and fp32 on the CPU,
     memory to the hardware's, attention to the config's kernel, tokens to 20 per weight.
     """
-    T = cfg.max_seq_len if seq is None else int(seq)
-    B = int(batch)
-    if B < 1 or T < 1:
-        raise ValueError(f"batch and seq must be positive, got batch={B}, seq={T}")
-    if T > cfg.max_seq_len:
-        raise ValueError(f"seq {T} exceeds the model's context of {cfg.max_seq_len} tokens: choose --seq <= {cfg.max_seq_len}")
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    B, T = int(batch), cfg.max_seq_len if seq is None else int(seq)
     kernel = cfg.attention if attention is None else attention
-    if kernel not in fl.KERNELS:
-        raise ValueError(f"attention must be one of {', '.join(fl.KERNELS)}; got {kernel!r}")
+    _check_inputs(cfg, B, T, mfu, kernel)
     hw = get_hardware(hardware)
     dtype = ("fp32" if hardware == "cpu" else "bf16") if dtype is None else dtype
-    mem.dtype_bytes(dtype)  # validates
+    dtype_bytes(dtype)  # validates
     mem_bytes = hw.memory_bytes if memory is None else parse_bytes(memory)
-
-    w = weights(cfg)
-    P = w["total"]
-    fwd = fl.forward_flops(cfg, B, T, "naive")
-    no_scores = fwd["total"] - fwd["attn_scores"] - fwd["attn_values"]
-    tiles = fl.tiled_pairs(T, cfg.attention_tile, cfg.sliding_window)
-    score_flops = {k: 4 * cfg.n_layers * B * cfg.q_dim * fl.score_pairs(cfg, T, k) for k in ("naive", "tiled", "causal")}
-    act = mem.activations(cfg, B, T, kernel)
-    train = mem.train_memory(cfg, B, T, dtype, kernel, optimizer, master_weights)
-    step_flops = fl.train_step_flops(fwd["total"])
-
-    if tokens is not None and steps is not None:
-        raise ValueError("give --tokens or --steps, not both")
-    if steps is None:
-        tokens = CHINCHILLA_TOKENS_PER_WEIGHT * P if tokens is None else int(tokens)
-        steps = math.ceil(tokens / (B * T))
-    tokens = steps * B * T
+    r = {"config": cfg.to_dict(),
+         "inputs": {"batch": B, "seq": T, "dtype": dtype, "attention": kernel, "hardware": hw.name,
+                    "mfu": mfu, "optimizer": optimizer, "memory_bytes": mem_bytes},
+         **_weight_keys(cfg), **_flop_keys(cfg, B, T),
+         **_memory_keys(cfg, B, T, dtype, kernel, optimizer, master_weights)}
+    tokens, steps = _train_length(r["params"], B, T, tokens, steps)
     peak = hw.peak(dtype)
-    kv_tok = mem.kv_cache_bytes_per_token(cfg, dtype)
-    decode_bytes = P * mem.dtype_bytes(dtype) + kv_tok * T  # weights and the whole cache are read per token
-    return {
-        "config": cfg.to_dict(),
-        "inputs": {"batch": B, "seq": T, "dtype": dtype, "attention": kernel, "hardware": hw.name,
-                   "mfu": mfu, "optimizer": optimizer, "memory_bytes": mem_bytes},
-        "params": P,
-        "params_non_embedding": w["non_embedding"],
-        "params_by_part": {k: v for k, v in w.items() if k not in ("total", "non_embedding")},
-        "flops_forward": fwd["total"],
-        "flops_forward_by_part": {k: v for k, v in fwd.items() if k != "total"},
-        "flops_forward_no_scores": no_scores,
-        "flops_per_token": fwd["total"] / (B * T),
-        "flops_per_token_no_scores": no_scores / (B * T),
-        "flops_scores": score_flops,
-        "tiled_tiles": {"tile": cfg.attention_tile, "computed": tiles["tiles"], "skipped": tiles["tiles_skipped"],
-                        "flops_skipped": score_flops["naive"] - score_flops["tiled"]},
-        "flops_train_step": step_flops,
-        "crossover_seq": fl.crossover_seq(cfg, "naive"),
-        "crossover_seq_causal": fl.crossover_seq(cfg, "causal"),
-        "activations": act["total"],
-        "activations_by_part": {k: v for k, v in act.items() if k != "total"},
-        "activation_bytes": train["activations"],
-        "train_memory_bytes": train["total"],
-        "train_memory_by_part": {k: v for k, v in train.items() if k != "total"},
-        "kv_cache_bytes_per_token": kv_tok,
-        "kv_cache_numbers_per_token_per_layer": 2 * cfg.kv_dim,
-        "kv_cache_bytes": mem.kv_cache_bytes(cfg, T, B, dtype),
+    r.update({
         "train_tokens": tokens,
         "train_steps": steps,
-        "train_flops": step_flops * steps,
+        "train_flops": r["flops_train_step"] * steps,
         "peak_flops": peak,
-        "train_time_seconds": step_flops * steps / (mfu * peak),
-        "max_batch": mem.max_train_batch(cfg, T, mem_bytes, dtype, kernel, optimizer, master_weights),
-        "max_batch_inference": mem.max_inference_batch(cfg, T, mem_bytes, dtype),
-        "decode": {"context": T, "flops_per_token": fl.decode_flops(cfg, T), "bytes_per_token": decode_bytes,
-                   "tokens_per_second_bound": hw.bandwidth / decode_bytes, "bandwidth": hw.bandwidth},
+        "train_time_seconds": r["flops_train_step"] * steps / (mfu * peak),
+        "max_batch": max_train_batch(cfg, T, mem_bytes, dtype, kernel, optimizer, master_weights),
+        "max_batch_inference": max_inference_batch(cfg, T, mem_bytes, dtype),
+        "decode": _decode_keys(cfg, r["params"], T, dtype, hw),
         "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "memory_bytes": hw.memory_bytes,
                      "bandwidth": hw.bandwidth, "source": hw.source},
-    }
+    })
+    return r
 
 
 # ----------------------------------------------------------------------------- text

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import UserError, read_json
+from ..errors import UserError
+from ..files import read_json
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -218,7 +219,7 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
 
     from tqdm import tqdm
 
-    from ..checkpoint.folders import atomic_folder
+    from ..files import atomic_folder
     from .corpus import DecodeStats, iter_text
     from .tokenizer import Tokenizer, check_vocab_size
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..cost.flops import train_flops_per_token
 
 # Published dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' data sheets.
 GPU_BF16_PEAK = {
@@ -29,14 +30,8 @@ GPU_BF16_PEAK = {
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per non-embedding weight (the LM head counted, tied or not) plus the
-    score terms 12·L·T·N·H (QKᵀ and weights·V over the full T×T grid, forward ×3). PaLM's formula,
-    Chowdhery et al. 2022, App. B; the same as design.md's 3C/(B·T)."""
-    D, L = cfg.dim, cfg.n_layers
-    attn = D * cfg.q_dim + 2 * D * cfg.kv_dim + cfg.q_dim * D
-    ffn = (3 if cfg.ffn == "swiglu" else 2) * D * cfg.ffn_dim
-    matmul_weights = L * (attn + ffn) + D * cfg.vocab_size  # the LM head is a matrix product too
-    return 6.0 * matmul_weights + 12.0 * L * seq_len * cfg.q_dim
+    """Training FLOPs per token (design.md's 3C/(B·T)), the figure MFU divides by: cost.flops counts it."""
+    return float(train_flops_per_token(cfg, seq_len))
 
 
 def gpu_peak(device: torch.device) -> float | None:

@@ -1,0 +1,46 @@
+"""The one way to build a model from a (config, state dict): native checkpoints, Hugging Face
+folders and resumed training runs all come through `model_from_state`."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UserError
+from ..model import Transformer, rope_inv_freq
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict() with a tied LM head stored once (as embed.weight), contiguous, detached."""
+    sd = model.state_dict()
+    if getattr(model.config, "tie_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def _check_keys(model: Transformer, state: dict[str, torch.Tensor], where: str) -> None:
+    want, have = set(model.state_dict()), set(state)
+    missing = sorted(k for k in want - have if not (k == "lm_head.weight" and model.config.tie_embeddings))
+    unexpected = sorted(have - want)
+    if missing or unexpected:
+        raise UserError(f"{where} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None, where: str = "the state dict") -> Transformer:
+    """A Transformer in eval mode holding exactly `state` (a tied head may be absent), on device,
+    cast to dtype (None keeps the stored dtype). Built on the meta device and the tensors
+    assigned, so no second copy of the weights is made; `where` names the source in errors."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    _check_keys(model, state, where)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)  # a tied head is filled by the model's load hook
+    except RuntimeError as e:  # a shape that the config does not imply
+        raise UserError(f"{where} does not match its config: {e}") from None
+    if cfg.pos == "rope":  # a non-persistent buffer: recomputed, never stored
+        model.rope_inv_freq = rope_inv_freq(cfg)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    return model.eval()

@@ -1,0 +1,46 @@
+"""`load(CKPT) -> (model, tokenizer)`: a checkpoint folder, a training run folder (its `latest`
+checkpoint) or a Hugging Face folder (config.json with a `model_type`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..convert.hf import load_hf
+from ..errors import UserError
+from .builder import model_from_state
+from .folders import FORMAT, FORMAT_VERSION, read_config, resolve
+
+
+def _check_native(folder: Path, meta: dict) -> None:
+    if meta.get("format_version", 1) > FORMAT_VERSION:
+        raise UserError(f"{folder} was written by a newer glassformer (format {meta['format_version']}); upgrade glassformer")
+    if not (folder / "COMPLETE").is_file():
+        raise UserError(f"checkpoint {folder} is incomplete (no COMPLETE marker): it was being written when a run stopped")
+
+
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """(model, tokenizer) from a checkpoint, run or Hugging Face folder; tokenizer is None if absent.
+    A native checkpoint loads in dtype, else float32 whatever it stores; a Hugging Face folder
+    keeps its stored dtype unless dtype is given."""
+    from safetensors.torch import load_file
+
+    folder = resolve(path)
+    meta = read_config(folder)
+    if meta.get("format") != FORMAT:
+        if "model_type" in meta:
+            return load_hf(folder, device=device, dtype=dtype)
+        raise UserError(f"{folder / 'config.json'} is neither a glassformer nor a Hugging Face config")
+    _check_native(folder, meta)
+    cfg = ModelConfig.from_dict(meta["model"])
+    state = load_file(str(folder / "model.safetensors"))
+    model = model_from_state(cfg, state, device, dtype or torch.get_default_dtype(),
+                             where=str(folder / "model.safetensors"))
+    tokenizer = None
+    if (folder / "tokenizer.json").is_file():
+        from ..text.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_file(folder / "tokenizer.json")
+    return model, tokenizer
