@@ -217,72 +217,105 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
     """
     import sys
 
-    from tqdm import tqdm
-
     from ..files import atomic_folder
-    from .corpus import DecodeStats, iter_text
-    from .tokenizer import Tokenizer, check_vocab_size
+    from .corpus import DecodeStats
 
     out = Path(out)
+    vocab_size, train_size, val_size = _check_prepare(corpus, out, tokenizer, vocab_size, context, tokenizer_sample_mb)
+    disable = None if show_progress is None else not show_progress  # None: show on a terminal only
+    trained, sampled = tokenizer is None, None
+    if trained:
+        tokenizer, sampled = _train_tokenizer(corpus, vocab_size, tokenizer_sample_mb, train_size, disable)
+    stats, meta = DecodeStats(), {}  # invalid UTF-8 counted while encoding
+
+    def write(tmp: Path) -> None:
+        tokenizer.save(tmp / "tokenizer.json")
+        counts = _encode_splits(tmp, corpus, tokenizer, context, stats, train_size + val_size, disable)
+        meta.update(_prepared_meta(corpus, tokenizer, counts, context, trained, sampled, stats))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+    atomic_folder(out, write)
+    if stats.warning():
+        print(stats.warning(), file=sys.stderr)
+    return meta
+
+
+def _check_prepare(corpus, out: Path, tokenizer, vocab_size, context: int, sample_mb: float) -> tuple:
+    """(vocab size to train, training bytes, validation bytes), after checking prepare's arguments."""
+    from .tokenizer import check_vocab_size
+
     if out.exists() and not (out / "meta.json").is_file() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not a prepared data folder: choose a new or empty folder")
     if tokenizer is None:
         vocab_size = check_vocab_size(2048 if vocab_size is None else vocab_size)
     if context < 1:
         raise UserError(f"--context {context} must be at least 1")
-    if not tokenizer_sample_mb > 0:
-        raise UserError(f"--tokenizer-sample-mb {tokenizer_sample_mb} must be positive")
+    if not sample_mb > 0:
+        raise UserError(f"--tokenizer-sample-mb {sample_mb} must be positive")
     train_size = sum(d.nbytes for d in corpus.train)
     val_size = sum(d.nbytes for d in corpus.val)
     if train_size == 0 or val_size == 0:
         raise UserError(f"corpus {corpus.description} is empty or has no {'training' if train_size == 0 else 'validation'} text: give more text")
-    disable = None if show_progress is None else not show_progress  # None: show on a terminal only
+    return vocab_size, train_size, val_size
 
-    stats = DecodeStats()
-    trained = tokenizer is None
-    sampled = 0
-    if trained:
-        share = min(1.0, tokenizer_sample_mb * 1e6 / train_size)
-        with tqdm(total=train_size, unit="B", unit_scale=True, desc="tokenizer", disable=disable, file=sys.stderr) as bar:
-            def texts():
-                nonlocal sampled
-                seen = 0
-                for d in corpus.train:
-                    for chunk in iter_text(d, stats):
-                        nb = len(chunk.encode("utf-8"))
-                        seen += nb
-                        bar.update(nb)
-                        if sampled <= seen * share:  # keeps the sample at `share` of what was read so far
-                            sampled += nb
-                            yield chunk
-            tokenizer = Tokenizer.train(texts(), vocab_size)
-        stats = DecodeStats()  # counted again while encoding
+
+def _train_tokenizer(corpus, vocab_size: int, sample_mb: float, train_size: int, disable) -> tuple:
+    """(byte-level BPE trained on the training split, bytes it trained on): about sample_mb MB,
+    a chunk kept whenever the sample is below its share of what was read so far."""
+    import sys
+
+    from tqdm import tqdm
+
+    from .corpus import DecodeStats, iter_text
+    from .tokenizer import Tokenizer
+
+    share = min(1.0, sample_mb * 1e6 / train_size)
+    stats, sampled = DecodeStats(), 0  # these stats are dropped: encoding counts again
+
+    def texts():
+        nonlocal sampled
+        seen = 0
+        for d in corpus.train:
+            for chunk in iter_text(d, stats):
+                nb = len(chunk.encode("utf-8"))
+                seen += nb
+                bar.update(nb)
+                if sampled <= seen * share:
+                    sampled += nb
+                    yield chunk
+
+    with tqdm(total=train_size, unit="B", unit_scale=True, desc="tokenizer", disable=disable, file=sys.stderr) as bar:
+        tokenizer = Tokenizer.train(texts(), vocab_size)
+    return tokenizer, sampled
+
+
+def _encode_splits(folder: Path, corpus, tokenizer, context: int, stats, total_bytes: int, disable) -> dict:
+    """train.bin and val.bin in folder; {split: (tokens, bytes)}, each split checked to hold context+1 tokens."""
+    import sys
+
+    from tqdm import tqdm
+
     dtype = dtype_for_vocab(tokenizer.vocab_size)
+    counts = {}
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="encode", disable=disable, file=sys.stderr) as bar:
+        for split, docs in (("train", corpus.train), ("val", corpus.val)):
+            counts[split] = write_split(tokenizer, docs, folder / f"{split}.bin", dtype, stats, bar)
+    for split, (n_tok, _) in counts.items():
+        if n_tok < context + 1:
+            raise UserError(f"the {split} split has {n_tok} tokens, too few for a context of {context} (+1): "
+                            f"give a longer corpus or a smaller --context")
+    return counts
 
-    def write(tmp: Path) -> None:
-        tokenizer.save(tmp / "tokenizer.json")
-        counts = {}
-        with tqdm(total=train_size + val_size, unit="B", unit_scale=True, desc="encode", disable=disable, file=sys.stderr) as bar:
-            for split, docs in (("train", corpus.train), ("val", corpus.val)):
-                counts[split] = write_split(tokenizer, docs, tmp / f"{split}.bin", dtype, stats, bar)
-        for split, (n_tok, _) in counts.items():
-            if n_tok < context + 1:
-                raise UserError(f"the {split} split has {n_tok} tokens, too few for a context of {context} (+1): "
-                                f"give a longer corpus or a smaller --context")
-        meta.update({
-            "dtype": dtype, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
-            "train_tokens": counts["train"][0], "val_tokens": counts["val"][0],
-            "train_bytes": counts["train"][1], "val_bytes": counts["val"][1],
-            "corpus": corpus.description, **corpus.meta,
-            "documents": {"train": len(corpus.train), "val": len(corpus.val)},
-            "context": context, "tokenizer": "trained" if trained else "given",
-            "tokenizer_trained_on_bytes": sampled if trained else None,
-            "invalid_utf8_bytes": stats.bytes_replaced, "invalid_utf8_files": stats.files,
-        })
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
-    meta: dict = {}
-    atomic_folder(out, write)
-    if stats.warning():
-        print(stats.warning(), file=sys.stderr)
-    return meta
+def _prepared_meta(corpus, tokenizer, counts: dict, context: int, trained: bool, sampled, stats) -> dict:
+    """meta.json's fields (the module docstring lists them)."""
+    return {
+        "dtype": dtype_for_vocab(tokenizer.vocab_size), "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+        "train_tokens": counts["train"][0], "val_tokens": counts["val"][0],
+        "train_bytes": counts["train"][1], "val_bytes": counts["val"][1],
+        "corpus": corpus.description, **corpus.meta,
+        "documents": {"train": len(corpus.train), "val": len(corpus.val)},
+        "context": context, "tokenizer": "trained" if trained else "given",
+        "tokenizer_trained_on_bytes": sampled if trained else None,
+        "invalid_utf8_bytes": stats.bytes_replaced, "invalid_utf8_files": stats.files,
+    }
