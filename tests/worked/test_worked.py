@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from glassformer.worked import model as worked
+from glassformer.worked.figures import figures
 from glassformer.cli import main
 from glassformer.errors import UserError
 
@@ -72,9 +73,9 @@ def test_every_figure_of_the_walkthrough_to_its_printed_digits(capsys):
 
 def test_figures_come_from_the_model_not_from_the_file(monkeypatch):
     """Change one printed weight and the figures that depend on it move (so nothing is copied)."""
-    base = worked.figures()
+    base = figures()
     monkeypatch.setattr(worked, "W_O", [[1, 0, 0, 0.5], [0, 1, -0.5, 0]])
-    moved = worked.figures()
+    moved = figures()
     assert moved["head0"]["attention_output_cats"] == base["head0"]["attention_output_cats"]
     assert moved["head0"]["attention_result_after_W_O_cats"][2] == pytest.approx(
         -base["head0"]["attention_result_after_W_O_cats"][2], abs=1e-6)

@@ -14,7 +14,8 @@ def run(args) -> int:
     import json
 
     from ..errors import UserError
-    from ..worked.model import figures, walkthrough
+    from ..worked.figures import figures
+    from ..worked.text import walkthrough
 
     fig = figures()
     if args.html:

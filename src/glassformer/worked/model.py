@@ -13,8 +13,8 @@ were found):
     build_four_heads()      4 query heads, MHA; build_gqa() / build_mqa() pool its key and
                             value heads into 2 / 1 (Ainslie et al., 2023) with convert_kv_heads
 
-`figures()` recomputes every figure (same keys and nesting as the walkthrough's list);
-`walkthrough()` prints them section by section (worked_text.py).
+`figures.figures()` recomputes every figure (same keys and nesting as the walkthrough's
+list); `text.walkthrough()` prints them section by section.
 
 >>> encode("I like cats too")
 [0, 2, 3, 5]
@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.tiled import tiled_attention
 from ..config import ModelConfig
 from ..convert.heads import convert_kv_heads
 from ..errors import UserError
 from ..model import Transformer
-from ..probes import set_recorder
+from ..probes import set_recorder, stream_points
+from ..tracing.stream import stream_rms as rms  # noqa: F401  (the one stream RMS, re-exported)
+from ..tracing.tiles import kernel_walk
 
 SENTENCE = "I like cats too"
 
@@ -245,23 +246,10 @@ def run(model: Transformer, ids: list[int], **forward_args) -> dict[str, torch.T
     return rec.t
 
 
-def rms(x: torch.Tensor) -> torch.Tensor:
-    """Root mean square over the last axis: sqrt(mean(x²))."""
-    return x.pow(2).mean(-1).sqrt()
-
-
 def stream_rms(probes: dict[str, torch.Tensor], cfg: ModelConfig, token: int) -> list[float]:
-    """RMS of one token's residual stream: at the embedding, then after every addition.
-
-    Pre-norm streams are read at resid_mid / resid_out. Post-norm normalises right after each
-    addition, so its stream is read after those norms (attn_norm, ffn_norm: see model.Block).
-    """
-    post = cfg.norm_placement == "post"
-    names = ["embed"]
-    for i in range(cfg.n_layers):
-        after = ("attn_norm", "ffn_norm") if post else ("resid_mid", "resid_out")
-        names += [f"blocks.{i}.{a}" for a in after]
-    return [float(rms(probes[n][token])) for n in names]
+    """RMS of one token's residual stream: at the embedding, then after every addition (the
+    probes that hold the stream: probes.stream_points; the measure: tracing.stream.stream_rms)."""
+    return [float(rms(probes[n][token])) for n in stream_points(cfg.n_layers, cfg.norm_placement)]
 
 
 def kv_numbers_per_token(cfg: ModelConfig) -> int:
@@ -269,35 +257,17 @@ def kv_numbers_per_token(cfg: ModelConfig) -> int:
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
 
 
-def tile_walk(probes: dict[str, torch.Tensor], tile: int, layer: int = 0) -> list[dict]:
-    """The tiled (FlashAttention) kernel's running m, l, o, alpha on the model's own q, k, v."""
+def tile_walk(probes: dict[str, torch.Tensor], tile: int, row: int, layer: int = 0) -> dict:
+    """The tiled (FlashAttention) kernel's walk of query row `row` (tracing.tiles.kernel_walk) on
+    the model's own q, k, v: running m, l, o, alpha per key tile, every head."""
     n = f"blocks.{layer}.attn"
-    q = probes[n + ".q_rot"].transpose(0, 1)[None]  # (1, N, T, H)
-    k = probes[n + ".k_rot"].transpose(0, 1)[None]  # (1, K, T, H)
-    v = probes[n + ".v"].transpose(0, 1)[None]  # (1, K, T, H)
-    T = q.shape[2]
-    log: list[dict] = []
-    out = tiled_attention(q, k, v, q_pos=torch.arange(T)[None], start=0, tile=tile, tile_log=log)
-    assert torch.allclose(out[0].transpose(0, 1), probes[n + ".z"], atol=1e-6), "tiled kernel disagrees with the model"
-    return log
-
-
-def figures() -> dict:
-    """Every figure of the walkthrough, recomputed (worked_figures.py)."""
-    from .figures import figures as _figures
-
-    return _figures()
-
-
-def walkthrough(fig: dict | None = None) -> str:
-    """The walkthrough as text, section by section, with the recomputed figures."""
-    from .text import walkthrough as _walkthrough
-
-    return _walkthrough(figures() if fig is None else fig)
+    walk = kernel_walk(probes[n + ".q_rot"], probes[n + ".k_rot"], probes[n + ".v"], row=row, tile=tile)
+    assert torch.allclose(walk["output"], probes[n + ".z"], atol=1e-6), "tiled kernel disagrees with the model"
+    return walk
 
 
 __all__ = [
     "SENTENCE", "WordTokenizer", "TOKENIZER", "encode", "config", "build_one_head", "build_two_blocks",
     "build_four_heads", "build_gqa", "build_mqa", "MODELS", "load_worked", "run", "rms", "stream_rms", "kv_numbers_per_token",
-    "tile_walk", "figures", "walkthrough",
+    "tile_walk",
 ]

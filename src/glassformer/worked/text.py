@@ -1,4 +1,4 @@
-"""The walkthrough as text: the figures of worked_figures.figures(), section by section.
+"""The walkthrough as text: the figures of figures.figures(), section by section.
 
 Numbers are shown to the digits the walkthrough prints; the figures dict keeps them finer.
 """
@@ -6,6 +6,7 @@ Numbers are shown to the digits the walkthrough prints; the figures dict keeps t
 from __future__ import annotations
 
 from . import model as W
+from .figures import two_blocks_rms
 
 
 def _f(x: float, d: int = 2) -> str:
@@ -32,15 +33,20 @@ def _section(n: int, title: str, lines: list[str]) -> str:
 
 
 def walkthrough(fig: dict) -> str:
-    h, mh, ffn, fl, dec, ll = (fig[k] for k in ("head0", "multi_head", "ffn", "flash_attention_tiles_of_2_row_cats",
-                                                "decode_step", "llama3_8b_kv_cache"))
-    voc = fig["vocabulary"]
-    words = W.SENTENCE.split()
-    post = W.build_two_blocks("post")
-    rms_post = W.stream_rms(W.run(post, fig["sentence_ids"]), post.config, words.index("cats"))
-    emb = {w: W.EMBEDDING[voc[w]] for w in words}
+    """The walkthrough's text from `fig` (figures.figures()), section by section."""
+    ffn = fig["ffn"]
     out = [f'The toy model, step by step: "{W.SENTENCE}" through a transformer of width {fig["d_model"]}, '
            f'one head of size {fig["d_head"]}, RMSNorm, RoPE and a ReLU feed-forward of width {ffn["W_up_shape"][1]}.\n']
+    for part in (_words, _attention, _heads_and_norm, _ffn_and_blocks, _flash_and_decode):
+        out += part(fig)
+    return "\n".join(out)
+
+
+def _words(fig: dict) -> list[str]:
+    """Sections 1-2: words to ids, embeddings."""
+    voc = fig["vocabulary"]
+    emb = {w: W.EMBEDDING[voc[w]] for w in W.SENTENCE.split()}
+    out: list[str] = []
     out.append(_section(1, "Words to ids", [
         "vocabulary: " + ", ".join(f"{w} = {i}" for i, w in enumerate(W.WordTokenizer.VOCAB)),
         f"sentence ids: {fig['sentence_ids']}   (ids {voc['unused_ids']} = {', '.join(voc['unused_words'])} unused)",
@@ -49,6 +55,13 @@ def walkthrough(fig: dict) -> str:
         *(f"{w:>5}: {_w(e)}" for w, e in emb.items()),
         fig["embedding_values"] + ".",
     ]))
+    return out
+
+
+def _attention(fig: dict) -> list[str]:
+    """Sections 3-6: queries, keys and values; RoPE; scores; softmax and the weighted sum."""
+    h, words = fig["head0"], W.SENTENCE.split()
+    out: list[str] = []
     out.append(_section(3, "Queries, keys and values", [
         "W_Q columns (printed): " + "; ".join(f"{k}: {_w(c)}" for k, c in fig["W_Q_columns"].items()),
         *_matrix("W_K (chosen)", W.W_K), *_matrix("W_V (chosen)", W.W_V),
@@ -72,6 +85,13 @@ def walkthrough(fig: dict) -> str:
         f"weights of cats: {_v(h['attention_weights_row_cats'], 3)}   weights of I: {_v(h['attention_weights_row_I'], 1)}",
         f"output of cats = Σ weight · v = {_v(h['attention_output_cats'])}",
     ]))
+    return out
+
+
+def _heads_and_norm(fig: dict) -> list[str]:
+    """Sections 7-9: many heads, the output projection and the residual, RMSNorm."""
+    h, mh = fig["head0"], fig["multi_head"]
+    out: list[str] = []
     out.append(_section(7, "Many heads: MHA, GQA, MQA", [
         f"{mh['n_heads']} heads of size {fig['d_head']}; weights of cats over I, like, cats:",
         f"  MHA head 0: {_v(mh['mha_head0_weights_cats_over_I_like_cats'])}   head 1: "
@@ -93,6 +113,14 @@ def walkthrough(fig: dict) -> str:
         f"x / sqrt(mean(x²) + ε), ε = {fig['rmsnorm']['epsilon']:g}, γ {fig['rmsnorm']['gamma']}",
         f"normalised cats: {_v(fig['rmsnorm']['normalized_cats'])}",
     ]))
+    return out
+
+
+def _ffn_and_blocks(fig: dict) -> list[str]:
+    """Sections 10-12: the feed-forward, two blocks pre-norm and post-norm."""
+    ffn = fig["ffn"]
+    rms_post = two_blocks_rms(fig["sentence_ids"], W.SENTENCE.split().index("cats"))["post"]
+    out: list[str] = []
     out.append(_section(10, f"Feed-forward ({ffn['activation']})", [
         *_matrix("W_up (column 0 printed, the rest chosen)", W.W_UP),
         *_matrix("W_down (chosen)", W.W_DOWN),
@@ -112,6 +140,13 @@ def walkthrough(fig: dict) -> str:
         "  " + " -> ".join(_f(r) for r in rms_post),
         f"post-norm normalises the stream itself: {fig['two_blocks_postnorm_rms_cats']}",
     ]))
+    return out
+
+
+def _flash_and_decode(fig: dict) -> list[str]:
+    """Sections 13-14: FlashAttention's tiles, decoding with a KV cache."""
+    fl, dec, ll = fig["flash_attention_tiles_of_2_row_cats"], fig["decode_step"], fig["llama3_8b_kv_cache"]
+    out: list[str] = []
     t0, t1 = fl["tile0"], fl["tile1"]
     out.append(_section(13, "FlashAttention: tiles of 2", [
         f"row cats, key tile I like: scores {_v(t0['scaled_scores'], 3)}, m = {_f(t0['m'], 3)}, "
@@ -131,4 +166,4 @@ def walkthrough(fig: dict) -> str:
         f"{ll['tokens']:,} tokens: {ll['gqa_total_bytes'] / 2**30:g} GiB "
         f"(with {ll['query_heads']} KV heads, MHA: {ll['mha_total_bytes'] / 2**30:g} GiB)",
     ]))
-    return "\n".join(out)
+    return out
