@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from . import distributed as gdist
+from .distributed import all_mean, all_sum, any_rank, full_states, teardown
+from .distributed import setup as setup_processes
 from ..checkpoint.folders import prune, read_pointer, write_pointer
 from ..checkpoint.training import save_training
 from ..config import TrainConfig
@@ -40,7 +41,7 @@ class NonFiniteLoss(UserError):
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) one training run; returns a summary (steps, losses, last evaluation, stop reason)."""
     cuda = uses_cuda(cfg.device)
-    d = gdist.setup("cuda" if cuda else "cpu")
+    d = setup_processes("cuda" if cuda else "cpu")
     threads, clean = torch.get_num_threads(), False
     try:
         with keep_freed_memory(cfg.keep_freed_memory and not cuda):  # CPU tensors live in malloc's memory
@@ -52,7 +53,7 @@ def train(cfg: TrainConfig) -> dict:
                     fix_time_budget(run)
                     log_step(run)
                     evaluate_if_due(run)
-                    if gdist.any_rank(stop.signal is not None, d, run.device):
+                    if any_rank(stop.signal is not None, d, run.device):
                         run.stop_reason = stop.signal or "signal"
                         break
                 result = finish(run)
@@ -60,7 +61,7 @@ def train(cfg: TrainConfig) -> dict:
         return result
     finally:
         torch.set_num_threads(threads)
-        gdist.teardown(d, clean)
+        teardown(d, clean)
 
 
 # ----------------------------------------------------------------------------- one step
@@ -124,7 +125,7 @@ def fix_time_budget(run: RunState) -> None:
     run.last_val = evaluate_and_checkpoint(run)
     now = time.perf_counter()
     # Every rank plans with the same numbers, so all stop at the same step.
-    timing = gdist.all_mean(torch.tensor([sec_per_step, now - t_eval, run.elapsed0 + now - run.t_start],
+    timing = all_mean(torch.tensor([sec_per_step, now - t_eval, run.elapsed0 + now - run.t_start],
                                          dtype=torch.float64, device=run.device), run.d)
     sec_per_step, sec_per_eval, spent = (float(v) for v in timing)
     run.total_steps = run.step + plan_steps(cfg.time_budget - spent, sec_per_step, cfg.eval_every, sec_per_eval)
@@ -181,7 +182,7 @@ def evaluate(run: RunState) -> dict:
         else:
             nats, n = score(run.model, run.eval_ids, run.seq_len, run.device, batch_size=run.micro, rank=d.rank,
                             world_size=d.world_size, autocast=run.autocast)
-            tot = gdist.all_sum(torch.tensor([nats, float(n)], dtype=torch.float64, device=run.device), d)
+            tot = all_sum(torch.tensor([nats, float(n)], dtype=torch.float64, device=run.device), d)
             nats, n = float(tot[0]), int(tot[1])
     finally:
         net.train()
@@ -208,7 +209,7 @@ def evaluate_and_checkpoint(run: RunState) -> dict:
 
 def save_checkpoint(run: RunState, val: dict | None, reason: str) -> str | None:
     """Checkpoint at `run.step` (a collective); rank 0 writes. Returns the folder name."""
-    model_sd, optim_sd = gdist.full_states(run.net, run.optimizer)
+    model_sd, optim_sd = full_states(run.net, run.optimizer)
     failed, name, out, step = None, None, run.out, run.step
     if run.d.main:
         js, tensors = rng_state()
@@ -226,7 +227,7 @@ def save_checkpoint(run: RunState, val: dict | None, reason: str) -> str | None:
             prev = read_pointer(out, "latest")
             failed = (f"could not write checkpoint {out}/step-{step:06d} ({e}); nothing partial was left behind"
                       + (f" and {out}/{prev} is intact" if prev else "") + ": free space or fix permissions, then --resume")
-    if gdist.any_rank(failed is not None, run.d, run.device):
+    if any_rank(failed is not None, run.d, run.device):
         raise UserError(failed or "rank 0 could not write a checkpoint")
     return name
 

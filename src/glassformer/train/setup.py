@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import distributed as gdist
+from .distributed import Dist, barrier, load_optimizer, wrap
 from ..checkpoint.folders import newest_checkpoint, remove_leftovers
 from ..checkpoint.training import load_training
 from ..config import ModelConfig, TrainConfig
@@ -29,7 +29,7 @@ def uses_cuda(name: str) -> bool:
     return name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
 
 
-def resolve_device(name: str, d: gdist.Dist | None = None) -> torch.device:
+def resolve_device(name: str, d: Dist | None = None) -> torch.device:
     if name == "auto":
         name = "cuda" if uses_cuda(name) else "cpu"
     if name.startswith("cuda"):
@@ -89,7 +89,7 @@ def build_model(cfg: TrainConfig, meta: dict):
     return model
 
 
-def say(d: gdist.Dist, msg: str) -> None:
+def say(d: Dist, msg: str) -> None:
     """A line on stderr from rank 0 alone."""
     if d.main:
         print(msg, file=sys.stderr, flush=True)
@@ -98,7 +98,7 @@ def say(d: gdist.Dist, msg: str) -> None:
 # ----------------------------------------------------------------------------- start or resume a run
 
 
-def start_run(cfg: TrainConfig, d: gdist.Dist) -> RunState:
+def start_run(cfg: TrainConfig, d: Dist) -> RunState:
     """The run folder, the model (fresh, --init-from, or resumed with its optimizer and RNG states),
     the data, the thread count and the progress bar: everything the loop's first step needs."""
     t_start = time.perf_counter()
@@ -134,17 +134,17 @@ def start_run(cfg: TrainConfig, d: gdist.Dist) -> RunState:
     return run
 
 
-def open_run_folder(out: Path, d: gdist.Dist) -> None:
+def open_run_folder(out: Path, d: Dist) -> None:
     """Create the run folder and delete what a killed checkpoint write left there (rank 0)."""
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
         left = remove_leftovers(out)
         if left:
             say(d, f"removed unfinished checkpoint writes: {', '.join(left)}")
-    gdist.barrier(d)
+    barrier(d)
 
 
-def find_checkpoint(cfg: TrainConfig, out: Path, d: gdist.Dist) -> tuple[Path | None, tuple | None]:
+def find_checkpoint(cfg: TrainConfig, out: Path, d: Dist) -> tuple[Path | None, tuple | None]:
     """With --resume: (newest complete checkpoint, its (model state, optimizer state, train state,
     RNG tensors)); (None, None) for a fresh run, which --resume on an empty run folder is too."""
     resume_from = newest_checkpoint(out) if cfg.resume else None
@@ -169,7 +169,7 @@ def resumed_model(cfg: TrainConfig, folder: Path, state_dict: dict):
     return model
 
 
-def batch_shape(cfg: TrainConfig, mcfg: ModelConfig, d: gdist.Dist) -> tuple[int, int, int]:
+def batch_shape(cfg: TrainConfig, mcfg: ModelConfig, d: Dist) -> tuple[int, int, int]:
     """(seq_len, micro-batch rows, micro-batches per step): global batch = world · micro · accum."""
     seq_len = cfg.seq_len or mcfg.max_seq_len
     if seq_len > mcfg.max_seq_len:
@@ -183,20 +183,20 @@ def batch_shape(cfg: TrainConfig, mcfg: ModelConfig, d: gdist.Dist) -> tuple[int
     return seq_len, micro, per_rank // micro
 
 
-def place_model(cfg: TrainConfig, model, d: gdist.Dist, device: torch.device):
+def place_model(cfg: TrainConfig, model, d: Dist, device: torch.device):
     """(net, optimizer): the model on its device, compiled if asked, wrapped for DDP/FSDP."""
     model.to(device)
     if cfg.compile:
         model.compile()
         say(d, "compile: the first step (and the first evaluation) compile the model once, tens of seconds on a CPU")
-    net = gdist.wrap(model, d, cfg.fsdp, device)
+    net = wrap(model, d, cfg.fsdp, device)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), device, sharded=cfg.fsdp and d.enabled)
     return net, optimizer
 
 
 def restore_training(run: RunState, optim_sd: dict, state: dict, rng_tensors: dict) -> None:
     """A resumed run's optimizer moments, RNG states, step counts and best checkpoint."""
-    gdist.load_optimizer(run.net, run.optimizer, optim_sd)
+    load_optimizer(run.net, run.optimizer, optim_sd)
     set_rng_state(state["rng"], rng_tensors)
     run.step, run.total_steps, run.elapsed0 = state["step"], state["total_steps"], state["elapsed"]
     run.best = state.get("best") or run.best
@@ -204,7 +204,7 @@ def restore_training(run: RunState, optim_sd: dict, state: dict, rng_tensors: di
         run.best["val_loss"] = math.inf
 
 
-def set_threads(cfg: TrainConfig, d: gdist.Dist, device: torch.device, saved_threads: int | None) -> int:
+def set_threads(cfg: TrainConfig, d: Dist, device: torch.device, saved_threads: int | None) -> int:
     """CPU threads as asked, as the resumed run had them (same reduction order, same bits), or measured."""
     n_threads = cfg.threads or saved_threads or 0
     if n_threads:

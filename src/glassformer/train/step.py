@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import distributed as gdist
+from .distributed import Dist, all_mean, micro_batch_sync, unwrap
 from .optim import set_lr
 
 
@@ -31,7 +31,7 @@ def forward_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
                accum: int = 1, lr: float | None = None, grad_clip: float = 0.0,
-               autocast=contextlib.nullcontext, d: gdist.Dist | None = None,
+               autocast=contextlib.nullcontext, d: Dist | None = None,
                device: torch.device | None = None) -> StepResult:
     """One optimizer step on this process's rows x, y (B, T): `accum` micro-batches of B/accum rows,
     their mean loss backpropagated (gradients reduced across ranks on the last one only), the global
@@ -45,8 +45,8 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.
         set_lr(optimizer, lr)
     device = device or next(net.parameters()).device
     loss_mean = _accumulate_gradients(net, x, y, accum, autocast, d, device)
-    loss = float(gdist.all_mean(loss_mean, d)) if d is not None else float(loss_mean)
-    params = [p for p in gdist.unwrap(net).parameters() if p.grad is not None]
+    loss = float(all_mean(loss_mean, d)) if d is not None else float(loss_mean)
+    params = [p for p in unwrap(net).parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP2: the norm is a DTensor
         norm = norm.full_tensor()
@@ -66,7 +66,7 @@ def _accumulate_gradients(net, x, y, accum, autocast, d, device) -> torch.Tensor
     for m in range(accum):
         xm = x[m * micro:(m + 1) * micro].to(device, non_blocking=True)  # (micro, T)
         ym = y[m * micro:(m + 1) * micro].to(device, non_blocking=True)  # (micro, T)
-        with gdist.micro_batch_sync(net, d, last=m == accum - 1):
+        with micro_batch_sync(net, d, last=m == accum - 1):
             with autocast():
                 loss = forward_loss(net, xm, ym)
             (loss / accum).backward()
