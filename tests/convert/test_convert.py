@@ -412,3 +412,48 @@ def test_config_of_either_transformers_era_reads_the_same(converted, tmp_path):
     assert a == b and a.rope_theta == 500000.0 and a.rope_scaling["rope_type"] == "llama3"
     plain = dict(old, rope_scaling={"rope_type": "default"})
     assert config_from_hf(plain).rope_scaling is None
+
+
+# ----------------------------------------------------------------------------- the one key map
+
+
+def test_llama_key_map_is_the_families_rules():
+    """keymap.LLAMA_KEYS and llama_state_from_hf are read off families.py's rules: no second map."""
+    from glassformer.convert.families import LLAMA
+    from glassformer.convert.keymap import LLAMA_KEYS
+
+    assert LLAMA_KEYS["blocks.{i}.attn.wq.weight"] == "model.layers.{i}.self_attn.q_proj.weight"
+    assert LLAMA_KEYS["blocks.{i}.attn.wk.bias"] == "model.layers.{i}.self_attn.k_proj.bias"
+    assert LLAMA_KEYS["lm_head.weight"] == "lm_head.weight"
+    cfg = tiny_model(qkv_bias=True).config
+    assert {r.hf for r in LLAMA.rules(cfg)} == {
+        hf.replace("{i}", str(i)) for i in range(cfg.n_layers) for hf in LLAMA_KEYS.values()} | {
+        hf for hf in LLAMA_KEYS.values() if "{i}" not in hf}
+    from ..support import REPO
+
+    spelled = [p.name for p in (REPO / "src" / "glassformer" / "convert").glob("*.py") if "q_proj" in p.read_text()]
+    assert spelled == ["families.py"], f"Hugging Face Llama names spelled outside families.py: {spelled}"
+
+
+@pytest.mark.parametrize("pairs", ["half", "interleaved"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_state_from_hf_inverts_export(pairs, tied):
+    """A state dict exported by the Llama rules comes back exactly, RoPE rows permuted when interleaved."""
+    from glassformer.checkpoint.builder import model_state
+    from glassformer.convert.families import LLAMA
+    from glassformer.convert.hf import hf_state_from_model
+    from glassformer.convert.keymap import llama_state_from_hf
+
+    model = tiny_model(rope_pairs=pairs, tie_embeddings=tied)
+    hf_state = hf_state_from_model(model, LLAMA)
+    if tied:
+        hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]  # transformers' state_dict keeps both
+    hf_state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # a recomputed buffer: ignored
+    ours, want = llama_state_from_hf(hf_state, model.config), model_state(model)
+    assert ours.keys() == want.keys() and all(torch.equal(ours[k], want[k]) for k in want)
+    q = hf_state["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(ours["blocks.0.attn.wq.weight"], q) == (pairs == "half")
+    with pytest.raises(ValueError, match="unexpected keys.*model.extra"):
+        llama_state_from_hf({**hf_state, "model.extra": torch.ones(1)}, model.config)
+    with pytest.raises(ValueError, match="missing.*model.norm.weight"):
+        llama_state_from_hf({k: v for k, v in hf_state.items() if k != "model.norm.weight"}, model.config)

@@ -23,6 +23,7 @@ from glassformer.cost import (
     forward_flops,
     kv_cache_bytes,
     kv_cache_bytes_per_token,
+    kv_cache_numbers_per_token,
     max_train_batch,
     parse_bytes,
     tiled_pairs,
@@ -167,7 +168,7 @@ def test_walkthrough_toy_model_cache_numbers(kind, n_kv):
     toy = ModelConfig(vocab_size=6, dim=WORKED["d_model"], n_layers=1, n_heads=WORKED["multi_head"]["n_heads"],
                       n_kv_heads=n_kv, head_dim=WORKED["d_head"], ffn_dim=8, ffn="relu")
     want = WORKED["multi_head"]["kv_cache_numbers_per_token"][kind]
-    assert kv_cache_bytes_per_token(toy, "fp32") // 4 == want
+    assert kv_cache_bytes_per_token(toy, "fp32") // 4 == kv_cache_numbers_per_token(toy) == want
     cache = KVCache(toy, batch_size=1, max_len=5, dtype=torch.float32)  # the real buffers, 5 positions
     assert sum(b.numel() for b in cache.buffers()) // 5 == want
 
@@ -235,6 +236,19 @@ def test_forward_flops_reduce_to_design_formula_and_six_per_weight():
         w = r["params_by_part"]
         matmul_weights = sum(v for k, v in w.items() if k.startswith(("attn_", "ffn")) and "bias" not in k) + V * D
         assert 3 * r["flops_forward_no_scores"] == 6 * matmul_weights * B * T
+
+
+@settings(max_examples=25)
+@given(configs(), st.integers(1, 48))
+def test_training_flops_per_token_is_palms_formula(cfg, T):
+    """6 per weight of a matrix product (the LM head too) + 12·L·T·N·H; training's MFU uses this one count."""
+    from glassformer.cost import train_flops_per_token
+    from glassformer.train.metrics import flops_per_token
+
+    w = weights(cfg)
+    matmul_weights = sum(v for k, v in w.items() if k.startswith(("attn_", "ffn")) and "bias" not in k)
+    palm = 6 * (matmul_weights + cfg.vocab_size * cfg.dim) + 12 * cfg.n_layers * T * cfg.q_dim
+    assert train_flops_per_token(cfg, T) == palm == flops_per_token(cfg, T)
 
 
 def test_crossover_is_where_scores_overtake_the_ffn():

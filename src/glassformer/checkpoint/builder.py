@@ -18,12 +18,17 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in sd.items()}
 
 
-def _check_keys(model: Transformer, state: dict[str, torch.Tensor], where: str) -> None:
-    want, have = set(model.state_dict()), set(state)
-    missing = sorted(k for k in want - have if not (k == "lm_head.weight" and model.config.tie_embeddings))
-    unexpected = sorted(have - want)
+def _check_state(model: Transformer, state: dict[str, torch.Tensor], where: str) -> None:
+    """Every tensor the (meta) model has, no other, each of the shape its config implies."""
+    want = model.state_dict()
+    missing = sorted(k for k in want.keys() - state.keys() if not (k == "lm_head.weight" and model.config.tie_embeddings))
+    unexpected = sorted(state.keys() - want.keys())
     if missing or unexpected:
         raise UserError(f"{where} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    wrong = [f"{k} is {list(state[k].shape)}, the config implies {list(want[k].shape)}"
+             for k in sorted(state) if state[k].shape != want[k].shape]
+    if wrong:
+        raise UserError(f"{where} does not match its config: {'; '.join(wrong[:3])}")
 
 
 def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu",
@@ -33,11 +38,8 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device: s
     assigned, so no second copy of the weights is made; `where` names the source in errors."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    _check_keys(model, state, where)
-    try:
-        model.load_state_dict(state, strict=True, assign=True)  # a tied head is filled by the model's load hook
-    except RuntimeError as e:  # a shape that the config does not imply
-        raise UserError(f"{where} does not match its config: {e}") from None
+    _check_state(model, state, where)
+    model.load_state_dict(state, strict=True, assign=True)  # a tied head is filled by the model's load hook
     if cfg.pos == "rope":  # a non-persistent buffer: recomputed, never stored
         model.rope_inv_freq = rope_inv_freq(cfg)
     if cfg.tie_embeddings:
