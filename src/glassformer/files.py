@@ -1,5 +1,6 @@
 """The bottom of the package: writing folders and files so a crash never leaves half of one,
-and reading the JSON files users hand us. Imports nothing of glassformer but errors."""
+reading the JSON files users hand us, and where the project caches things. Imports nothing
+of glassformer but errors."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import UserError
+
+
+def cache_dir() -> Path:
+    """The project's one cache folder (the default corpus, built kernels): GLASSFORMER_CACHE, else ~/.cache/glassformer."""
+    return Path(os.environ.get("GLASSFORMER_CACHE") or Path.home() / ".cache" / "glassformer")
 
 
 def fsync_dir(path: Path) -> None:

