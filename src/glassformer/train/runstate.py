@@ -10,10 +10,17 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # names for the annotations only
+    from ..config import TrainConfig
+    from ..text.data import TokenFile
+    from .distributed import Dist
+    from .metrics import MetricsLog
+    from .step import StepResult
 
 
 @dataclass
@@ -21,15 +28,15 @@ class RunState:
     """Everything the phases of `train` (train/loop.py) read and change; built by `start_run`
     (train/setup.py). Times are time.perf_counter() seconds."""
 
-    cfg: Any  # the TrainConfig
-    d: Any  # distributed.Dist
+    cfg: TrainConfig
+    d: Dist
     device: torch.device
     data: Path  # the prepared data folder
     out: Path  # the run folder
     model: torch.nn.Module  # the Transformer
     net: torch.nn.Module  # what runs the forward: the model, or its DDP/FSDP wrapper
     optimizer: torch.optim.Optimizer
-    train_tokens: Any  # text.data.TokenFile
+    train_tokens: TokenFile
     eval_ids: np.ndarray  # the held-out tokens each evaluation scores
     eval_bytes: int  # their UTF-8 bytes, for bits per byte
     seq_len: int
@@ -44,7 +51,7 @@ class RunState:
     plan: dict | None = None  # the time budget's plan, once made
     peak: float | None = None  # FLOP/s for MFU (rank 0)
     flops_per_token: float = 0.0
-    metrics: Any = None  # metrics.MetricsLog on rank 0
+    metrics: MetricsLog | None = None  # rank 0 alone writes
     bar: Any = None  # the tqdm progress bar
     t_start: float = 0.0
     start_step: int = 0  # the step this process began at (after a resume: the checkpoint's)
@@ -52,8 +59,8 @@ class RunState:
     t_log: float = 0.0  # when tokens/s was last measured from
     tok_log: int = 0  # tokens trained since then
     lr: float = 0.0  # the last step's learning rate
-    last: Any = None  # the last step's step.StepResult
-    losses: list = field(default_factory=list)  # every step's training loss
+    last: StepResult | None = None  # what the last step returned
+    losses: list[float] = field(default_factory=list)  # every step's training loss
     last_val: dict | None = None  # the last evaluation
     stop_reason: str | None = None  # the signal that stopped the run
 
