@@ -285,13 +285,14 @@ def test_rms_calculations_of_the_comparison():
     operands it is the table's number, and its operands are the stream's own numbers."""
     from glassformer.tracing.analysis import norm_rms
     from glassformer.explaining.explain import explain, step_value
+    from glassformer.tracing.stream import placement_twins
     from glassformer.viewer import source
 
     model = tiny_model()
     ids = [5, 9, 2, 7]
     toks = [f"w{i}" for i in ids]
     tr = source.trace_for_page(model, ids, toks)
-    view = source.norm_view(source.norm_models(model), ids, toks, model, tr)
+    view = source.norm_view(placement_twins(model), ids, toks, model, tr)
     own = model.config.norm_placement
     ref = norm_rms(tr)
     for kind in ("pre", "post"):

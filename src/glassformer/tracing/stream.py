@@ -7,9 +7,9 @@ post-norm twin of a model is built.
 
 from __future__ import annotations
 
-import torch
+import copy
 
-from ..model import Transformer
+import torch
 
 PLACEMENTS = ("pre", "post")
 
@@ -26,15 +26,18 @@ def stream_rms(x: torch.Tensor) -> torch.Tensor:
 
 
 def placement_twin(model, norm_placement: str):
-    """`model`'s weights in a model whose norms sit `norm_placement` ('pre' or 'post'): the model
-    itself when it already does, else a new model on the same device and dtype, in eval mode."""
+    """`model` with its norms `norm_placement` ('pre' or 'post'): the model itself when they
+    already are, else a copy in eval mode. A copy rather than a new model from the state dict,
+    so the twin keeps whatever the model's modules hold (adapters, quantized weights, hooks)."""
     if norm_placement not in PLACEMENTS:
         raise ValueError(f"norm_placement must be one of {PLACEMENTS}, got {norm_placement!r}")
     if model.config.norm_placement == norm_placement:
         return model
-    p = next(model.parameters())
-    twin = Transformer(model.config.replace(norm_placement=norm_placement)).to(device=p.device, dtype=p.dtype)
-    twin.load_state_dict(model.state_dict())
+    twin = copy.deepcopy(model)
+    # Every block reads the model's one config object (model.Block.forward), so setting it
+    # here moves the norms of the whole copy.
+    twin.config.norm_placement = norm_placement
+    assert all(b.cfg is twin.config for b in twin.blocks), "a block holds a config of its own"
     return twin.eval()
 
 

@@ -40,18 +40,27 @@ def row_walk(log: list[dict], row: int, heads: list[int], n_heads: int, position
     return {"query": row, "position": position, "tile_size": tile, "heads": list(heads), "steps": steps}
 
 
-def kernel_walk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, row: int, tile: int,
-                positions: list[int] | None = None, window: int | None = None, heads: list[int] | None = None) -> dict:
-    """Run the tiled kernel on one text's q (T, N, H), k and v (T, K, H) (as traced: after RoPE)
-    and return row `row`'s walk (row_walk's form); `output` is the kernel's whole result (T, N, H)."""
-    T, N = q.shape[0], q.shape[1]
+def kernel_log(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, tile: int, positions: list[int] | None = None,
+               window: int | None = None) -> tuple[torch.Tensor, list[dict]]:
+    """Run the tiled kernel on one text's q (T, N, H), k and v (T, K, H) (as traced: after RoPE):
+    its output (T, N, H) and its tile log."""
+    T = q.shape[0]
     positions = list(range(T)) if positions is None else list(positions)
-    heads = list(range(N)) if heads is None else list(heads)
     log: list[dict] = []
     out = tiled_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # (1, heads, T, H)
                           q_pos=torch.tensor([positions]), window=window, start=positions[0], tile=tile, tile_log=log)
-    walk = row_walk(log, row, heads, N, positions[row], tile)
-    walk["output"] = out[0].transpose(0, 1)  # (T, N, H)
+    return out[0].transpose(0, 1), log  # (T, N, H)
+
+
+def kernel_walk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, row: int, tile: int,
+                positions: list[int] | None = None, window: int | None = None, heads: list[int] | None = None) -> dict:
+    """Row `row`'s walk (row_walk's form) of the tiled kernel run on q, k, v (see kernel_log);
+    `output` holds the kernel's whole result (T, N, H)."""
+    T, N = q.shape[0], q.shape[1]
+    positions = list(range(T)) if positions is None else list(positions)
+    out, log = kernel_log(q, k, v, tile=tile, positions=positions, window=window)
+    walk = row_walk(log, row, list(range(N)) if heads is None else list(heads), N, positions[row], tile)
+    walk["output"] = out
     return walk
 
 
@@ -76,4 +85,4 @@ def head_walk(tiles: dict, head: int) -> dict:
                        "tile_size": tiles["tile_size"], "steps": steps, "output": output})
 
 
-__all__ = ["row_walk", "kernel_walk", "head_walk"]
+__all__ = ["row_walk", "kernel_log", "kernel_walk", "head_walk"]

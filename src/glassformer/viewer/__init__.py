@@ -8,19 +8,16 @@ the page. The page itself is plain HTML/CSS/JS in static/ and reads trace JSON o
 from __future__ import annotations
 
 from .render import build_payload, render_html, write_html
+from .source import write_trace_page, write_worked_page
 
 
 def write_trace_html(trace, path, model=None, tokenizer=None, sentence=None):
     """`glassformer trace --html`: the page of one trace as a self-contained file."""
-    from .source import write_trace_page
-
     return write_trace_page(trace, path, model=model, tokenizer=tokenizer, sentence=sentence)
 
 
 def write_worked_html(path, text=None):
     """`glassformer worked --html`: the walkthrough's toy model on 'I like cats too'."""
-    from .source import write_worked_page
-
     return write_worked_page(path, text)
 
 

@@ -1,8 +1,8 @@
 """A trace (design.md "Trace files") → one explorer page.
 
 `build_payload` gathers what the page draws: the trace itself, the top next tokens, the
-stream's RMS pre-norm vs post-norm, the costs, and the calculations (`explain` results)
-of the numbers the page shows. `render_html` writes the page: for a saved file the CSS,
+stream wiring, the stream's RMS pre-norm vs post-norm, the FlashAttention walks, the costs,
+and the calculations (`explain` results) of the numbers the page shows. `render_html` writes the page: for a saved file the CSS,
 the JavaScript and the data are inlined, so it opens offline with nothing else; for the
 server it links /static/ files and fetches new traces and calculations on demand.
 
@@ -24,7 +24,12 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+import torch
+
 from ..errors import UserError
+from ..probes import stream_wiring
+from ..tracing.stream import stream_rms
+from ..tracing.tiles import head_walk
 
 STATIC = Path(__file__).parent / "static"
 FEATURE_CAP = 8  # numbers shown per vector (per head); glass.js uses the same cap
@@ -66,11 +71,6 @@ def to_plain(obj: Any) -> Any:
     return str(obj)
 
 
-def _probe(trace: dict, name: str):
-    p = trace.get("probes", {}).get(name)
-    return None if p is None else p["data"]
-
-
 def _softmax(row: list[float]) -> list[float]:
     m = max(row)
     e = [math.exp(x - m) for x in row]
@@ -108,45 +108,6 @@ def next_tokens(trace: dict, pieces: Callable[[int], str] | None = None, k: int 
             piece = pieces(tid) if pieces else f"#{tid}"
             row.append({"id": tid, "piece": str(piece), "prob": probs[i], "logit": None if logits is None else logits[i]})
         out.append(row)
-    return out
-
-
-def _stream_probes(cfg: dict) -> list[tuple[str, str]]:
-    """(label, probe) of the residual stream after every addition, for one norm placement."""
-    post = cfg.get("norm_placement") == "post"
-    steps = [("embed", "embed")]
-    for i in range(cfg["n_layers"]):
-        steps.append((f"L{i} attn +", f"blocks.{i}.attn_norm" if post else f"blocks.{i}.resid_mid"))
-        steps.append((f"L{i} FFN +", f"blocks.{i}.ffn_norm" if post else f"blocks.{i}.resid_out"))
-    return steps
-
-
-def stream_rms(trace: dict) -> tuple[list[str], list[list[float]]]:
-    """The RMS √(mean x²) of each token's stream after every addition: (labels, [token][step])."""
-    steps = [(lab, n) for lab, n in _stream_probes(trace["config"]) if _probe(trace, n) is not None]
-    T = len(trace["tokens"])
-    table = []
-    for t in range(T):
-        row = []
-        for _, n in steps:
-            v = _probe(trace, n)[t]
-            row.append(math.sqrt(sum(x * x for x in v) / len(v)))
-        table.append(row)
-    return [lab for lab, _ in steps], table
-
-
-def norm_comparison(traces: dict[str, dict], about: str | None = None) -> dict:
-    """{'pre': trace, 'post': trace} of one text → the RMS tables the page plots side by side."""
-    out: dict[str, Any] = {"rms": {}, "about": about}
-    from ..tracing.format import as_trace
-    from .source import rms_calcs
-
-    for kind, tr in traces.items():
-        labels, table = stream_rms(tr)
-        out["rms"][kind] = table
-        points = [n for _, n in _stream_probes(tr["config"]) if _probe(tr, n) is not None]
-        out.setdefault("calc", {})[kind] = rms_calcs(as_trace(tr), points)
-        out["steps"], out["tokens"] = labels, list(tr["tokens"])
     return out
 
 
@@ -270,25 +231,20 @@ def build_payload(
     vocab: list[str] | None = None,
     focus_token: int | None = None,
     flash_tile: int | None = None,
+    flash: dict | None = None,
     notes: list[str] | None = None,
     slim: bool = False,
 ) -> dict:
     """Everything the page draws, as one JSON-ready dict.
 
     mode: 'static' (a saved file: calculations are precomputed for the numbers shown) or
-    'server' (the page asks /api/explain for any number).
-    slim: keep only the first FEATURE_CAP features of the feed-forward's wide probes (the page
-    shows no more of them; their calculations come from the server).
-    explain: `explain(probe, index)` for this trace; norm: output of `norm_comparison`; costs: a
-    cost report (see `cost_rows`).
+    'server' (the page asks /api/explain for any number). slim: keep only the first
+    FEATURE_CAP features of the feed-forward's wide probes. explain: `explain(probe, index)`
+    for this trace; norm: source.norm_table's output; costs: a cost report (`cost_rows`);
+    flash: source.flash_walks's output (the trace's own tile logs are added to it).
+    The page reads which probe holds the stream from `wiring` (probes.stream_wiring).
     """
-    if hasattr(trace, "to_dict"):  # a glassformer.trace.Trace
-        trace = trace.to_dict()
-    if mode not in ("static", "server"):
-        raise ValueError(f"mode must be 'static' or 'server', got {mode!r}")
-    for key in ("tokens", "config", "probes"):
-        if key not in trace:
-            raise ValueError(f"not a trace: the key {key!r} is missing (see docs/trace-format.md)")
+    trace = _checked_trace(trace, mode)
     T = len(trace["tokens"])
     focus = T - 1 if focus_token is None else max(0, min(int(focus_token), T - 1))
     nxt = next_tokens(trace, pieces)
@@ -300,6 +256,34 @@ def build_payload(
         if left:
             notes.append(f"This file stores the calculations of {len(explained)} numbers; "
                          f"{left} more are computed live by `glassformer view`.")
+    cfg = trace["config"]
+    # Trace files hold no NaN (masked cells are null); the rest is small, so cleaning it is cheap.
+    return {"trace": _shown_trace(trace, slim), **_finite({
+        "format": "glassformer-explorer", "version": 1, "mode": mode,
+        "sentence": sentence if sentence is not None else " ".join(map(str, trace["tokens"])),
+        "model_name": model_name, "next": nxt, "explain": explained,
+        "costs": None if costs is None else (costs if "rows" in costs else cost_rows(costs)),
+        "norm": norm, "vocab": vocab, "focus_token": focus, "flash_tile": flash_tile, "notes": notes,
+        "wiring": stream_wiring(int(cfg["n_layers"]), cfg["norm_placement"]),
+        "rms": lane_rms(trace),
+        "flash": _with_traced_tiles(trace, flash),
+    })}
+
+
+def _checked_trace(trace: Any, mode: str) -> dict:
+    """The trace as its dict (a Trace is converted), checked to be one."""
+    if hasattr(trace, "to_dict"):  # a glassformer.trace.Trace
+        trace = trace.to_dict()
+    if mode not in ("static", "server"):
+        raise ValueError(f"mode must be 'static' or 'server', got {mode!r}")
+    for key in ("tokens", "config", "probes"):
+        if key not in trace:
+            raise ValueError(f"not a trace: the key {key!r} is missing (see docs/trace-format.md)")
+    return trace
+
+
+def _shown_trace(trace: dict, slim: bool) -> dict:
+    """The part of the trace the page draws."""
     # Full logits of a real vocabulary are most of a trace's size and the page draws only
     # the top few per position, which `next` already holds.
     # Weight matrices feed `explain` (whose results are stored already), not the drawing.
@@ -311,15 +295,39 @@ def build_payload(
             if name.endswith((".ffn.up", ".ffn.gate", ".ffn.act")) and entry["shape"][-1] > FEATURE_CAP:
                 shown["probes"][name] = {**entry, "data": [row[:FEATURE_CAP] for row in entry["data"]], "cut": True}
     if not shown.get("positions"):
-        shown["positions"] = list(range(T))
-    # Trace files hold no NaN (masked cells are null); the rest is small, so cleaning it is cheap.
-    return {"trace": shown, **_finite({
-        "format": "glassformer-explorer", "version": 1, "mode": mode,
-        "sentence": sentence if sentence is not None else " ".join(map(str, trace["tokens"])),
-        "model_name": model_name, "next": nxt, "explain": explained,
-        "costs": None if costs is None else (costs if "rows" in costs else cost_rows(costs)),
-        "norm": norm, "vocab": vocab, "focus_token": focus, "flash_tile": flash_tile, "notes": notes,
-    })}
+        shown["positions"] = list(range(len(trace["tokens"])))
+    return shown
+
+
+def lane_rms(trace: dict) -> dict[str, list[float]]:
+    """{probe: RMS of each token's vector} (tracing.stream.stream_rms) of the (token, feature)
+    probes the page's lanes draw: the stream and what each branch adds to it."""
+    out = {}
+    for name, e in trace["probes"].items():
+        if e.get("axes") == ["token", "feature"] and name not in ("logits", "probs") and not e.get("cut"):
+            out[name] = stream_rms(torch.tensor(e["data"], dtype=torch.float64)).tolist()
+    return out
+
+
+def flash_key(layer: int, head: int, row: int, tile: int) -> str:
+    """The key of one tile walk in the page's data (glass.js builds the same string)."""
+    return f"{layer}|{head}|{row}|{tile}"
+
+
+def _with_traced_tiles(trace: dict, flash: dict | None) -> dict:
+    """`flash` ({'tiles': [...], 'walks': {key: walk}}) plus the walks of the trace's own tile
+    logs (`blocks.i.attn.tiles`, run by the tiled kernel while tracing)."""
+    out = {"tiles": list((flash or {}).get("tiles") or []), "walks": dict((flash or {}).get("walks") or {}),
+           "left_out": (flash or {}).get("left_out", 0)}
+    for name, e in trace["probes"].items():
+        if name.endswith(".attn.tiles"):
+            layer = int(name.split(".")[1])
+            for head in e["heads"]:
+                tiles = {**e, "steps": e["data"]}
+                out["walks"].setdefault(flash_key(layer, head, e["query"], e["tile_size"]), head_walk(tiles, head))
+            if e["tile_size"] not in out["tiles"]:
+                out["tiles"] = sorted(out["tiles"] + [e["tile_size"]])
+    return out
 
 
 # ----------------------------------------------------------------------------- the page

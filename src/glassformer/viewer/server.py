@@ -28,7 +28,7 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from ..errors import UserError
-from . import render
+from .render import _finite, build_payload, render_html, static_file, to_plain
 
 MAX_BODY = 64 * 1024  # bytes of one request body
 MAX_TEXT = 2000  # characters of one sentence
@@ -82,7 +82,7 @@ class Explorer:
             if self.extras is not None:
                 args.update(self.extras(ids, tokens, shown, tr))
             # The live page asks the server for calculations, so it needs only what it draws.
-            payload = render.build_payload(shown, mode="server", sentence=text, slim=True, **args)
+            payload = build_payload(shown, mode="server", sentence=text, slim=True, **args)
             self._cache[text] = (tr, payload)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
@@ -96,7 +96,7 @@ class Explorer:
             raise UserError("this server has no calculations to show")
         tr, _ = self._traced(text)
         with self._lock:
-            return render.to_plain(self.explain(tr, probe, index))
+            return to_plain(self.explain(tr, probe, index))
 
 
 def _is_loopback(host: str) -> bool:
@@ -141,7 +141,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
         except ValueError:  # a NaN somewhere: JSON has no spelling for it
-            text = json.dumps(render._finite(obj), separators=(",", ":"), allow_nan=False)
+            text = json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False)
         body = text.encode("utf-8")
         self._send(status, body, "application/json; charset=utf-8")
 
@@ -169,14 +169,14 @@ class Handler(BaseHTTPRequestHandler):
             except Exception as e:  # report, keep serving
                 traceback.print_exc()
                 return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(e).__name__}")
-            page = render.render_html(payload, inline=False).encode("utf-8")
+            page = render_html(payload, inline=False).encode("utf-8")
             return self._send(HTTPStatus.OK, page, "text/html; charset=utf-8")
         if path.startswith("/static/"):
             name = path[len("/static/"):]
             # A fixed list: a name is looked up, never joined to a folder, so `..`,
             # %2e%2e, absolute paths and symlinks cannot reach any other file.
             if name in STATIC_FILES:
-                return self._send(HTTPStatus.OK, render.static_file(name).encode("utf-8"), STATIC_FILES[name])
+                return self._send(HTTPStatus.OK, static_file(name).encode("utf-8"), STATIC_FILES[name])
         if path == "/favicon.ico":
             return self._send(HTTPStatus.NO_CONTENT, b"", "image/x-icon")
         return self._error(HTTPStatus.NOT_FOUND, "not found")

@@ -8,12 +8,26 @@ the calculations of the numbers shown); `explorer(...)` wraps the same for the s
 
 from __future__ import annotations
 
-import copy
 import functools
+import json
 import math
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..config import ModelConfig
 from ..errors import UserError
+from ..explaining.explain import explain, explain_rms
+from ..tracing.analysis import norm_rms
+from ..tracing.format import FORMAT, FORMAT_VERSION, _tiles_json, as_trace, json_ready
+from ..tracing.stream import PLACEMENTS, placement_twins
+from ..tracing.tiles import head_walk, kernel_log, row_walk
+from ..tracing.trace import trace
+from ..worked import model as worked
+from .cost_calc import cost_calcs
+from .render import cost_rows, flash_key, to_plain, write_html
+from .server import Explorer
 
 TOP_K = 10  # logits kept per token in a trace for the page (the page shows 5)
 
@@ -48,8 +62,6 @@ def encode(tokenizer, text: str, max_len: int) -> tuple[list[int], list[str]]:
 def trace_for_page(model, ids: list[int], tokens: list[str], focus: int | None = None, with_weights: bool = False):
     """The trace the page draws: every layer and head, the top logits, and the tiled kernel's
     own log for the focus row (default the last token) at the page's tile size."""
-    from ..tracing.trace import trace
-
     cfg = model.config
     old_tile = cfg.attention_tile
     cfg.attention_tile = flash_tile(len(ids))
@@ -64,8 +76,6 @@ def trace_for_page(model, ids: list[int], tokens: list[str], focus: int | None =
 def _rounded(t, decimals: int):
     """Nested lists of `t` rounded to `decimals` places, NaN/±inf as None (vectorised: the
     server's answer must be quick, and short numbers keep it small; the page shows 3)."""
-    import torch
-
     x = torch.round(t.detach().double(), decimals=decimals)
     finite = torch.isfinite(x)
     if bool(finite.all()):
@@ -80,8 +90,6 @@ def _rounded(t, decimals: int):
 def page_dict(tr, decimals: int = 6) -> dict:
     """A Trace as the dict its file holds (docs/trace-format.md), built straight from the
     tensors for the server's answers; weights are left out (the page never draws them)."""
-    from ..tracing.format import FORMAT, FORMAT_VERSION, _tiles_json, json_ready
-
     probes = {}
     for name, p in tr.probes.items():
         entry = {"shape": list(p.data.shape), "axes": p.axes}
@@ -98,36 +106,70 @@ def page_dict(tr, decimals: int = 6) -> dict:
             **({"analysis": json_ready(tr.analysis)} if tr.analysis else {})}
 
 
-def other_placement(model):
-    """The same weights with the norms moved: pre-norm <-> post-norm (for the comparison view)."""
-    twin = copy.deepcopy(model)
-    # Every block reads the one config object, so flipping it flips the whole model.
-    twin.config.norm_placement = "post" if model.config.norm_placement == "pre" else "pre"
-    return twin
-
-
-def norm_models(model) -> dict:
-    """{'pre': model, 'post': model}: this model and its twin with the norms moved."""
-    twin = other_placement(model)
-    return {model.config.norm_placement: model, twin.config.norm_placement: twin}
-
-
 def norm_view(models: dict, ids: list[int], tokens: list[str], model=None, traced=None) -> dict:
-    """RMS of the stream after every addition for the same text, pre-norm and post-norm
-    (glassformer.analysis.norm_rms of each). `traced`, the Trace of `model` itself, is
-    reused when `model` is one of the pair."""
-    from ..tracing.analysis import norm_rms
-    from ..tracing.trace import trace
+    """RMS of the stream after every addition for the same text, pre-norm and post-norm:
+    `models` is tracing.stream.placement_twins of one model. `traced`, the Trace of `model`
+    itself, is reused when `model` is one of the pair."""
+    traces = {kind: traced if (traced is not None and models[kind] is model) else trace(models[kind], ids, tokens=tokens, top_k=1)
+              for kind in PLACEMENTS}
+    return norm_table(traces, own={kind: models[kind] is model for kind in PLACEMENTS},
+                      about="the same weights with the norms before each sublayer (pre) or after each addition (post)")
 
-    out: dict[str, Any] = {"rms": {}, "about": "the same weights with the norms before each sublayer (pre) "
-                                              "or after each addition (post)"}
-    for kind in ("pre", "post"):
-        tr = traced if (traced is not None and models[kind] is model) else trace(models[kind], ids, tokens=tokens, top_k=1)
+
+def norm_table(traces: dict, own: dict | None = None, about: str | None = None) -> dict:
+    """{'pre': Trace, 'post': Trace} (or one of them) of one text → the RMS tables the page plots
+    side by side (tracing.analysis.norm_rms of each), with the calculation of every RMS.
+    own[kind]: the trace is of the page's own model, so its operands link to the page's numbers."""
+    out: dict[str, Any] = {"rms": {}, "about": about}
+    for kind, tr in traces.items():
         r = norm_rms(tr)
         out["rms"][kind] = [list(row) for row in zip(*r["rms"])]  # [token][step]
-        out.setdefault("calc", {})[kind] = rms_calcs(tr, r["points"], own=models[kind] is model,
-                                                     model=f"the {kind}-norm model")
-        out["steps"], out["tokens"] = [lab.replace(": + ", " +").replace("attention", "attn") for lab in r["labels"]], list(tokens)
+        mine = True if own is None else own[kind]
+        out.setdefault("calc", {})[kind] = rms_calcs(tr, r["points"], own=mine, model=None if own is None else f"the {kind}-norm model")
+        out["steps"] = [lab.replace(": + ", " +").replace("attention", "attn") for lab in r["labels"]]
+        out["tokens"] = list(tr.tokens)
+    return out
+
+
+FLASH_LIMIT = 60_000  # numbers of FlashAttention walks a page stores at most
+
+
+def flash_tiles(T: int) -> list[int]:
+    """The tile sizes the FlashAttention view offers for T tokens."""
+    return [x for x in (1, 2, 4, 8, 16, 32, 64) if x <= max(1, T)]
+
+
+def flash_walks(tr, tile: int, focus: int, limit: int = FLASH_LIMIT) -> dict:
+    """Walks of the tiled kernel (tracing.tiles) over the traced q, k, v, for the page's
+    FlashAttention view: {'tiles', 'walks': {render.flash_key: tiles.head_walk}, 'left_out'}.
+
+    Every layer and head; first the focus row at `tile`, then the other rows, then the other
+    tile sizes, until `limit` numbers are stored (the rest are counted in left_out).
+    """
+    cfg, T = tr.config, len(tr.tokens)
+    tiles = flash_tiles(T)
+    out = {"tiles": tiles, "walks": {}, "left_out": 0}
+    rope = cfg["pos"] == "rope"
+    qkv = {i: [tr[f"blocks.{i}.attn.{n}"] for n in (("q_rot", "k_rot") if rope else ("q", "k")) + ("v",)]
+           for i in tr.layers}
+    if len(tr.heads) < int(cfg["n_heads"]) or any(f"blocks.{i}.attn.v" not in tr.probes for i in tr.layers):
+        return out  # walks need every head's q, k, v: the trace's own tile log is all there is
+    order = [(tile, focus)] + [(tile, r) for r in range(T) if r != focus]
+    order += [(t, r) for t in tiles if t != tile for r in [focus] + [r for r in range(T) if r != focus]]
+    numbers, logs = 0, {}
+    for t, row in order:
+        for i, (q, k, v) in qkv.items():
+            if (i, t) not in logs:  # one run of the kernel per layer and tile size serves every row
+                logs[i, t] = kernel_log(q, k, v, tile=t, positions=tr.positions, window=cfg.get("sliding_window"))[1]
+            walk = row_walk(logs[i, t], row, tr.heads, int(cfg["n_heads"]), tr.positions[row], t)
+            for h in tr.heads:
+                w = head_walk(walk, h)
+                size = sum(len(st.get("scores", [])) + len(st.get("o", [])) + 3 for st in w["steps"])
+                if numbers + size > limit:
+                    out["left_out"] += 1
+                    continue
+                numbers += size
+                out["walks"][flash_key(i, h, row, t)] = w
     return out
 
 
@@ -138,9 +180,6 @@ def rms_calcs(tr, points: list[str], own: bool = True, model: str | None = None)
     own=False: the trace is of the twin model, not of the page's trace, so its operands
     cannot be explained on this page: they are marked source 'twin' (shown, not linked).
     """
-    from ..explaining.explain import explain_rms
-    from .render import to_plain
-
     out = []
     for t in range(len(tr.tokens)):
         row = []
@@ -183,10 +222,6 @@ def costs_view(cfg, T: int) -> dict | None:
         from ..cost import estimate
     except ImportError:
         return None
-    from .render import cost_rows
-
-    from .cost_calc import cost_calcs
-
     r = estimate(cfg, batch=1, seq=T, dtype="fp32", hardware="h100")
     calcs = cost_calcs(cfg, r)  # each figure's formula, numbers put in: shown on a click
     rows = []
@@ -205,15 +240,14 @@ def costs_view(cfg, T: int) -> dict | None:
 def page_args(model, tokenizer, text: str, *, model_name: str, mode: str = "static", norm: dict | None = None,
               focus: int | None = None, vocab: list[str] | None = None) -> tuple[Any, dict]:
     """(trace, build_payload keyword arguments) for one sentence."""
-    from ..explaining.explain import explain
-
     ids, tokens = encode(tokenizer, text, model.config.max_seq_len)
     focus = focus if focus is not None and focus < len(ids) else None
     tr = trace_for_page(model, ids, tokens, focus)
     args: dict[str, Any] = dict(
         sentence=text, model_name=model_name, pieces=functools.partial(_piece, tokenizer),
-        norm=norm_view(norm or norm_models(model), ids, tokens, model, tr), costs=costs_view(model.config, len(ids)),
+        norm=norm_view(norm or placement_twins(model), ids, tokens, model, tr), costs=costs_view(model.config, len(ids)),
         vocab=vocab, focus_token=focus, flash_tile=flash_tile(len(ids)),
+        flash=flash_walks(tr, flash_tile(len(ids)), tr.query),
     )
     if mode == "static":
         args["explain"] = lambda probe, index: explain(tr, probe, index, model=model)
@@ -229,19 +263,14 @@ def _piece(tokenizer, i: int) -> str:
 
 def write_page(path, model, tokenizer, text: str, *, model_name: str, **kw):
     """Trace `text` and write the self-contained page to `path`; returns the path."""
-    from .render import write_html
-
     tr, args = page_args(model, tokenizer, text, model_name=model_name, **kw)
     return write_html(path, tr, **args)
 
 
 def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict | None = None, vocab=None, focus=None):
     """The server's Explorer for a model: recompute the trace of any sentence, explain any number."""
-    from ..explaining.explain import explain
-    from .server import Explorer
-
     model.eval()
-    norm = norm or norm_models(model)
+    norm = norm or placement_twins(model)
 
     def enc(text):
         return encode(tokenizer, text, model.config.max_seq_len)
@@ -253,7 +282,7 @@ def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict
         return dict(model_name=model_name, pieces=functools.partial(_piece, tokenizer),
                     norm=norm_view(norm, ids, tokens, model, traced), costs=costs_view(model.config, len(ids)),
                     vocab=vocab, focus_token=focus if focus is not None and focus < len(ids) else None,
-                    flash_tile=flash_tile(len(ids)))
+                    flash_tile=flash_tile(len(ids)), flash=flash_walks(traced, flash_tile(len(ids)), traced.query))
 
     return Explorer(encode=enc, trace=trace_fn, default_text=default_text, as_dict=page_dict,
                     explain=lambda tr, probe, index: explain(tr, probe, index, model=model), extras=extras)
@@ -271,10 +300,8 @@ def worked_parts(variant: str = "one_head") -> dict:
     """A walkthrough toy model (default the one-head one) with what its page needs: keyword
     arguments for page_args / explorer (the two-block pre-norm and post-norm models for the
     comparison)."""
-    from ..worked import model as worked
-
     model, tokenizer = worked.load_worked(variant)
-    norm = {"pre": worked.build_two_blocks("pre").eval(), "post": worked.build_two_blocks("post").eval()}
+    norm = placement_twins(worked.build_two_blocks("pre").eval())
     name = WORKED_NAME if variant == "one_head" else f"{WORKED_NAME} ({variant})"
     return dict(model=model.eval(), tokenizer=tokenizer, model_name=name,
                 norm=norm, vocab=list(worked.TOKENIZER.VOCAB), focus=WORKED_FOCUS)
@@ -282,15 +309,11 @@ def worked_parts(variant: str = "one_head") -> dict:
 
 def worked_explorer(variant: str = "one_head"):
     parts = worked_parts(variant)
-    from ..worked import model as worked
-
     return explorer(parts.pop("model"), parts.pop("tokenizer"), worked.SENTENCE, **parts)
 
 
 def write_worked_page(path, text: str | None = None):
     """The walkthrough's page ('I like cats too' unless text is given) as one file."""
-    from ..worked import model as worked
-
     parts = worked_parts()
     return write_page(path, parts.pop("model"), parts.pop("tokenizer"), text or worked.SENTENCE, **parts)
 
@@ -305,14 +328,6 @@ def write_trace_page(trace, path, model=None, tokenizer=None, sentence: str | No
     comparison is computed; without it, calculations come from the trace's own weights
     (`--with-weights`) where it has them, and the comparison shows this model's placement.
     """
-    import json
-    from pathlib import Path
-
-    from ..config import ModelConfig
-    from ..explaining.explain import explain
-    from ..tracing.format import as_trace
-    from .render import norm_comparison, write_html
-
     if isinstance(trace, (str, Path)):
         trace = json.loads(Path(trace).read_text(encoding="utf-8"))
     tr = as_trace(trace)  # parsed once: explain then reads tensors, not lists
@@ -320,10 +335,10 @@ def write_trace_page(trace, path, model=None, tokenizer=None, sentence: str | No
     cfg = ModelConfig.from_dict(d["config"])
     complete = set(tr.layers) == set(range(cfg.n_layers))
     if model is not None and complete:
-        norm = norm_view(norm_models(model), tr.ids, tr.tokens)
+        norm = norm_view(placement_twins(model), tr.ids, tr.tokens)
     elif complete:
-        norm = norm_comparison({cfg.norm_placement: d}, about=f"this model's placement ({cfg.norm_placement}-norm) only: "
-                                                             "open the page from a model to compare with the other")
+        norm = norm_table({cfg.norm_placement: tr}, about=f"this model's placement ({cfg.norm_placement}-norm) only: "
+                                                          "open the page from a model to compare with the other")
     else:
         norm = None
     if tokenizer is not None:
@@ -332,9 +347,11 @@ def write_trace_page(trace, path, model=None, tokenizer=None, sentence: str | No
         known = dict(zip(tr.ids, tr.tokens))
         pieces = lambda i: known.get(i, f"#{i}")  # noqa: E731
     tiles = [p for n, p in d["probes"].items() if n.endswith(".tiles")]
+    tile = tiles[0].get("tile_size") if tiles else flash_tile(len(tr.ids))
     return write_html(
         path, d, sentence=sentence, model_name=cfg.to_dict().get("name") or "traced model", pieces=pieces,
         explain=lambda probe, index: explain(tr, probe, index, model=model), norm=norm,
         costs=costs_view(cfg, len(tr.ids)), focus_token=tr.query,
         flash_tile=tiles[0].get("tile_size") if tiles else None,
+        flash=flash_walks(tr, tile, len(tr.ids) - 1 if tr.query is None else tr.query) if complete else None,
     )

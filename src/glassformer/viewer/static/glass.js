@@ -72,7 +72,8 @@
     const hue = (i * 137.508 + 210) % 360;
     return alpha === undefined ? `hsl(${hue.toFixed(0)}, 62%, 44%)` : `hsla(${hue.toFixed(0)}, 62%, 44%, ${alpha})`;
   }
-  function rms(v) { let s = 0; for (const x of v) s += x * x; return Math.sqrt(s / v.length); }
+  // RMS of token t's vector in a probe, as Python measured it (tracing.stream.stream_rms).
+  function rmsOf(name, t) { return P().rms[name][t]; }
   function range(n) { return Array.from({ length: n }, (_, i) => i); }
 
   // ------------------------------------------------------------------ state
@@ -104,12 +105,9 @@
   }
   function tokenLabel(i) { const t = TR().tokens[i]; return t === undefined ? `#${i}` : String(t); }
   function postNorm() { return CFG().norm_placement === 'post'; }
-  // The residual stream after each addition: pre-norm reads resid_*, post-norm normalises
-  // the stream after each addition, so the stream proper is the norm's output.
-  function streamAfter(i, part) {
-    if (postNorm()) return part === 'attn' ? `blocks.${i}.attn_norm` : `blocks.${i}.ffn_norm`;
-    return part === 'attn' ? `blocks.${i}.resid_mid` : `blocks.${i}.resid_out`;
-  }
+  // The probe that holds the residual stream after each addition of block i ('mid' after
+  // attention, 'out' leaving the block) comes with the data (probes.STREAM_WIRING).
+  function streamAfter(i, part) { return P().wiring[i][part]; }
 
   // A clickable number: its probe name and index travel with it so a click can ask for
   // its calculation (precomputed in the file, or from the server's /api/explain).
@@ -216,16 +214,16 @@
     const steps = [{ label: 'embed', probe: 'embed', kind: 'stream' }];
     for (const i of layerIds()) {
       steps.push({ label: `L${i} attention`, probe: `blocks.${i}.attn.out`, kind: 'attn', layer: i });
-      steps.push({ label: `L${i} +`, probe: streamAfter(i, 'attn'), kind: 'stream', layer: i });
+      steps.push({ label: `L${i} +`, probe: streamAfter(i, 'mid'), kind: 'stream', layer: i, part: 'mid' });
       steps.push({ label: `L${i} feed-forward`, probe: `blocks.${i}.ffn.down`, kind: 'ffn', layer: i });
-      steps.push({ label: `L${i} +`, probe: streamAfter(i, 'ffn'), kind: 'stream', layer: i });
+      steps.push({ label: `L${i} +`, probe: streamAfter(i, 'out'), kind: 'stream', layer: i, part: 'out' });
     }
     steps.push({ label: 'final norm', probe: 'final_norm', kind: 'norm' });
     return steps.filter((s) => hasProbe(s.probe));
   }
   function rmsCalc(probeName, t) {
     const v = probe(probeName)[t];
-    const r = rms(v);
+    const r = rmsOf(probeName, t);
     const terms = v.slice(0, FEATURE_CAP).map((x) => `${fmt(x)}²`).join(' + ') + (v.length > FEATURE_CAP ? ` + … (${v.length - FEATURE_CAP} more)` : '');
     return {
       title: `RMS of ${probeName}[${tokenLabel(t)}] = ${fmt(r)}`, op: 'rms',
@@ -244,13 +242,13 @@
     const colW = Math.max(86, Math.min(150, Math.floor((avail - left - 60) / Math.max(1, steps.length - 1))));
     const W = left + colW * (steps.length - 1) + 70, H = top + laneH * nT + 10;
     const all = [];
-    const R = steps.map((s) => probe(s.probe).map((v) => { const r = rms(v); all.push(r); return r; }));
+    const R = steps.map((s) => probe(s.probe).map((v, t) => { const r = rmsOf(s.probe, t); all.push(r); return r; }));
     const maxR = Math.max(...all, 1e-9);
     const root = svg('svg', { width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: 'img', 'aria-label': 'lanes' });
     steps.forEach((s, c) => {
       const x = left + c * colW;
       root.append(svg('text', { x, y: 14, 'text-anchor': 'middle', class: 'col-label', text: s.kind === 'stream' && s.label.endsWith('+') ? '+' : s.label }));
-      if (s.kind === 'stream' && s.layer !== undefined && s.probe.endsWith('resid_out') || s.probe.endsWith('ffn_norm')) {
+      if (s.part === 'out') {  // the end of a block
         root.append(svg('line', { x1: x + colW / 2, y1: 20, x2: x + colW / 2, y2: H - 4, stroke: '#eef0f3', 'stroke-dasharray': '3 3' }));
       }
     });
@@ -478,46 +476,16 @@
   }
 
   // ------------------------------------------------------------------ 6 FlashAttention
-  function onlineSoftmaxSteps(layer, head, row, tile) {
-    // The tiled kernel's recurrence for one query row, recomputed from the traced scaled
-    // scores and values: per key tile, m_new = max(m, max s); alpha = exp(m - m_new);
-    // l = alpha·l + Σ exp(s - m_new); o = alpha·o + Σ exp(s - m_new)·v.
-    const S = probe(`blocks.${layer}.attn.scores`), Wt = probe(`blocks.${layer}.attn.weights`), V = probe(`blocks.${layer}.attn.v`);
-    const hp = headIds(layer).indexOf(head), vp = kvPos(layer, `blocks.${layer}.attn.v`, head);
-    const rep = CFG().n_heads / CFG().n_kv_heads, kvh = Math.floor(head / rep);
-    const nK = S[row][hp].length, Hd = V[0][vp].length;
-    const qTile = Math.floor(row / tile), qHi = Math.min((qTile + 1) * tile, T()) - 1;
-    const steps = [];
-    let m = -Infinity, l = 0, o = new Array(Hd).fill(0);
-    for (let k0 = 0; k0 < nK; k0 += tile) {
-      const k1 = Math.min(k0 + tile, nK);
-      if (k0 > qHi) { steps.push({ k0, k1, skipped: true }); continue; }
-      const s = [], keep = [];
-      for (let j = k0; j < k1; j++) { const ok = Wt[row][hp][j] !== null; keep.push(ok); s.push(ok ? S[row][hp][j] : null); }
-      const tmax = Math.max(...s.filter((x) => x !== null), -Infinity);
-      const mNew = Math.max(m, tmax);
-      const mRef = isFinite(mNew) ? mNew : 0;
-      const alpha = Math.exp(m - mRef);
-      let add = 0; const oAdd = new Array(Hd).fill(0);
-      s.forEach((x, q) => { if (x === null) return; const p = Math.exp(x - mRef); add += p; for (let d = 0; d < Hd; d++) oAdd[d] += p * V[k0 + q][vp][d]; });
-      l = alpha * l + add; o = o.map((x, d) => alpha * x + oAdd[d]); m = mNew;
-      steps.push({ k0, k1, skipped: false, scores: s, m, l, alpha, o: o.slice(), rowMasked: keep.some((x) => !x) });
-    }
-    return { steps, out: o.map((x) => (l > 0 ? x / l : 0)), nK, qTile, kvh };
-  }
-  function kernelTiles(layer, head, row, tile) {
-    // The tiled kernel's own log (`blocks.i.attn.tiles`), when the trace ran that kernel
-    // for this query row with this tile size.
-    const t = TR().probes[`blocks.${layer}.attn.tiles`];
-    if (!t || t.query !== row || t.tile_size !== tile || !t.heads || !t.heads.includes(head)) return null;
-    const hi = t.heads.indexOf(head), S = probe(`blocks.${layer}.attn.scores`), hp = headIds(layer).indexOf(head);
+  function storedWalk(layer, head, row, tile) {
+    // One head's walk of one query row through the tiled kernel (tracing/tiles.py), stored
+    // in the data by Python: the page computes no step of it.
+    const fl = P().flash, w = fl && fl.walks ? fl.walks[`${layer}|${head}|${row}|${tile}`] : null;
+    if (!w) return null;
     const rep = CFG().n_heads / CFG().n_kv_heads;
-    const steps = t.data.map((st) => (st.skipped ? { k0: st.k[0], k1: st.k[1], skipped: true }
-      : { k0: st.k[0], k1: st.k[1], skipped: false, scores: st.scores[hi], m: st.m[hi], l: st.l[hi], alpha: st.alpha[hi], o: st.o[hi] }));
-    const live = steps.filter((x) => !x.skipped);
-    const last = live[live.length - 1];
-    const out = last ? last.o.map((x) => (last.l > 0 ? x / last.l : 0)) : [];
-    return { steps, out, nK: S ? S[row][hp].length : T(), qTile: Math.floor(row / tile), kvh: Math.floor(head / rep), fromKernel: true };
+    const steps = w.steps.map((st) => (st.skipped ? { k0: st.k[0], k1: st.k[1], skipped: true }
+      : { k0: st.k[0], k1: st.k[1], skipped: false, scores: st.scores, m: st.m, l: st.l, alpha: st.alpha, o: st.o }));
+    const nK = w.steps.length ? w.steps[w.steps.length - 1].k[1] : T();
+    return { steps, out: w.output || [], nK, qTile: Math.floor(row / tile), kvh: Math.floor(head / rep) };
   }
   function drawFlash() {
     const box = clear($('flash'));
@@ -526,14 +494,19 @@
       box.append(el('p', { class: 'muted', text: 'This trace holds no scores and values to walk through.' })); return;
     }
     state.flashHead = fillSelect($('flash-head'), headIds(state.flashLayer), (i) => `${i}`, state.flashHead, (v) => { state.flashHead = v; state.flashStep = 0; drawFlash(); });
-    const tiles = [1, 2, 4, 8, 16, 32, 64].filter((x) => x <= Math.max(1, T()));
+    const tiles = P().flash && P().flash.tiles && P().flash.tiles.length ? P().flash.tiles : [state.flashTile || 1];
     const ts = $('flash-tile'); clear(ts);
     for (const x of tiles) ts.append(el('option', { value: String(x), text: String(x) }));
     if (!tiles.includes(state.flashTile)) state.flashTile = tiles[Math.min(1, tiles.length - 1)];
     ts.value = String(state.flashTile);
     ts.onchange = () => { state.flashTile = Number(ts.value); state.flashStep = 0; drawFlash(); };
     const row = state.token, tile = state.flashTile, layer = state.flashLayer, head = state.flashHead;
-    const run = kernelTiles(layer, head, row, tile) || onlineSoftmaxSteps(layer, head, row, tile);
+    const run = storedWalk(layer, head, row, tile);
+    if (!run) {
+      $('flash-step').textContent = '';
+      box.append(el('p', { class: 'muted', text: `This page does not hold the tiled kernel’s walk of row “${tokenLabel(row)}” with tiles of ${tile} (a page keeps a bounded number of walks; trace with --attention tiled --query ${row} --tile ${tile}, or open the model with glassformer view).` }));
+      return;
+    }
     const live = run.steps.filter((s) => !s.skipped);
     state.flashStep = Math.max(0, Math.min(state.flashStep, live.length - 1));
     const nqT = Math.ceil(T() / tile), nkT = Math.ceil(run.nK / tile);
@@ -623,7 +596,7 @@
       if (zt) { p.append(' · traced z = ', vector(zt, `blocks.${layer}.attn.z`, [row, head]), ' ', el('span', { class: same ? 'ok' : 'bad', text: same ? '✓ the same' : '✗ differs' })); }
       box.append(p);
     }
-    box.append(el('p', { class: 'note', text: run.fromKernel ? 'Read from the tiled kernel’s own log in the trace.' : 'Recomputed in the page from the traced scaled scores and values, with the tiled kernel’s steps (trace with the tiled kernel to see its own log).' }));
+    box.append(el('p', { class: 'note', text: 'Read from the tiled kernel’s own log (attention/tiled.py, walked by tracing/tiles.py).' }));
   }
 
   // ------------------------------------------------------------------ 7 decode
