@@ -54,6 +54,24 @@ def greedy_cached(model, ids: torch.Tensor, steps: int) -> list[int]:
         pos += 1
     return out
 
+
+@torch.no_grad()
+def greedy_by_full_forward(model, prompt: list[int], steps: int, keep: int | None = None) -> list[int]:
+    """The reference: run the whole text (no cache) and take the argmax, one token at a time.
+
+    With keep, the text the model sees is cut to its latest `keep` tokens whenever it would
+    outgrow the context (the slide policy's rule, written out independently).
+    """
+    text, start, out = list(prompt), 0, []
+    S = model.config.max_seq_len
+    for _ in range(steps):
+        if keep is not None and len(text) - start > S:
+            start = len(text) - keep
+        logits, _ = model(torch.tensor([text[start:]]))
+        out.append(int(logits[0, -1].argmax()))
+        text.append(out[-1])
+    return out
+
 # ----------------------------------------------------------------------------- prepared data
 
 

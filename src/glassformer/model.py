@@ -31,9 +31,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the input dtype: the mean of squares overflows fp16.
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * y.to(x.dtype)
+        if not torch.is_grad_enabled() and x.dtype == torch.float32:
+            # Generation and eval: the library's one fused kernel, the same numbers in fp32 (tests/model).
+            y = F.rms_norm(x, x.shape[-1:], self.weight, eps=self.eps)
+        else:
+            xf = x.float()
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            y = self.weight * y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -80,36 +84,139 @@ def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor
     return angles.cos(), angles.sin()
 
 
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, pairs: str = "half") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin (B, T, 1, H), laid out so that rotating x is x·cos + swap(x)·sin, where
+    swap exchanges the two features of each pair. Built once per forward, shared by every layer."""
+    if pairs == "half":  # pair (i, i + H/2): swap(x) = (b, a)
+        c, s = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)  # (B, T, H) each
+    else:  # pairs (2i, 2i+1)
+        c, s = torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)  # (B, T, H)
+    return c[:, :, None], s[:, :, None]  # (B, T, 1, H)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str = "half") -> torch.Tensor:
+    """x (B, T, heads, H) turned by the tables of rope_tables: (a cos − b sin, a sin + b cos) for each
+    feature pair (a, b). Four operations, the same numbers as the pair-by-pair formula (tests/model)."""
+    xf = x.float()
+    H = x.shape[-1]
+    if pairs == "half":
+        swapped = xf.roll(H // 2, dims=-1)  # (b, a) for each pair (a, b)
+    else:
+        swapped = xf.unflatten(-1, (H // 2, 2)).flip(-1).flatten(-2)  # (B, T, h, H)
+    return (xf * cos + swapped * sin).to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str = "half") -> torch.Tensor:
     """Turn each feature pair (a, b) of x (B, T, heads, H) by its angle: (a cos − b sin, a sin + b cos).
 
     pairs='half' pairs feature i with i + H/2 (Hugging Face layout); 'interleaved' pairs
-    2i with 2i+1 (Meta's layout). Same rotation, different feature order.
+    2i with 2i+1 (Meta's layout). Same rotation, different feature order. cos, sin: (B, T, H/2).
     """
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, H/2)
-    xf = x.float()
-    if pairs == "half":
-        a, b = xf.chunk(2, dim=-1)  # (B, T, h, H/2) each
-        out = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)  # (B, T, h, H)
-    else:
-        a, b = xf[..., 0::2], xf[..., 1::2]  # (B, T, h, H/2) each
-        out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)  # (B, T, h, H)
-    return out.to(x.dtype)
+    return rotate(x, *rope_tables(cos, sin, pairs), pairs)
+
+
+# ----------------------------------------------------------------------------- weight products
+
+
+def hooked(m: nn.Module) -> bool:
+    """Whether calling m runs anything besides its forward: a hook of its own or a global one."""
+    g = nn.modules.module
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+                or g._global_backward_pre_hooks)
+
+
+def row_block_product(x: torch.Tensor, io: torch.Tensor, blocks: torch.Tensor | None) -> torch.Tensor:
+    """x (1, in) @ io (in, out), with io also seen as P blocks of consecutive rows (P, in/P, out) so
+    the P partial products run on P threads side by side and are then summed: one row through a
+    plain library product runs on one thread (bench/matvec.py)."""
+    if blocks is None:
+        return x @ io  # (1, out)
+    P = blocks.shape[0]
+    # baddbmm rather than bmm: the library keeps it one batched call per thread block.
+    return torch.baddbmm(x.new_zeros(()), x.view(P, 1, -1), blocks, beta=0).sum(0)  # (P, 1, out) -> (1, out)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose one-row products (a decode step at batch 1, bound by streaming the weight)
+    may read the weight in a faster way on a CPU: compiled, as a multiply-and-sum over its rows,
+    which inductor makes one streaming loop; eagerly, from a row-block copy held by `hold_rows`
+    (rebuilt when the weight changes). Anything needing gradients uses F.linear. docs/architecture.md."""
+
+    held: tuple | None = None  # (what it was built from, (in, out) copy, its row-block view) or None
+
+    def hold_rows(self, on: bool = True) -> None:
+        """Keep (or drop) a row-block copy of the weight for eager one-row products."""
+        self.held = None if not on else self._build_rows()
+
+    def _build_rows(self) -> tuple:
+        w = self.weight.detach()
+        io = w.t().contiguous()  # (in, out)
+        P = torch.get_num_threads() if w.device.type == "cpu" else 1
+        blocks = io.view(P, io.shape[0] // P, io.shape[1]) if P > 1 and io.shape[0] % P == 0 else None  # (P, in/P, out)
+        return (w.data_ptr(), w._version, P), io, blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1] and x.device.type == "cpu" and not torch.is_grad_enabled():
+            if torch.compiler.is_compiling():
+                y = (self.weight * x.reshape(1, -1)).sum(-1)  # (out, in) -> (out,): one loop over the rows
+                return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], -1)
+            if self.held is not None:
+                w = self.weight
+                if self.held[0] != (w.data_ptr(), w._version, torch.get_num_threads()):
+                    self.held = self._build_rows()  # the weight (or the thread count) changed
+                y = row_block_product(x.reshape(1, -1), self.held[1], self.held[2])  # (1, out)
+                return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], -1)
+        return F.linear(x, self.weight, self.bias)
+
+
+# cuBLAS serves a half-precision product whose output rows are not a multiple of 8 elements
+# long with slower, narrowly aligned kernels, and GPT-2's 50,257-token head is its model's
+# largest product (nanoGPT and llm.c pad that vocabulary to 50,304 for the same reason). On a
+# GPU the head multiplies a zero-padded copy of its weight instead and drops the extra
+# columns: the same logits and gradients, from an aligned product. The weights keep their shape.
+# Only for products over many rows (training, long prompts): the copy moves twice the weight's
+# bytes, which a decode step's product (one row per sequence, bound by reading the weight) would feel.
+HEAD_PAD, HEAD_PAD_MIN_ROWS = 64, 4096
+
+
+def pads_head(x: torch.Tensor, vocab_size: int) -> bool:
+    """Whether the head's product runs over a vocabulary padded to a multiple of HEAD_PAD."""
+    return x.is_cuda and vocab_size % HEAD_PAD != 0 and x.numel() >= HEAD_PAD_MIN_ROWS * x.shape[-1]
+
+
+def head_logits(x: torch.Tensor, weight: torch.Tensor, pad: bool | None = None) -> torch.Tensor:
+    """x (..., D) @ weight (V, D)^T -> logits (..., V). pad: force the padded product on or off."""
+    V = weight.shape[0]
+    if not (pads_head(x, V) if pad is None else pad):
+        return F.linear(x, weight)
+    padded = F.pad(weight, (0, 0, 0, -V % HEAD_PAD))  # (Vp, D), Vp a multiple of HEAD_PAD
+    return F.linear(x, padded)[..., :V]  # (..., Vp) -> (..., V), a view
+
+
+class Head(Linear):
+    """The LM head: a Linear whose products over many rows on a GPU use the padded vocabulary."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if pads_head(x, self.out_features):
+            return head_logits(x, self.weight, pad=True)  # (..., V)
+        return super().forward(x)
 
 
 # ----------------------------------------------------------------------------- layers
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    name = "attn"  # its path in the model (probe prefix), set by Transformer from the module tree
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.name = f"blocks.{layer}.attn"
         qkv_bias = cfg.bias or cfg.qkv_bias
-        self.wq = nn.Linear(cfg.dim, cfg.q_dim, bias=qkv_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
-        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=cfg.bias)
+        self.wq = Linear(cfg.dim, cfg.q_dim, bias=qkv_bias)
+        self.wk = Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
+        self.wv = Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
+        self.wo = Linear(cfg.q_dim, cfg.dim, bias=cfg.bias)
         self.kernel = get_kernel(cfg.attention, cfg.attention_tile)
 
     def set_kernel(self, name: str) -> None:
@@ -118,13 +225,13 @@ class Attention(nn.Module):
     def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None):
         cfg, n = self.cfg, self.name
         B, T, _ = x.shape
-        q, k, v = self._qkv(x)  # (B, T, N·H), (B, T, K·H), (B, T, K·H)
+        q, k, v = self.qkv(x)  # (B, T, N·H), (B, T, K·H), (B, T, K·H)
         q = tap(n + ".q", q.view(B, T, cfg.n_heads, cfg.head_dim))  # (B, T, N, H)
         k = tap(n + ".k", k.view(B, T, cfg.n_kv_heads, cfg.head_dim))  # (B, T, K, H)
         v = tap(n + ".v", v.view(B, T, cfg.n_kv_heads, cfg.head_dim))  # (B, T, K, H)
-        if rope is not None:
-            q = tap(n + ".q_rot", apply_rope(q, *rope, cfg.rope_pairs))
-            k = tap(n + ".k_rot", apply_rope(k, *rope, cfg.rope_pairs))
+        if rope is not None:  # rope: rope_tables' cos and signed sin, (B, T, 1, H) each
+            q = tap(n + ".q_rot", rotate(q, *rope, cfg.rope_pairs))
+            k = tap(n + ".k_rot", rotate(k, *rope, cfg.rope_pairs))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, H)
         if cache is not None:
             k, v = cache.update(q_pos, k, v)  # (B, K, Tk, H): every position so far
@@ -134,13 +241,16 @@ class Attention(nn.Module):
         z = tap(n + ".z", z.transpose(1, 2))  # (B, T, N, H)
         return tap(n + ".out", self.wo(z.reshape(B, T, cfg.q_dim)))  # (B, T, D)
 
-    def _qkv(self, x):
-        """x·W_Q, x·W_K, x·W_V as one product over the three weights side by side: one pass over x
-        forward and one input gradient backward instead of three summed (~15% less time for
-        this step in training on a CPU; the weights stay three tensors)."""
-        a, cfg = self, self.cfg
-        w = torch.cat([a.wq.weight, a.wk.weight, a.wv.weight])  # (N·H + 2·K·H, D)
-        b = None if a.wq.bias is None else torch.cat([a.wq.bias, a.wk.bias, a.wv.bias])
+    def qkv(self, x):
+        """x·W_Q, x·W_K, x·W_V. Over many rows, while the three are plain Linears with no hook, one
+        product over the weights side by side: one pass over x forward and one input gradient
+        backward instead of three summed (bench/train_parts.py). Otherwise each projection's own call."""
+        lins = (self.wq, self.wk, self.wv)
+        if x.numel() == x.shape[-1] or any(type(m) is not Linear or hooked(m) for m in lins):
+            return tuple(m(x) for m in lins)
+        w = torch.cat([m.weight for m in lins])  # (N·H + 2·K·H, D)
+        b = None if self.wq.bias is None else torch.cat([m.bias for m in lins])
+        cfg = self.cfg
         return F.linear(x, w, b).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
 
     def _show_scores(self, q, k, q_pos, key_mask):
@@ -171,13 +281,14 @@ def ffn_activation(kind: str, up: torch.Tensor, gate: torch.Tensor | None = None
 class FeedForward(nn.Module):
     """SwiGLU: down(silu(gate(x)) · up(x)) (Shazeer, 2020); or down(act(up(x)))."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    name = "ffn"  # its path in the model (probe prefix), set by Transformer from the module tree
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.name = f"blocks.{layer}.ffn"
-        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
-        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.ffn == "swiglu" else None
-        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+        self.w_up = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.w_gate = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.ffn == "swiglu" else None
+        self.w_down = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
 
     def forward(self, x):
         n, kind = self.name, self.cfg.ffn
@@ -188,14 +299,15 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    name = "block"  # its path in the model (probe prefix), set by Transformer from the module tree
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.name = f"blocks.{layer}"
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg, layer)
+        self.attn = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
-        self.ffn = FeedForward(cfg, layer)
+        self.ffn = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None):
@@ -216,30 +328,6 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------- model
 
 
-# cuBLAS serves a half-precision product whose output rows are not a multiple of 8 elements
-# long with slower, narrowly aligned kernels, and GPT-2's 50,257-token head is its model's
-# largest product (nanoGPT and llm.c pad that vocabulary to 50,304 for the same reason). On a
-# GPU the head multiplies a zero-padded copy of its weight instead and drops the extra
-# columns: the same logits and gradients, from an aligned product. The weights keep their shape.
-# Only for products over many rows (training, long prompts): the copy moves twice the weight's
-# bytes, which a decode step's product (one row per sequence, bound by reading the weight) would feel.
-HEAD_PAD, HEAD_PAD_MIN_ROWS = 64, 4096
-
-
-def pads_head(x: torch.Tensor, vocab_size: int) -> bool:
-    """Whether the head's product runs over a vocabulary padded to a multiple of HEAD_PAD."""
-    return x.is_cuda and vocab_size % HEAD_PAD != 0 and x.numel() >= HEAD_PAD_MIN_ROWS * x.shape[-1]
-
-
-def head_logits(x: torch.Tensor, weight: torch.Tensor, pad: bool | None = None) -> torch.Tensor:
-    """x (..., D) @ weight (V, D)^T -> logits (..., V). pad: force the padded product on or off."""
-    V = weight.shape[0]
-    if not (pads_head(x, V) if pad is None else pad):
-        return F.linear(x, weight)
-    padded = F.pad(weight, (0, 0, 0, -V % HEAD_PAD))  # (Vp, D), Vp a multiple of HEAD_PAD
-    return F.linear(x, padded)[..., :V]  # (..., Vp) -> (..., V), a view
-
-
 def _fill_tied_head(module, state_dict, prefix, *args) -> None:
     if prefix + "lm_head.weight" not in state_dict and prefix + "embed.weight" in state_dict:
         state_dict[prefix + "lm_head.weight"] = state_dict[prefix + "embed.weight"]
@@ -252,9 +340,12 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.pos == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = Head(cfg.dim, cfg.vocab_size, bias=False)
+        for path, m in self.named_modules():  # probe prefixes are module paths, as TransformerLens names its hooks
+            if isinstance(m, (Block, Attention, FeedForward)):
+                m.name = path
         if cfg.pos == "rope":
             self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
         self.reset_parameters()
@@ -307,7 +398,7 @@ class Transformer(nn.Module):
         for b in self.blocks:
             b.attn.set_kernel(name)
 
-    def forward(self, idx, targets=None, cache=None, pos=0, padding_mask=None):
+    def forward(self, idx, targets=None, cache=None, pos=0, padding_mask=None, logits_at=None):
         """Logits (B, T, V) for every position, and the mean cross-entropy if targets are given.
 
         idx: (B, T) token ids. pos: where idx starts, an int or a (B,) tensor (rows of a
@@ -316,6 +407,8 @@ class Transformer(nn.Module):
         padding_mask: optional (B, Tk) bool, False for key positions that must not be read
         (left padding), Tk = T without a cache, the cache length with one.
         targets: (B, T) ids, -1 where no loss is wanted.
+        logits_at: optional (B,) index of one position per row: only its logits, (B, 1, V) (a
+        prefill needs no more; Hugging Face's generate does the same with logits_to_keep).
         """
         cfg = self.config
         B, T = idx.shape
@@ -327,11 +420,13 @@ class Transformer(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(q_pos)  # (B, T, D)
         x = tap("embed", self.drop(x))
-        rope = rope_angles(q_pos, self.rope_inv_freq) if cfg.pos == "rope" else None
+        rope = rope_tables(*rope_angles(q_pos, self.rope_inv_freq), cfg.rope_pairs) if cfg.pos == "rope" else None
         for i, block in enumerate(self.blocks):
             x = block(x, rope, q_pos, None if cache is None else cache.layer(i), padding_mask, start)
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at.to(x.device)][:, None]  # (B, 1, D)
         x = tap("final_norm", self.final_norm(x))
-        logits = tap("logits", head_logits(x, self.lm_head.weight))  # (B, T, V)
+        logits = tap("logits", self.lm_head(x))  # (B, T, V)
         if wants("probs"):
             tap("probs", torch.softmax(logits.float(), dim=-1))
         loss = None

@@ -12,7 +12,7 @@ from glassformer.attention.naive import naive_attention
 from glassformer.generation.session import Session
 
 from ..support import tiny_model
-from ..generation.test_generate import greedy_by_full_forward
+from ..support import greedy_by_full_forward
 
 pytestmark = pytest.mark.skipif(not cpu_decode.load(), reason="the C++ kernel cannot be built here (no compiler)")
 

@@ -11,7 +11,7 @@ from glassformer.checkpoint.folders import resolve, save_model, step_name, write
 from glassformer.checkpoint.training import load_training, save_training
 from glassformer.errors import UserError
 
-from ..support import tiny_model
+from ..support import REPO, tiny_model
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -71,3 +71,21 @@ def test_pointer_to_an_incomplete_checkpoint_is_refused(tmp_path):
     assert not list(tmp_path.glob(".latest.tmp-*"))  # the pointer was renamed into place
     with pytest.raises(UserError, match="missing or incomplete"):
         resolve(tmp_path)
+
+
+def test_a_checkpoint_written_before_the_one_forward_change_gives_identical_logits():
+    """tests/data/tiny_checkpoint_v1 was saved by the code before the model's forward was rewritten
+    (fused RoPE tables, the Linear seam, probe names from the module tree): same keys, same logits."""
+    from safetensors.torch import load_file
+
+    import glassformer
+
+    data = REPO / "tests" / "data"
+    model, _ = glassformer.load(data / "tiny_checkpoint_v1")
+    ref = load_file(data / "tiny_checkpoint_v1_logits.safetensors")
+    with torch.no_grad():
+        logits, _ = model.eval()(ref["ids"])
+    assert torch.equal(logits, ref["logits"])
+    with torch.enable_grad():  # the training path's kernels too (the formula RMSNorm, the fused QKV)
+        train_logits, _ = model(ref["ids"])
+    torch.testing.assert_close(train_logits.detach(), ref["logits"], rtol=0, atol=1e-6)

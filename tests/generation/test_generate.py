@@ -9,26 +9,7 @@ from glassformer import generate
 from glassformer.errors import UserError
 from glassformer.generation.session import Session, apply_repetition_penalty, logits_to_probs, sample
 
-from ..support import tiny_model
-
-
-@torch.no_grad()
-def greedy_by_full_forward(model, prompt: list[int], steps: int, keep: int | None = None) -> list[int]:
-    """The reference: run the whole text (no cache) and take the argmax, one token at a time.
-
-    With keep, the text the model sees is cut to its latest `keep` tokens whenever it would
-    outgrow the context (the slide policy's rule, written out independently).
-    """
-    text, start, out = list(prompt), 0, []
-    S = model.config.max_seq_len
-    for _ in range(steps):
-        if keep is not None and len(text) - start > S:
-            start = len(text) - keep
-        logits, _ = model(torch.tensor([text[start:]]))
-        out.append(int(logits[0, -1].argmax()))
-        text.append(out[-1])
-    return out
-
+from ..support import greedy_by_full_forward, tiny_model
 
 HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
 
@@ -225,121 +206,127 @@ def test_bad_prompts():
         generate(model, [1], max_new_tokens=3, context_policy="wrap")
 
 
-# ----------------------------------------------------------------------------- the packed forward
+# ----------------------------------------------------------------------------- how a session holds the weights
 
 
 @torch.no_grad()
-def packed_steps(model, ids: torch.Tensor, n_prefill: int, layout: str = "rows"):
-    """The packed forward over ids (B, T): a prefill of the first n_prefill tokens, then one
+def cached_steps(model, ids: torch.Tensor, n_prefill: int):
+    """The model over ids (B, T) through a cache: a prefill of the first n_prefill tokens, then one
     step per token; (logits (B, T, V), the cache)."""
     from glassformer import KVCache
-    from glassformer.generation.packed import packed_forward
 
     B, T = ids.shape
     cache = KVCache.for_model(model, B, T)
-    got = [packed_forward(model, ids[:, :n_prefill], cache, 0, layout=layout)]
-    got += [packed_forward(model, ids[:, t:t + 1], cache, t, layout=layout) for t in range(n_prefill, T)]
+    got = [model(ids[:, :n_prefill], cache=cache, pos=0)[0]]
+    got += [model(ids[:, t:t + 1], cache=cache, pos=t)[0] for t in range(n_prefill, T)]
     return torch.cat(got, dim=1), cache
+
+
+def held_linears(model):
+    from glassformer.model import Linear
+
+    return [m for m in model.modules() if isinstance(m, Linear)]
 
 
 @pytest.mark.parametrize("over", [dict(), dict(norm="layer", ffn="gelu", pos="learned", bias=True, tie_embeddings=True),
                                   dict(norm_placement="post", ffn="relu", qkv_bias=True, rope_pairs="interleaved")])
-@pytest.mark.parametrize("layout", ["rows", "out_in"])
-def test_packed_forward_equals_the_model(over, layout):
-    """Both packed layouts (packed._t): prefill, then single steps of two rows (products of
-    many rows) and of one row (the matrix-vector products each layout does its own way)."""
-    from glassformer.generation.packed import pack
+def test_held_row_blocks_give_the_models_steps(over):
+    """Row-block copies held for one-row products (model.Linear.hold_rows): prefill, then single
+    steps of two rows (plain products) and of one row (the held copies), equal the model's forward."""
+    from glassformer.generation.session import hold_rows
 
     model = tiny_model(**over)
+    hold_rows(model)
     for B in (2, 1):
         ids = torch.randint(0, 512, (B, 12))
         with torch.no_grad():
             ref, _ = model(ids)
-        got, _ = packed_steps(model, ids, 9, layout)  # prefill, then three single steps
+        got, _ = cached_steps(model, ids, 9)  # prefill, then three single steps
         assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
-    mat, blocks, out_in = pack(model, layout=layout)["layers"][0]["down"]
-    assert out_in == (layout == "out_in")
-    assert mat.shape == (model.config.dim, model.config.ffn_dim)[:: 1 if out_in else -1]  # (out, in) or (in, out)
+    down = model.blocks[0].ffn.w_down
+    assert down.held is not None and down.held[1].shape == (model.config.ffn_dim, model.config.dim)  # (in, out)
+    assert down.weight.shape == (model.config.dim, model.config.ffn_dim)  # the module's own weight is untouched
 
 
-@pytest.mark.parametrize("layout", ["rows", "out_in"])
-def test_packed_forward_in_bf16_is_as_close_to_fp32_as_the_model(layout):
-    """The GPU's number format on the CPU: a bf16 pack and cache, prefill then a step per
-    position to the end of the context, err from the fp32 model about as much as the bf16
-    model's own forward does; its RoPE tables stay fp32 as the model's do (in bf16 an angle
-    keeps 3 digits and late positions turn by wrong angles)."""
-    from glassformer.generation.packed import pack
+def test_held_rows_in_bf16_are_as_close_to_fp32_as_the_model():
+    """The GPU's number format on the CPU: bf16 weights, held copies and cache, prefill then a step
+    per position to the end of the context, err from the fp32 model about as much as the bf16
+    model's own forward does; RoPE's frequencies stay fp32 (in bf16 an angle keeps 3 digits)."""
+    from glassformer.generation.session import hold_rows
 
     exact = tiny_model()
     model = tiny_model().to(torch.bfloat16)
+    hold_rows(model)
     ids = torch.randint(0, 512, (1, model.config.max_seq_len))
     with torch.no_grad():
         ref, _ = exact(ids)
         own, _ = model(ids)
-    got, cache = packed_steps(model, ids, 9, layout)
+    got, cache = cached_steps(model, ids, 9)
     assert cache.layers[0].k.dtype == torch.bfloat16 and got.dtype == torch.bfloat16
     err = (got.float() - ref).abs().amax(-1)  # (1, S): each position's worst logit
     own_err = (own.float() - ref).abs().amax(-1)
     assert err.mean() <= 1.5 * own_err.mean() and err.max() <= 2 * own_err.max()  # bf16's rounding luck aside
-    assert all(torch.equal(a, b) for a, b in zip(pack(model, layout=layout)["rope"], pack(exact, layout=layout)["rope"]))
+    assert model.rope_inv_freq.dtype == torch.float32 and torch.equal(model.rope_inv_freq, exact.rope_inv_freq)
 
 
-def test_a_session_over_either_layout_gives_the_same_tokens():
-    """Session(layout=...): the device's choice overridden (for benchmarks); a name it does not know refused."""
+def test_a_session_with_or_without_held_weights_gives_the_same_tokens():
     model = tiny_model()
-    got = [list(Session(model, layout=lay).send([4, 2], max_new_tokens=6, greedy=True)) for lay in ("rows", "out_in")]
-    assert got[0] == got[1] == list(Session(model).send([4, 2], max_new_tokens=6, greedy=True))
-    with pytest.raises(UserError, match="layout must be one of"):
-        Session(model, layout="columns")
+    plain = list(Session(model, packed=False).send([4, 2], max_new_tokens=6, greedy=True))
+    assert all(m.held is None for m in held_linears(model))  # packed=False holds nothing
+    held = list(Session(model).send([4, 2], max_new_tokens=6, greedy=True))
+    assert all(m.held is not None for m in held_linears(model))
+    assert plain == held == greedy_by_full_forward(model, [4, 2], 6)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
-def test_packed_row_blocks_give_the_same_steps(threads):
+def test_held_row_blocks_follow_the_thread_count(threads):
     """One row block per thread (a matrix whose rows the blocks do not divide stays whole: 3 here)."""
-    from glassformer.generation.packed import pack
+    from glassformer.generation.session import hold_rows
 
     model = tiny_model()
     ids = torch.randint(0, 512, (1, 10))
     before = torch.get_num_threads()
     try:
+        hold_rows(model)  # built for the current count, rebuilt at the first product under the new one
         torch.set_num_threads(threads)
         with torch.no_grad():
             ref, _ = model(ids)
-        got, _ = packed_steps(model, ids, 4)  # then matrix-vector steps
-        mats = [w for layer in pack(model)["layers"] for w in (layer["qkv"], layer["o"], layer["gu"], layer["down"])]
+        got, _ = cached_steps(model, ids, 4)  # then matrix-vector steps
     finally:
         torch.set_num_threads(before)
-    for io, blocks, out_in in mats:  # blocked exactly when the thread count divides the rows
+    for m in held_linears(model):  # blocked exactly when the thread count divides the rows
+        key, io, blocks = m.held
+        assert key[2] == threads and io.shape == m.weight.shape[::-1]
         assert (blocks is not None) == (threads > 1 and io.shape[0] % threads == 0)
         assert blocks is None or (blocks.shape[0] == threads and blocks.data_ptr() == io.data_ptr())
-        assert not out_in
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
 def test_prefill_runs_the_head_on_each_rows_last_token_only():
     from glassformer import KVCache
-    from glassformer.generation.session import PackedForward, prefill
+    from glassformer.generation.session import prefill
 
     model = tiny_model()
     ids = torch.randint(0, 512, (3, 9))
     lengths = torch.tensor([9, 4, 6])
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
     with torch.no_grad():
         full, _ = model(ids)  # (B, T, V); rows are causal, so padding after a row's end changes nothing before it
-        got = prefill(PackedForward(model), ids, KVCache.for_model(model, 3, 16), 0, lengths)  # (B, V)
-        plain = prefill(model, ids, KVCache.for_model(model, 3, 16), 0, lengths)
+        got = prefill(model, ids, KVCache.for_model(model, 3, 16), 0, lengths)  # (B, V)
+    handle.remove()
     want = full[torch.arange(3), lengths - 1]
-    assert got.shape == (3, 512)
+    assert got.shape == (3, 512) and seen == [(3, 9, 512), (3, 1, 512)]  # the head ran on 3 rows, not 27
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
-    assert (plain - want).abs().max() <= 1e-4 * want.abs().max()
 
 
-def test_packed_weights_follow_the_model_and_unpacked_path_agrees():
+def test_held_weights_follow_the_model_and_the_plain_path_agrees():
     model = tiny_model()
     prompt = [3, 1, 4, 1, 5]
     before = list(generate(model, prompt, max_new_tokens=12, greedy=True))
     unpacked = list(Session(model, packed=False).send(prompt, max_new_tokens=12, greedy=True))
     assert unpacked == before
-    with torch.no_grad():  # change the weights in place: the packed copy must notice
+    with torch.no_grad():  # change the weights in place: the held copies must notice
         model.blocks[0].attn.wq.weight.mul_(-1.0)
         model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight) * 0.5)
     after = list(generate(model, prompt, max_new_tokens=12, greedy=True))
@@ -366,14 +353,14 @@ def test_compiled_decode_step_smoke():
     # inductor generates (faster than the BLAS kernels at one row): none of them may be lowered
     # to a library product (inductor counts each product it lowers to one), nor read the (in, out)
     # row blocks of the eager path.
-    assert s.layout == "out_in"
+    assert all(m.held is None for m in held_linears(model))
     products = ("aten.baddbmm_", "aten.addmm_", "aten.mm_")
     assert sum(n for k, n in counters["aten_mm_info"].items() if k.startswith(products)) == 0
 
 
 def test_compiled_steps_drop_the_held_guards_yet_stay_right():
-    """A compiled session's step skips the guards on the model, packed weights and cache
-    (packed_step._compile_step): another model's session must get its own step, a new thread
+    """A compiled session's step skips the guards on the model and cache
+    (compiled.compile_step): another model's session must get its own step, a new thread
     count must recompile (the loops are split for the old one) and still give the same
     tokens, and the shape guards must stay."""
     a, b = tiny_model(), tiny_model(seed=1, dim=96, ffn_dim=256, n_layers=3)
@@ -419,54 +406,33 @@ def test_session_reset_starts_a_new_text_in_the_same_cache():
     assert first == greedy_by_full_forward(model, [5, 6, 7, 8, 9, 10], 8)
 
 
-def test_mark_static_marks_every_packed_tensor(monkeypatch):
-    """CUDA graphs copy every input not marked static into their own memory before each
-    replay: a packed tensor that packed_step.mark_static misses would be copied at every step."""
-    from torch._dynamo.utils import get_static_address_type
-
-    from glassformer.generation.compiled import mark_static
-    from glassformer.generation.packed import step_weights
-
-    model = tiny_model()
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two row blocks per matrix: views to mark too
-    weights = step_weights(model, "rows")
-    mark_static(weights)
-    got = [t for layer in weights["layers"] for m in layer.values() if isinstance(m, tuple) for t in m[:2]]
-    got += [*weights["head"][:2], *weights["rope"]]
-    L = model.config.n_layers
-    assert len(got) == 4 * 2 * L + 2 + 2  # per layer QKV, O, gate+up, down (matrix + its blocks); head; cos, sin
-    assert all(get_static_address_type(t) == "unguarded" for t in got)
-
-
 @pytest.mark.slow
 def test_the_gpu_step_options_compile_to_the_same_tokens():
     """The GPU's compile options (CUDA graphs, the guard filter) checked where CUDA graphs are
     skipped (CPU tensors): an option that inductor refuses, or one that changes the math,
     fails here rather than on the first GPU run."""
-    from glassformer.generation.compiled import CUDA_STEP_OPTIONS, _compile_step, _step_guards
+    from glassformer.generation.compiled import CUDA_STEP_OPTIONS, _step_guards, compile_step
 
     model = tiny_model()
     prompt = [2, 7, 1, 8]
     s = Session(model, compile=True)
-    s._compiled = _compile_step(torch.device("cuda"))  # what a session on a GPU compiles
+    s._compiled = compile_step(torch.device("cuda"))  # what a session on a GPU compiles
     assert list(s.send(prompt, max_new_tokens=6, greedy=True)) == greedy_by_full_forward(model, prompt, 6)
     # and compiling left the module's options whole (torch.compile pops guard_filter_fn from what it is given)
     assert CUDA_STEP_OPTIONS == {"guard_filter_fn": _step_guards, "triton.cudagraphs": True}
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_read_the_packed_weights_in_place():
+def test_cuda_graphs_read_the_weights_in_place():
     """A compiled session on a GPU: the CUDA graph holds no second copy of the weights (it
     would copy them in before every replay) and gives the tokens of full forwards."""
     import copy
 
-    from glassformer.generation.packed import step_weights, tensors
-
-    model = tiny_model(dim=768, n_layers=6, ffn_dim=2048, vocab_size=8192)  # ~180 MB packed: well above workspaces
+    model = tiny_model(dim=768, n_layers=6, ffn_dim=2048, vocab_size=8192)  # ~180 MB: well above workspaces
     prompt = [2, 7, 1, 8]
     ref = greedy_by_full_forward(model, prompt, 8)
     gpu = copy.deepcopy(model).cuda()
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors(step_weights(gpu)))  # packs them now
+    weight_bytes = sum(p.numel() * p.element_size() for p in gpu.parameters())
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     s = Session(gpu, max_len=32, compile=True)

@@ -10,7 +10,7 @@ positions.
 Only compiled sessions use it (generate.Session(compile=True) on the CPU calls load()):
 they already need the C++ compiler that torch.compile's CPU backend uses, and the eager
 path stays plain PyTorch. It is built with that compiler (CXX, else c++/g++/clang++) into
-the project's cache folder (corpus.cache_dir: GLASSFORMER_CACHE, else ~/.cache/glassformer), once per source, machine
+the project's cache folder (files.cache_dir: GLASSFORMER_CACHE, else ~/.cache/glassformer), once per source, machine
 and compiler; if it cannot be built, load() says why once and sessions keep the library
 route. Same numbers as the library route to float rounding (tests/test_cpu_decode.py).
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..text.corpus import cache_dir
+from ..files import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]

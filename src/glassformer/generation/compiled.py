@@ -1,7 +1,8 @@
-"""A session's packed forward, and its decode step compiled: options, guards, static weights.
+"""How a session compiles its decode step: the model's own forward under torch.compile, with the
+guards a session holds fixed left out, and a fingerprint of the model's hooks checked instead.
 
-generate.Session runs its prefills through PackedForward and, with compile=True, its decode
-steps through a private compiled copy of _packed_step (_compile_step).
+Session(compile=True) compiles a private copy of `model_step` (one token per row through
+`model(...)`, the same modules as every other path), so hooks, probes and replaced modules apply.
 """
 
 from __future__ import annotations
@@ -10,30 +11,21 @@ import re
 import types
 
 import torch
-
-from .packed import packed_forward, tensors
-
-
-def _packed_step(model, weights, idx, cache=None, pos=0):
-    """The packed forward with its weights passed in: what a session compiles for decode steps."""
-    return packed_forward(model, idx, cache, pos, weights=weights), None
+import torch.nn as nn
 
 
-def step_layout(device: torch.device, compile: bool) -> str:
-    """The packed layout a session's forwards use: on the CPU a compiled session's one-row
-    products are generated row sums over (out, in) weights, ~2x the bytes per second of the
-    BLAS kernels (packed._lin, bench/matvec.py); everything else keeps the (in, out) row blocks."""
-    return "out_in" if compile and device.type == "cpu" else "rows"
+def model_step(model, idx, cache=None, pos=0):
+    """One forward of the model itself: what a session compiles for its decode steps."""
+    return model(idx, cache=cache, pos=pos)
 
 
-_HELD = ("model", "weights", "cache")  # what a session holds fixed (Session._model checks it)
+_HELD = ("model", "cache")  # what a session holds fixed (Session checks what could change under it)
 
 
 def _step_guards(entries) -> list[bool]:
-    """The guards a session's compiled step keeps: all but those on the model, the packed weights
-    and the cache. The symbolic-shape guards stay: the first decode step at position 1 is
-    compiled for that one value (torch specialises 0 and 1), and only its guard sends
-    position 2 to a general recompile."""
+    """The guards a session's compiled step keeps: all but those on the model and the cache. The
+    symbolic-shape guards stay: the first decode step at position 1 is compiled for that one value
+    (torch specialises 0 and 1), and only its guard sends position 2 to a general recompile."""
     def root(name: str) -> str:  # "model._modules[...]", "L['model']..." -> "model"
         return re.split(r"[.\[\]']", name[3:] if name.startswith("L['") else name, maxsplit=1)[0]
     return [root(e.name) not in _HELD for e in entries]
@@ -43,29 +35,22 @@ def _step_guards(entries) -> list[bool]:
 # by the next norm and the next residual add) is computed once into a buffer as soon as it reads
 # more than one input (inductor's default: more than four), rather than again inside every
 # loop that uses it, some of them a product's loop over each weight row (bench/decode_parts.py).
-# No cpp_wrapper: calling the kernels from C++ paid 1.04-1.07x when the products were library
-# calls; with generated row sums it gains nothing measurable (bench/decode_parts.py).
 CPU_STEP_OPTIONS = {"guard_filter_fn": _step_guards, "realize_reads_threshold": 1}
-# On a GPU: mode="reduce-overhead" (CUDA graphs), with the same guard filter, since the
-# ~500 guards would be checked on the host before every replay while the GPU waits.
+# On a GPU: CUDA graphs, with the same guard filter, since the ~500 guards would be checked on
+# the host before every replay while the GPU waits.
 CUDA_STEP_OPTIONS = {"guard_filter_fn": _step_guards, "triton.cudagraphs": True}
 
 
-def _compile_step(device: torch.device, options: dict | None = None):
-    """torch.compile of a private copy of _packed_step, for one session.
+def compile_step(device: torch.device, options: dict | None = None):
+    """torch.compile of a private copy of model_step, for one session.
 
-    Before each call TorchDynamo checks the guards of the compiled code, here ~500, most of
-    them on the model's modules, the packed weights and the cache. A session holds those
-    fixed, so its step drops them (_step_guards; bench/decode_parts.py measures it on the CPU); the
-    session recompiles when the packed weights' layout, blocks, dtype, device or shapes, an
-    attention kernel or the thread count change (Session._model), and inductor's generated
-    code checks every input's shape on entry. TorchDynamo keeps compiled code per code
-    object, so the private copy keeps one session's step from serving another model. On a
-    GPU CUDA graphs replay the step's kernels, reading the packed weights in place
-    (mark_static). `options` replaces the device's inductor
-    options (for benchmarks and tests).
+    Before each call TorchDynamo checks the guards of the compiled code, ~500 here, most on the
+    model's modules and the cache; a session holds those fixed, so its step drops them
+    (_step_guards; bench/decode_parts.py) and checks `step_key` itself instead. TorchDynamo keeps
+    compiled code per code object, so the private copy keeps one session's step from serving
+    another model. `options` replaces the device's inductor options (benchmarks and tests).
     """
-    f = _packed_step
+    f = model_step
     step = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__)
     if options is None:
         options = CUDA_STEP_OPTIONS if device.type == "cuda" else CPU_STEP_OPTIONS
@@ -74,19 +59,19 @@ def _compile_step(device: torch.device, options: dict | None = None):
     return torch.compile(step, dynamic=True, options=dict(options))
 
 
-def mark_static(weights: dict) -> None:
-    """Tell CUDA graphs that the packed weights stay where they are: inputs not so marked
-    are copied into the graph's own memory before every replay (all the weights, each step).
-    Unguarded: a pack rebuilt at new addresses makes the graph re-record, not recompile."""
-    for t in tensors(weights):
-        torch._dynamo.mark_static_address(t)
+def hook_fingerprint(model: nn.Module) -> tuple:
+    """Which modules the model has and which hooks hang on each (and globally): a compiled step
+    traced the hooks it saw, so a change of any of them calls for a new trace. Hook handles are
+    numbered afresh each time, so removing one hook and adding another changes the fingerprint."""
+    g = nn.modules.module
+    mods = tuple((id(m), tuple(m._forward_pre_hooks), tuple(m._forward_hooks)) for m in model.modules())
+    return mods, tuple(g._global_forward_pre_hooks), tuple(g._global_forward_hooks)
 
 
-class PackedForward:
-    """A model's packed forward (packed.py), called like the model itself: (logits, None)."""
-
-    def __init__(self, model, layout: str = "rows"):
-        self.model, self.layout = model, layout
-
-    def __call__(self, idx, cache=None, pos=0, last=None):
-        return packed_forward(self.model, idx, cache, pos, last=last, layout=self.layout), None
+def step_key(model: nn.Module) -> tuple:
+    """What a compiled step took as fixed: the modules and their hooks, the attention kernels, the
+    weights' dtype and device, and on the CPU the thread count (inductor plans its loops' split
+    among threads when it compiles)."""
+    p = next(model.parameters())
+    kernels = tuple(getattr(m, "kernel", None) for m in model.modules() if hasattr(m, "kernel"))
+    return hook_fingerprint(model), kernels, p.dtype, p.device, torch.get_num_threads()

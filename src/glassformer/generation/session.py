@@ -26,8 +26,8 @@ from ..probes import active as probes_active
 from ..attention import cpu_decode
 from ..errors import UserError
 from ..kv_cache import KVCache
-from .packed import LAYOUTS, step_weights
-from .compiled import PackedForward, _compile_step, mark_static, step_layout
+from ..model import Linear
+from .compiled import compile_step, step_key
 from .sampling import apply_repetition_penalty, check_sampling, logits_to_probs, sample
 
 __all__ = ["check_sampling", "apply_repetition_penalty", "logits_to_probs", "sample", "prefill", "decode_step",
@@ -46,10 +46,8 @@ def prefill(model, ids: torch.Tensor, cache: KVCache, pos=0, lengths: torch.Tens
     """
     B, T = ids.shape
     last = torch.full((B,), T - 1, device=ids.device) if lengths is None else lengths.to(ids.device) - 1  # (B,)
-    if isinstance(model, PackedForward):  # the head runs on those positions only
-        return model(ids, cache=cache, pos=pos, last=last)[0][:, 0]  # (B, V)
-    logits, _ = model(ids, cache=cache, pos=pos)  # (B, T, V)
-    return logits[torch.arange(B, device=ids.device), last]  # (B, V)
+    logits, _ = model(ids, cache=cache, pos=pos, logits_at=last)  # (B, 1, V): the head on those positions only
+    return logits[:, 0]  # (B, V)
 
 
 def decode_step(model, tok: torch.Tensor, cache: KVCache, pos) -> torch.Tensor:
@@ -101,7 +99,7 @@ class Session:
 
     def __init__(self, model, batch_size: int = 1, *, max_len: int | None = None,
                  context_policy: str = "error", slide_keep: int | None = None, packed: bool = True,
-                 compile: bool = False, run_ahead: bool | None = None, layout: str | None = None):
+                 compile: bool = False, run_ahead: bool | None = None):
         if context_policy not in POLICIES:
             raise UserError(f"context policy must be one of {', '.join(POLICIES)}, got {context_policy!r}")
         S = model.config.max_seq_len
@@ -120,20 +118,16 @@ class Session:
         self.active = [True] * batch_size  # False once a row has stopped (within a send)
         self.seen: torch.Tensor | None = None  # (B, V) bool, built when a penalty asks for it
         self.generator: torch.Generator | None = None
-        self.packed = packed
         # One row on a GPU: queue each decode step before reading the token of the one before (_run_ahead).
         self.run_ahead = batch_size == 1 and self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
-        if layout not in (None, *LAYOUTS):
-            raise UserError(f"layout must be one of {', '.join(LAYOUTS)} (or None: the device's), got {layout!r}")
-        # The packed weights' layout, for prefill and decode alike (a choice of one for benchmarks).
-        self.layout = step_layout(self.device, compile) if layout is None else layout
+        if packed and not compile and self.device.type == "cpu":
+            hold_rows(model)  # eager one-row products from row-block copies of the weights (model.Linear)
         self._compiled, self._step_key = None, None
-        self._static = None  # the packed layers last marked static for CUDA graphs
+        self.recompiles = 0  # how many times the compiled step was traced anew (hooks, kernels, threads changed)
         if compile:  # the decode step only: one token per row, the shape that repeats
             if self.device.type == "cpu":
                 cpu_decode.load()  # its attention's C++ kernel, built with the compiler inductor uses
-            self._compiled = (_compile_step(self.device) if packed else
-                              torch.compile(model, dynamic=True, mode="reduce-overhead" if self.device.type == "cuda" else None))
+            self._compiled = compile_step(self.device)
             for layer in self.cache.layers:  # written in place every step at fixed addresses: CUDA graphs may keep them
                 torch._dynamo.mark_static_address(layer.k)
                 torch._dynamo.mark_static_address(layer.v)
@@ -160,25 +154,16 @@ class Session:
         self.active[b] = False
 
     def _model(self, decode: bool = False):
-        """The forward to run: the packed one (see packed.py) unless probes are listening or
-        the model trains (dropout), where only the model itself does the right thing."""
-        if self.model.training or probes_active():
+        """The forward to run: the model itself, or for a decode step its compiled step. The model
+        itself while probes listen or it trains (dropout): the compiled step was traced for neither."""
+        if not decode or self._compiled is None or self.model.training or probes_active():
             return self.model
-        if decode and self._compiled is not None:
-            if not self.packed:
-                return self._compiled
-            weights = step_weights(self.model, self.layout)  # the pack's freshness is checked here, outside the compiled graph
-            # What the step was compiled for: the pack, the attention kernels and, on the CPU, the
-            # thread count (inductor plans its loops' split among threads when it compiles).
-            key = (weights["key"], tuple(b.attn.kernel for b in self.model.blocks), torch.get_num_threads())
-            if self._step_key not in (None, key):  # what the compiled step took as fixed has changed
-                self._compiled = _compile_step(self.device)
-            self._step_key = key
-            if self.device.type == "cuda" and weights["layers"] is not self._static:  # a new pack
-                mark_static(weights)
-                self._static = weights["layers"]
-            return functools.partial(self._compiled, self.model, weights)
-        return PackedForward(self.model, self.layout) if self.packed else self.model
+        key = step_key(self.model)  # checked before every step: the compiled code holds no guard on the model
+        if self._step_key not in (None, key):  # a hook, a kernel, the weights' dtype or the threads changed
+            self._compiled = compile_step(self.device)
+            self.recompiles += 1
+        self._step_key = key
+        return functools.partial(self._compiled, self.model)
 
     def _positions_as_tensor(self) -> bool:
         """Whether compiled decode steps get their positions as a tensor (see _forward)."""
@@ -341,6 +326,14 @@ def _to_host_later(tok: torch.Tensor):
     done = torch.cuda.Event()
     done.record()
     return lambda: (done.synchronize(), host.tolist())[1]
+
+
+def hold_rows(model) -> None:
+    """Give every Linear of the model a row-block copy of its weight for eager one-row products
+    (model.Linear; bench/matvec.py): a decode step's products stream the weights faster."""
+    for m in model.modules():
+        if isinstance(m, Linear) and m.held is None:
+            m.hold_rows()
 
 
 def cache_length(model, rows: Sequence[Sequence[int]], max_new_tokens: int, context_policy: str = "error") -> int:
