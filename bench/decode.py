@@ -30,7 +30,7 @@ from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 from glassformer import ModelConfig, Transformer, generate  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
 from glassformer.convert import to_transformers  # noqa: E402
-from glassformer.generation.session import PackedForward, Session, prefill  # noqa: E402
+from glassformer.generation.session import Session, prefill  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -140,7 +140,7 @@ def main() -> None:
         for _ in range(max(1, args.rounds - 1)):
             s = Session(model, max_len=T)
             with torch.inference_mode():
-                dt, _ = timed(lambda: prefill(PackedForward(model), ids, s.cache, 0))  # what a session's prefill runs
+                dt, _ = timed(lambda: prefill(model, ids, s.cache, 0))  # what a session's prefill runs
             best_o = min(best_o, dt)
             with torch.inference_mode():
                 dt, _ = timed(lambda: hf(ids, use_cache=True, logits_to_keep=1))

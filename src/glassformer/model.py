@@ -96,14 +96,16 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor, pairs: str = "half") -> tu
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str = "half") -> torch.Tensor:
     """x (B, T, heads, H) turned by the tables of rope_tables: (a cos − b sin, a sin + b cos) for each
-    feature pair (a, b). Four operations, the same numbers as the pair-by-pair formula (tests/model)."""
-    xf = x.float()
+    feature pair (a, b), in fp32. The same numbers as the pair-by-pair formula (tests/model); without
+    gradients the multiply-add is one fused operation (rounded once, so within an ulp of it)."""
+    xf = x if x.dtype == torch.float32 else x.float()
     H = x.shape[-1]
     if pairs == "half":
         swapped = xf.roll(H // 2, dims=-1)  # (b, a) for each pair (a, b)
     else:
         swapped = xf.unflatten(-1, (H // 2, 2)).flip(-1).flatten(-2)  # (B, T, h, H)
-    return (xf * cos + swapped * sin).to(x.dtype)
+    out = torch.addcmul(xf * cos, swapped, sin) if not torch.is_grad_enabled() else xf * cos + swapped * sin
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str = "half") -> torch.Tensor:
@@ -118,6 +120,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str
 # ----------------------------------------------------------------------------- weight products
 
 
+def dropout(drop: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    """drop(x) while training with p > 0; else x itself, without the module's call (13 a decode step)."""
+    return drop(x) if drop.training and drop.p > 0 else x
+
+
 def hooked(m: nn.Module) -> bool:
     """Whether calling m runs anything besides its forward: a hook of its own or a global one."""
     g = nn.modules.module
@@ -126,48 +133,82 @@ def hooked(m: nn.Module) -> bool:
                 or g._global_backward_pre_hooks)
 
 
-def row_block_product(x: torch.Tensor, io: torch.Tensor, blocks: torch.Tensor | None) -> torch.Tensor:
-    """x (1, in) @ io (in, out), with io also seen as P blocks of consecutive rows (P, in/P, out) so
-    the P partial products run on P threads side by side and are then summed: one row through a
-    plain library product runs on one thread (bench/matvec.py)."""
+def one_row(x: torch.Tensor) -> bool:
+    """Whether x is one row for a product on the CPU with no gradient wanted: a decode step at batch
+    1, bound by how fast the weight streams from memory, where a faster way to read it pays."""
+    return x.numel() == x.shape[-1] and x.device.type == "cpu" and not torch.is_grad_enabled()
+
+
+def fresh_rows(held: tuple | None, weights, biases) -> tuple:
+    """`held` if it was built from these weights as they are now (and for this thread count), else a
+    new row-block copy: the weights side by side, transposed to (in, out), seen as one block of
+    consecutive rows per thread (in/P, out) so that P partial products run on P threads; one row
+    through a plain library product runs on one thread (bench/matvec.py). (key, io, blocks, bias)."""
+    key = (tuple((w.data_ptr(), w._version) for w in weights), torch.get_num_threads())
+    if held is not None and held[0] == key:
+        return held
+    io = torch.cat([w.detach() for w in weights]).t().contiguous()  # (in, out)
+    P = key[1]
+    blocks = io.view(P, io.shape[0] // P, io.shape[1]) if P > 1 and io.shape[0] % P == 0 else None  # (P, in/P, out)
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # (out,)
+    return key, io, blocks, bias
+
+
+def held_product(held: tuple, x: torch.Tensor) -> torch.Tensor:
+    """x (..., in), one row, times a fresh_rows copy: (..., out)."""
+    _, io, blocks, bias = held
+    x1 = x.reshape(1, -1)  # (1, in)
     if blocks is None:
-        return x @ io  # (1, out)
-    P = blocks.shape[0]
-    # baddbmm rather than bmm: the library keeps it one batched call per thread block.
-    return torch.baddbmm(x.new_zeros(()), x.view(P, 1, -1), blocks, beta=0).sum(0)  # (P, 1, out) -> (1, out)
+        y = x1 @ io  # (1, out)
+    else:  # one batched call, a block per thread
+        y = torch.bmm(x1.view(blocks.shape[0], 1, -1), blocks).sum(0)  # (P, 1, out) partial sums -> (1, out)
+    y = y if bias is None else y + bias
+    return y.view(*x.shape[:-1], -1)
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row products (a decode step at batch 1, bound by streaming the weight)
-    may read the weight in a faster way on a CPU: compiled, as a multiply-and-sum over its rows,
-    which inductor makes one streaming loop; eagerly, from a row-block copy held by `hold_rows`
-    (rebuilt when the weight changes). Anything needing gradients uses F.linear. docs/architecture.md."""
+    """nn.Linear whose one-row products may read the weight in a faster way on a CPU: compiled, as
+    a multiply-and-sum over its rows, which inductor makes one streaming loop; eagerly, from a
+    row-block copy held by `hold_rows` (rebuilt when the weight changes). docs/architecture.md."""
 
-    held: tuple | None = None  # (what it was built from, (in, out) copy, its row-block view) or None
+    held: tuple | None = None  # a fresh_rows copy, or None
 
     def hold_rows(self, on: bool = True) -> None:
-        """Keep (or drop) a row-block copy of the weight for eager one-row products."""
-        self.held = None if not on else self._build_rows()
-
-    def _build_rows(self) -> tuple:
-        w = self.weight.detach()
-        io = w.t().contiguous()  # (in, out)
-        P = torch.get_num_threads() if w.device.type == "cpu" else 1
-        blocks = io.view(P, io.shape[0] // P, io.shape[1]) if P > 1 and io.shape[0] % P == 0 else None  # (P, in/P, out)
-        return (w.data_ptr(), w._version, P), io, blocks
+        """Keep (or drop) a row-block copy of the weight for eager one-row products (kept while fresh)."""
+        self.held = fresh_rows(self.held, (self.weight,), (self.bias,)) if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1] and x.device.type == "cpu" and not torch.is_grad_enabled():
+        if one_row(x):
             if torch.compiler.is_compiling():
                 y = (self.weight * x.reshape(1, -1)).sum(-1)  # (out, in) -> (out,): one loop over the rows
                 return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], -1)
-            if self.held is not None:
-                w = self.weight
-                if self.held[0] != (w.data_ptr(), w._version, torch.get_num_threads()):
-                    self.held = self._build_rows()  # the weight (or the thread count) changed
-                y = row_block_product(x.reshape(1, -1), self.held[1], self.held[2])  # (1, out)
-                return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], -1)
+            held = self.held
+            if held is not None:
+                fresh = fresh_rows(held, (self.weight,), (self.bias,))
+                if fresh is not held:  # rebuilt (a module's setattr costs more than the check)
+                    self.held = fresh
+                return held_product(fresh, x)
         return F.linear(x, self.weight, self.bias)
+
+
+def side_by_side(x: torch.Tensor, lins, held: tuple | None):
+    """Each of `lins` (Linears reading the same x) applied to x, as one product over their weights
+    side by side where they are plain Linears with nothing hooked, else each by its own call:
+    (outputs, the held copy as it now is). Over many rows the joined product is one pass over x
+    forward and one input gradient backward (bench/train_parts.py); at one row it reads a held
+    row-block copy of the joined weights, or each module's own way when compiled or none is held."""
+    plain = all(type(m) is Linear and not hooked(m) for m in lins)
+    sizes = [m.out_features for m in lins]
+    if one_row(x):
+        if not (plain and held is not None and not torch.compiler.is_compiling()):
+            return tuple(m(x) for m in lins), held
+        held = fresh_rows(held, [m.weight for m in lins], [m.bias for m in lins])
+        return held_product(held, x).split(sizes, dim=-1), held
+    if not plain:
+        return tuple(m(x) for m in lins), held
+    w = torch.cat([m.weight for m in lins])  # (sum of outs, in)
+    b = None if lins[0].bias is None else torch.cat([m.bias for m in lins])
+    return F.linear(x, w, b).split(sizes, dim=-1), held
 
 
 # cuBLAS serves a half-precision product whose output rows are not a multiple of 8 elements
@@ -241,17 +282,20 @@ class Attention(nn.Module):
         z = tap(n + ".z", z.transpose(1, 2))  # (B, T, N, H)
         return tap(n + ".out", self.wo(z.reshape(B, T, cfg.q_dim)))  # (B, T, D)
 
-    def qkv(self, x):
-        """x·W_Q, x·W_K, x·W_V. Over many rows, while the three are plain Linears with no hook, one
-        product over the weights side by side: one pass over x forward and one input gradient
-        backward instead of three summed (bench/train_parts.py). Otherwise each projection's own call."""
+    held: tuple | None = None  # a row-block copy of W_Q, W_K, W_V side by side (hold_rows), or None
+
+    def hold_rows(self, on: bool = True) -> None:
+        """Keep (or drop) row-block copies for eager one-row products: Q, K, V joined, and O."""
         lins = (self.wq, self.wk, self.wv)
-        if x.numel() == x.shape[-1] or any(type(m) is not Linear or hooked(m) for m in lins):
-            return tuple(m(x) for m in lins)
-        w = torch.cat([m.weight for m in lins])  # (N·H + 2·K·H, D)
-        b = None if self.wq.bias is None else torch.cat([m.bias for m in lins])
-        cfg = self.cfg
-        return F.linear(x, w, b).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+        self.held = fresh_rows(self.held, [m.weight for m in lins], [m.bias for m in lins]) if on else None
+        self.wo.hold_rows(on)
+
+    def qkv(self, x):
+        """x·W_Q, x·W_K, x·W_V: (B, T, N·H), (B, T, K·H), (B, T, K·H), through side_by_side."""
+        (q, k, v), held = side_by_side(x, (self.wq, self.wk, self.wv), self.held)
+        if held is not self.held:
+            self.held = held
+        return q, k, v
 
     def _show_scores(self, q, k, q_pos, key_mask):
         """Form the score grid for a recorder (the kernels may never materialise it)."""
@@ -290,10 +334,34 @@ class FeedForward(nn.Module):
         self.w_gate = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.ffn == "swiglu" else None
         self.w_down = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
 
+    held: tuple | None = None  # a row-block copy of SwiGLU's W_gate and W_up side by side (hold_rows), or None
+
+    def hold_rows(self, on: bool = True) -> None:
+        """Keep (or drop) row-block copies for eager one-row products: gate and up joined, and down."""
+        if self.w_gate is None:
+            self.w_up.hold_rows(on)
+        else:
+            lins = (self.w_gate, self.w_up)
+            self.held = fresh_rows(self.held, [m.weight for m in lins], [m.bias for m in lins]) if on else None
+        self.w_down.hold_rows(on)
+
+    def gate_up(self, x):
+        """SwiGLU's x·W_gate and x·W_up, (B, T, F) each: one product at one row where a joined copy is
+        held; over many rows each its own call, as the model has always trained."""
+        if one_row(x):
+            (gate, up), held = side_by_side(x, (self.w_gate, self.w_up), self.held)
+            if held is not self.held:
+                self.held = held
+            return gate, up
+        return self.w_gate(x), self.w_up(x)
+
     def forward(self, x):
         n, kind = self.name, self.cfg.ffn
-        up = tap(n + ".up", self.w_up(x))  # (B, T, F)
-        gate = tap(n + ".gate", self.w_gate(x)) if kind == "swiglu" else None  # (B, T, F)
+        if kind == "swiglu":
+            gate, up = self.gate_up(x)
+            up, gate = tap(n + ".up", up), tap(n + ".gate", gate)  # (B, T, F) each
+        else:
+            up, gate = tap(n + ".up", self.w_up(x)), None  # (B, T, F)
         act = tap(n + ".act", ffn_activation(kind, up, gate))
         return tap(n + ".down", self.w_down(act))  # (B, T, D)
 
@@ -315,13 +383,13 @@ class Block(nn.Module):
         if self.cfg.norm_placement == "pre":
             # Pre-norm: each sublayer reads a normalised copy; the stream itself is never normalised.
             a = self.attn(tap(n + ".attn_norm", self.attn_norm(x)), rope, q_pos, cache, key_mask, start)
-            h = tap(n + ".resid_mid", x + self.drop(a))
+            h = tap(n + ".resid_mid", x + dropout(self.drop, a))
             f = self.ffn(tap(n + ".ffn_norm", self.ffn_norm(h)))
-            return tap(n + ".resid_out", h + self.drop(f))
+            return tap(n + ".resid_out", h + dropout(self.drop, f))
         # Post-norm (Vaswani et al., 2017): normalise the stream after each addition.
-        h = tap(n + ".resid_mid", x + self.drop(self.attn(x, rope, q_pos, cache, key_mask, start)))
+        h = tap(n + ".resid_mid", x + dropout(self.drop, self.attn(x, rope, q_pos, cache, key_mask, start)))
         h = tap(n + ".attn_norm", self.attn_norm(h))
-        y = tap(n + ".resid_out", h + self.drop(self.ffn(h)))
+        y = tap(n + ".resid_out", h + dropout(self.drop, self.ffn(h)))
         return tap(n + ".ffn_norm", self.ffn_norm(y))
 
 
@@ -391,6 +459,14 @@ class Transformer(nn.Module):
                 n -= self.pos_embed.weight.numel()
         return n
 
+    def hold_rows(self, on: bool = True) -> None:
+        """Keep (or drop) row-block copies of the weights for eager one-row products on the CPU
+        (Linear, side_by_side): what a generation session asks for; the forward stays the same."""
+        for b in self.blocks:
+            b.attn.hold_rows(on)
+            b.ffn.hold_rows(on)
+        self.lm_head.hold_rows(on)
+
     def set_attention(self, name: str) -> None:
         """Switch every layer to another kernel ('naive', 'tiled', 'sdpa'); weights unchanged."""
         get_kernel(name)  # validates the name
@@ -419,7 +495,7 @@ class Transformer(nn.Module):
         x = self.embed(idx)  # (B, T, D)
         if self.pos_embed is not None:
             x = x + self.pos_embed(q_pos)  # (B, T, D)
-        x = tap("embed", self.drop(x))
+        x = tap("embed", dropout(self.drop, x))
         rope = rope_tables(*rope_angles(q_pos, self.rope_inv_freq), cfg.rope_pairs) if cfg.pos == "rope" else None
         for i, block in enumerate(self.blocks):
             x = block(x, rope, q_pos, None if cache is None else cache.layer(i), padding_mask, start)

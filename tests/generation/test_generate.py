@@ -222,10 +222,9 @@ def cached_steps(model, ids: torch.Tensor, n_prefill: int):
     return torch.cat(got, dim=1), cache
 
 
-def held_linears(model):
-    from glassformer.model import Linear
-
-    return [m for m in model.modules() if isinstance(m, Linear)]
+def held_copies(model):
+    """Every row-block copy a SwiGLU model holds: the joined QKV and gate/up, O, down and the head."""
+    return [m for n, m in model.named_modules() if n.endswith((".attn", ".ffn", ".wo", ".w_down")) or n == "lm_head"]
 
 
 @pytest.mark.parametrize("over", [dict(), dict(norm="layer", ffn="gelu", pos="learned", bias=True, tie_embeddings=True),
@@ -233,10 +232,8 @@ def held_linears(model):
 def test_held_row_blocks_give_the_models_steps(over):
     """Row-block copies held for one-row products (model.Linear.hold_rows): prefill, then single
     steps of two rows (plain products) and of one row (the held copies), equal the model's forward."""
-    from glassformer.generation.session import hold_rows
-
     model = tiny_model(**over)
-    hold_rows(model)
+    model.hold_rows()
     for B in (2, 1):
         ids = torch.randint(0, 512, (B, 12))
         with torch.no_grad():
@@ -246,17 +243,17 @@ def test_held_row_blocks_give_the_models_steps(over):
     down = model.blocks[0].ffn.w_down
     assert down.held is not None and down.held[1].shape == (model.config.ffn_dim, model.config.dim)  # (in, out)
     assert down.weight.shape == (model.config.dim, model.config.ffn_dim)  # the module's own weight is untouched
+    attn, cfg = model.blocks[0].attn, model.config
+    assert attn.held[1].shape == (cfg.dim, cfg.q_dim + 2 * cfg.kv_dim) and attn.wq.held is None  # Q, K, V joined
 
 
 def test_held_rows_in_bf16_are_as_close_to_fp32_as_the_model():
     """The GPU's number format on the CPU: bf16 weights, held copies and cache, prefill then a step
     per position to the end of the context, err from the fp32 model about as much as the bf16
     model's own forward does; RoPE's frequencies stay fp32 (in bf16 an angle keeps 3 digits)."""
-    from glassformer.generation.session import hold_rows
-
     exact = tiny_model()
     model = tiny_model().to(torch.bfloat16)
-    hold_rows(model)
+    model.hold_rows()
     ids = torch.randint(0, 512, (1, model.config.max_seq_len))
     with torch.no_grad():
         ref, _ = exact(ids)
@@ -272,31 +269,29 @@ def test_held_rows_in_bf16_are_as_close_to_fp32_as_the_model():
 def test_a_session_with_or_without_held_weights_gives_the_same_tokens():
     model = tiny_model()
     plain = list(Session(model, packed=False).send([4, 2], max_new_tokens=6, greedy=True))
-    assert all(m.held is None for m in held_linears(model))  # packed=False holds nothing
+    assert all(m.held is None for m in held_copies(model))  # packed=False holds nothing
     held = list(Session(model).send([4, 2], max_new_tokens=6, greedy=True))
-    assert all(m.held is not None for m in held_linears(model))
+    assert all(m.held is not None for m in held_copies(model))
     assert plain == held == greedy_by_full_forward(model, [4, 2], 6)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 def test_held_row_blocks_follow_the_thread_count(threads):
     """One row block per thread (a matrix whose rows the blocks do not divide stays whole: 3 here)."""
-    from glassformer.generation.session import hold_rows
-
     model = tiny_model()
     ids = torch.randint(0, 512, (1, 10))
     before = torch.get_num_threads()
     try:
-        hold_rows(model)  # built for the current count, rebuilt at the first product under the new one
+        model.hold_rows()  # built for the current count, rebuilt at the first product under the new one
         torch.set_num_threads(threads)
         with torch.no_grad():
             ref, _ = model(ids)
         got, _ = cached_steps(model, ids, 4)  # then matrix-vector steps
     finally:
         torch.set_num_threads(before)
-    for m in held_linears(model):  # blocked exactly when the thread count divides the rows
-        key, io, blocks = m.held
-        assert key[2] == threads and io.shape == m.weight.shape[::-1]
+    for m in held_copies(model):  # blocked exactly when the thread count divides the rows
+        key, io, blocks, _ = m.held
+        assert key[1] == threads
         assert (blocks is not None) == (threads > 1 and io.shape[0] % threads == 0)
         assert blocks is None or (blocks.shape[0] == threads and blocks.data_ptr() == io.data_ptr())
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
@@ -353,7 +348,7 @@ def test_compiled_decode_step_smoke():
     # inductor generates (faster than the BLAS kernels at one row): none of them may be lowered
     # to a library product (inductor counts each product it lowers to one), nor read the (in, out)
     # row blocks of the eager path.
-    assert all(m.held is None for m in held_linears(model))
+    assert all(m.held is None for m in held_copies(model))
     products = ("aten.baddbmm_", "aten.addmm_", "aten.mm_")
     assert sum(n for k, n in counters["aten_mm_info"].items() if k.startswith(products)) == 0
 
