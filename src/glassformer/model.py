@@ -96,15 +96,15 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor, pairs: str = "half") -> tu
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str = "half") -> torch.Tensor:
     """x (B, T, heads, H) turned by the tables of rope_tables: (a cos − b sin, a sin + b cos) for each
-    feature pair (a, b), in fp32. The same numbers as the pair-by-pair formula (tests/model); without
-    gradients the multiply-add is one fused operation (rounded once, so within an ulp of it)."""
+    feature pair (a, b), in fp32. The same numbers as the pair-by-pair formula (tests/model): a fused
+    multiply-add (addcmul) would round once instead of twice, and checkpoints would change their logits."""
     xf = x if x.dtype == torch.float32 else x.float()
     H = x.shape[-1]
     if pairs == "half":
         swapped = xf.roll(H // 2, dims=-1)  # (b, a) for each pair (a, b)
     else:
         swapped = xf.unflatten(-1, (H // 2, 2)).flip(-1).flatten(-2)  # (B, T, h, H)
-    out = torch.addcmul(xf * cos, swapped, sin) if not torch.is_grad_enabled() else xf * cos + swapped * sin
+    out = xf * cos + swapped * sin
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 

@@ -26,7 +26,6 @@ from ..probes import active as probes_active
 from ..attention import cpu_decode
 from ..errors import UserError
 from ..kv_cache import KVCache
-from ..model import Linear
 from .compiled import compile_step, step_key
 from .sampling import apply_repetition_penalty, check_sampling, logits_to_probs, sample
 
@@ -121,7 +120,7 @@ class Session:
         # One row on a GPU: queue each decode step before reading the token of the one before (_run_ahead).
         self.run_ahead = batch_size == 1 and self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
         if packed and not compile and self.device.type == "cpu":
-            hold_rows(model)  # eager one-row products from row-block copies of the weights (model.Linear)
+            model.hold_rows()  # eager one-row products from row-block copies of the weights (model.Linear)
         self._compiled, self._step_key = None, None
         self.recompiles = 0  # how many times the compiled step was traced anew (hooks, kernels, threads changed)
         if compile:  # the decode step only: one token per row, the shape that repeats
@@ -326,14 +325,6 @@ def _to_host_later(tok: torch.Tensor):
     done = torch.cuda.Event()
     done.record()
     return lambda: (done.synchronize(), host.tolist())[1]
-
-
-def hold_rows(model) -> None:
-    """Give every Linear of the model a row-block copy of its weight for eager one-row products
-    (model.Linear; bench/matvec.py): a decode step's products stream the weights faster."""
-    for m in model.modules():
-        if isinstance(m, Linear) and m.held is None:
-            m.hold_rows()
 
 
 def cache_length(model, rows: Sequence[Sequence[int]], max_new_tokens: int, context_policy: str = "error") -> int:
