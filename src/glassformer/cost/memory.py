@@ -92,7 +92,7 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
     parts_act = {  # in the training dtype
         "norms": (2 * L + 1) * n_act,
         "linear_in": (2 * L + 1) * BT * D,
-        # Q, K and V run as one product over their weights joined (model.Attention._qkv): the
+        # Q, K and V run as one product over their weights joined (model.Attention.qkv, the fused product over many rows): the
         # joined copy is an activation, kept for the input's gradient; it does not grow with B·T.
         "qkv_weight": L * (cfg.q_dim + 2 * cfg.kv_dim) * D,
         "attn_z": L * BT * cfg.q_dim,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cost.memory import kv_cache_numbers_per_token
 from ..errors import UserError
 from ..kv_cache import KVCache
 from ..probes import stream_points, stream_wiring
@@ -117,7 +118,7 @@ def decode_step(model, ids, new_id: int | None = None, layers=None) -> dict:
         })
     p = rec.seen["probs"][0, 0]
     out["next_probs_top"] = {"ids": p.topk(min(5, p.numel())).indices.tolist(), "probs": p.topk(min(5, p.numel())).values.tolist()}
-    out["cache_numbers"] = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (T + 1)
+    out["cache_numbers"] = kv_cache_numbers_per_token(cfg) * (T + 1)
     return json_ready(out)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from ..config import ModelConfig
 from ..convert.heads import convert_kv_heads
+from ..cost.memory import kv_cache_numbers_per_token
 from ..errors import UserError
 from ..model import Transformer
 from ..probes import set_recorder, stream_points
@@ -253,8 +254,9 @@ def stream_rms(probes: dict[str, torch.Tensor], cfg: ModelConfig, token: int) ->
 
 
 def kv_numbers_per_token(cfg: ModelConfig) -> int:
-    """Numbers a KV cache keeps per token: a key and a value per layer per KV head, H each."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    """Numbers a KV cache keeps per token: a key and a value per layer per KV head, H each
+    (the formula lives in cost.memory.kv_cache_numbers_per_token)."""
+    return kv_cache_numbers_per_token(cfg)
 
 
 def tile_walk(probes: dict[str, torch.Tensor], tile: int, row: int, layer: int = 0) -> dict:
