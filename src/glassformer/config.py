@@ -313,7 +313,7 @@ class TrainConfig:
     threads: int = 0
     """CPU threads for PyTorch (0 = PyTorch's default); 1 is fastest for tiny models on a busy machine."""
     keep_freed_memory: bool = True
-    """On the CPU (Linux, glibc): keep the memory a step frees for the next one instead of faulting fresh pages in each step (~11% of a compiled step on the reference shape, ~3% eager)."""
+    """On the CPU (Linux, glibc): keep the memory a step frees for the next one instead of faulting fresh pages in each step (what that costs a step: bench/cpu_memory.py, docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size",):

@@ -1,15 +1,9 @@
 """Keep freed memory in the process while a CPU job runs, so each step does not fault it in again.
 
-A training step on the CPU allocates its activations, logits and gradients afresh (the
-logits alone are B·T·V floats: 64 MB on the reference shape). glibc's malloc serves every
-block over its mmap threshold (128 KB to 32 MB) with a new mapping and unmaps it on free,
-so the next step touches brand-new pages and the kernel faults each 4 KB page in and
-zeroes it: ~16,000 faults for those logits, ~120,000 a compiled step on the reference shape,
-~11% of its time (~3% of an eager step's; bench/cpu_memory.py). While this context is open, malloc takes every block from its
-heap and keeps freed memory there for the next step (the process holds on to its peak);
-on leaving, the defaults are set again and the free memory goes back to the system.
-
-Where the C library is not glibc (macOS, musl) this does nothing.
+glibc's malloc maps every large block on its own and unmaps it on free, so each step would
+fault its activations, logits and gradients in afresh; inside keep_freed_memory() malloc serves
+them from its heap and keeps what is freed there. Without glibc (macOS, musl) it does nothing.
+Why and what it holds: docs/training.md#freed-memory-kept-between-steps-cpu (bench/cpu_memory.py).
 """
 
 from __future__ import annotations
