@@ -59,19 +59,26 @@ def compile_step(device: torch.device, options: dict | None = None):
     return torch.compile(step, dynamic=True, options=dict(options))
 
 
-def hook_fingerprint(model: nn.Module) -> tuple:
-    """Which modules the model has and which hooks hang on each (and globally): a compiled step
-    traced the hooks it saw, so a change of any of them calls for a new trace. Hook handles are
-    numbered afresh each time, so removing one hook and adding another changes the fingerprint."""
-    g = nn.modules.module
-    mods = tuple((id(m), tuple(m._forward_pre_hooks), tuple(m._forward_hooks)) for m in model.modules())
-    return mods, tuple(g._global_forward_pre_hooks), tuple(g._global_forward_hooks)
-
-
 def step_key(model: nn.Module) -> tuple:
-    """What a compiled step took as fixed: the modules and their hooks, the attention kernels, the
-    weights' dtype and device, and on the CPU the thread count (inductor plans its loops' split
-    among threads when it compiles)."""
-    p = next(model.parameters())
-    kernels = tuple(getattr(m, "kernel", None) for m in model.modules() if hasattr(m, "kernel"))
-    return hook_fingerprint(model), kernels, p.dtype, p.device, torch.get_num_threads()
+    """What a compiled step took as fixed, checked before every step since the step keeps no guard on
+    the model: its modules (a module replaced is a new trace), the hooks on each and the global ones
+    (traced when compiled; handles are numbered afresh, so removing one hook and adding another
+    changes the key), the attention kernels, the weights' dtype and device, and on the CPU the thread
+    count (inductor splits its loops among the threads when it compiles). What it costs a step:
+    bench/decode_parts.py."""
+    g = nn.modules.module
+    mods, hooks, kernels, stack = [], [], [], [model]
+    while stack:  # the module tree, without named_modules' names and memo (this runs every step)
+        m = stack.pop()
+        if m is None:  # an empty slot (a module attribute set to None)
+            continue
+        mods.append(m)
+        d = m.__dict__
+        if d["_forward_hooks"] or d["_forward_pre_hooks"]:
+            hooks.append((len(mods), tuple(d["_forward_pre_hooks"]), tuple(d["_forward_hooks"])))
+        if "kernel" in d:
+            kernels.append(d["kernel"])
+        stack.extend(d["_modules"].values())
+    w = model.embed.weight
+    return (mods, tuple(hooks), tuple(g._global_forward_pre_hooks), tuple(g._global_forward_hooks), tuple(kernels),
+            w.dtype, w.device, torch.get_num_threads())
