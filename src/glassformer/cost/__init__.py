@@ -1,12 +1,8 @@
-"""What a model costs, from its config alone: weights, FLOPs, memory, KV cache, time.
-
-Pure functions of a ModelConfig (and batch B, tokens T, dtype, optimizer, hardware); no
-model is built. Each figure is checked against the real model in tests/test_cost.py.
+"""What a model costs, from its config alone (pure functions; no model is built; tests/cost).
 
     from glassformer.cost import estimate, format_table
     report = estimate(ModelConfig.from_preset("llama3-8b"), batch=1, seq=8192)
     report["params"], report["kv_cache_bytes_per_token"]   # 8030261248, 131072
-
 Formulas and every key of `estimate`'s dict: docs/cost.md.
 """
 

@@ -1,20 +1,9 @@
 """Forward FLOPs by part: matrix products only, 2 FLOPs per multiply-add.
 
-Over a batch of B rows of T tokens (design.md, MHA case):
-    C = L(8BTD² + 4BT²D + 6BTDF) + 2BTDV
-generalised here to GQA and head_dim ≠ D/N (Q and O are D·N·H, K and V are D·K·H each),
-two-matrix FFNs (4BTDF instead of 6BTDF) and any kernel's share of the T×T score grid.
-Norms, softmax, RoPE and residual additions are elementwise: O(BTD) against the O(BTD²)
-products, left out, as torch.utils.flop_counter.FlopCounterMode leaves them out. Biases
-are additions too (FlopCounterMode counts `addmm` as its product only).
-
-The score terms: QKᵀ costs 2·B·N·Tq·Tk·H and weights·V the same again. Which (query, key)
-pairs a kernel computes depends on the kernel, not the mask:
-  - naive computes the full grid, T² pairs, masked or not, whatever the sliding window;
-  - tiled computes every tile that is not fully masked: about half the grid when causal,
-    and a band about (window + tile) wide with a sliding window;
-  - "causal" counts only the pairs the mask lets through (T(T+1)/2, or about T·W with a
-    window): the least work any exact kernel can do.
+design.md's C = L(8BTD² + 4BT²D + 6BTDF) + 2BTDV, generalised to GQA, head_dim ≠ D/N,
+two-matrix FFNs and each kernel's share of the T×T score grid (naive: the full grid; tiled:
+the tiles not fully masked; causal: the pairs the mask lets through). Elementwise work is
+left out, as FlopCounterMode leaves it out. See docs/cost.md#forward-flops.
 """
 
 from __future__ import annotations
@@ -40,11 +29,8 @@ def causal_pairs(T: int, window: int | None = None) -> int:
 
 
 def tiled_pairs(T: int, tile: int, window: int | None = None) -> dict[str, int]:
-    """Pairs (and tiles) that the tiled kernel computes for T tokens from position 0.
-
-    Mirrors attention/tiled.py's `_tile_is_hidden`: a (query tile, key tile) block is
-    skipped when every key lies after every query, or has slid out of every query's window.
-    Whole tiles are computed, so the diagonal tiles are computed in full (masked inside).
+    """Pairs (and tiles) that the tiled kernel computes for T tokens from position 0, by the rule
+    of attention/tiled.py's `_tile_is_hidden` (docs/cost.md#forward-flops).
 
     >>> p = tiled_pairs(4, tile=2)  # the walkthrough: 3 of 4 tiles computed, 12 of 16 pairs
     >>> p["pairs"], p["tiles"], p["tiles_skipped"]

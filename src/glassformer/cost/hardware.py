@@ -1,12 +1,9 @@
 """Hardware presets: dense peak FLOP/s per dtype, memory size and bandwidth.
 
-Datasheets print tensor-core peaks "with sparsity" (2:4 structured sparsity), twice the
-dense rate; a transformer's products are dense, so the figures below are the dense ones,
-half the headline. fp32 is the plain fp32 rate (PyTorch leaves TF32 off for matmul by
-default); the TF32 tensor-core rate is kept alongside for reference.
-
-'cpu' has no datasheet: its peak is measured here with a short matmul, its bandwidth with
-a large copy, and its memory is the machine's RAM.
+The figures are the dense rates, half the datasheets' "with sparsity" headline; fp32 is the
+plain fp32 rate (PyTorch leaves TF32 off for matmul; the TF32 rate is kept for reference).
+'cpu' has no datasheet: its peak and bandwidth are measured here, its memory is the RAM.
+See docs/cost.md#hardware-presets.
 """
 
 from __future__ import annotations
@@ -68,7 +65,7 @@ def measure_cpu(n: int = 1024, repeats: int = 3, budget_s: float = 0.2) -> Hardw
     A measured peak, not a datasheet one: what PyTorch reaches here with its current thread
     count, the right ceiling for an MFU on this machine. Each dtype's matrix size is cut
     (from n) so that one product takes about budget_s: some CPUs have no fast fp16 path and
-    multiply fp16 a hundred times slower than fp32.
+    multiply fp16 far slower than fp32.
     """
     global _cpu_cache
     if _cpu_cache is not None:

@@ -1,32 +1,9 @@
 """Memory: activations saved for backward, training memory, KV cache, the largest batch.
 
 Activations are counted the way this code base's model saves them (measured with
-torch.autograd.graph.saved_tensors_hooks, tensors deduplicated by storage), not a
-textbook model. design.md's A ≈ L(8BTD + 4BTF + 2BNT²) + BTD + 2BTV is the same count
-in round numbers; here, per layer and kernel:
-
-  norms        RMSNorm saves its input, the normalised x and 1/rms (2·BTD + BT);
-               LayerNorm its input, mean and 1/std (BTD + 2·BT)
-  linear_in    the inputs of the Q/K/V and of the FFN's first products (2·BTD)
-  attn_z       the heads' output, input of O (B·T·N·H)
-  attn_kernel  naive: contiguous copies of q, k, v for its einsums (BT(NH + 2KH)) and
-               two T×T grids per head (the softmax output and the masked weights that
-               multiply V): 2·B·N·T², plus a bool mask of B·T² bytes;
-               sdpa: q, k, v and the log-sum-exp (B·N·T): no grid. With a sliding window
-               it is given a mask, kept as a B·T² float, and its raw output (B·T·N·H);
-               tiled: in plain PyTorch autograd the online softmax does NOT save memory:
-               every computed tile keeps its scores and exp-weights (2·B·N·tq·tk), copies
-               of its q, k, v slices and the running o and statistics, so it stores about
-               the computed half of the grid twice over. FlashAttention's saving comes
-               from recomputing the tiles in backward, which this kernel does not do.
-  ffn          SwiGLU: gate, up, silu(gate), their product (4·BTF); GELU: input and
-               output (2·BTF); ReLU: output only (BTF)
-and once: the final norm, the LM head's input (BTD), the log-softmax of the loss in fp32
-(BTV) and RoPE's cos and sin (B·T·H, fp32). With dropout > 0, each of its 2L + 1 sites
-keeps its noise (BTD).
-
-Bytes: most tensors are in the training dtype, but RMSNorm's input copy and 1/rms, RoPE's
-angles, softmax statistics and the loss's log-probabilities are fp32 whatever the dtype.
+torch.autograd.graph.saved_tensors_hooks, tensors deduplicated by storage), per layer, per
+part and per kernel, with the parts kept in fp32 whatever the dtype: the table and the
+reasons are in docs/cost.md#activations-a (design.md's A is the same count in round numbers).
 """
 
 from __future__ import annotations
@@ -128,12 +105,9 @@ def train_memory(
 ) -> dict[str, int]:
     """Bytes held during a training step, by part, with 'total'.
 
-    fp32: weights, gradients and AdamW's two moments, 4 bytes each: 16 bytes per weight.
-    bf16/fp16 (mixed precision, master_weights=True, the default): 2-byte weights and
-    gradients, an fp32 master copy and fp32 moments: again 16 bytes per weight (Rajbhandari
-    et al., 2020, "ZeRO", section 3.1). master_weights=False: everything in the dtype, as
-    when a bf16 model is trained directly with torch.optim.AdamW (8 bytes per weight).
-    Not counted: temporaries of the backward pass, the allocator's slack, the CUDA context.
+    16 bytes per weight in fp32 and in mixed precision (master_weights, the default for bf16/fp16:
+    ZeRO, Rajbhandari et al., 2020, §3.1); 8 with master_weights=False. Not counted: backward's
+    temporaries, the allocator's slack, the CUDA context. See docs/cost.md#training-memory.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")

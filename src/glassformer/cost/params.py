@@ -1,10 +1,8 @@
 """Weights by part: what `Transformer(cfg)` allocates, counted from the config alone.
 
 For MHA without tying or biases this is design.md's P = L(4D² + 3·D·F + 2D) + D + 2VD;
-here every switch is counted: GQA (Q is D·N·H, K and V are D·K·H each, O is N·H·D),
-head_dim ≠ D/N, SwiGLU's three matrices against two for ReLU/GELU, biases (`bias`
-everywhere, `qkv_bias` on Q/K/V only), RMSNorm (a weight) or LayerNorm (weight, and a
-bias when `bias`), learned positions (max_seq_len·D), tying (one V·D less).
+here every switch is counted (GQA, head_dim, FFN kind, biases, norm kind, learned positions,
+tying): the table is docs/cost.md#weights.
 """
 
 from __future__ import annotations
