@@ -2,21 +2,31 @@
 
 Batch-1 greedy decoding on the reference shape (fp32, CPU), rounds alternating between the
 variants of each comparison, so a change in the machine's speed hits every variant alike;
-median and best tokens/s of each over the rounds:
+median and best tokens/s of each over the rounds. Every variant runs the model's own forward
+(`Transformer.forward`); they differ in how a module reads its weights or how the step compiles:
 
-  layout     eager steps with each matrix cut into one block of rows per thread (packed.py)
-             against one block of columns per thread (P, in, out/P), the layout before it
-  compiled   the compiled step (Session(compile=True)) as a session builds it (one-row
-             products as generated row sums over (out, in) weights, inductor's
-             realize_reads_threshold 1, without the guards on the model, packed weights and
-             cache that the session holds fixed) against the same step over the eager path's
-             (in, out) row blocks (library products), with inductor's default
-             realize_reads_threshold, with inductor's C++ wrapper (cpp_wrapper), with
-             every guard TorchDynamo makes, and with the attention as the library products
-             (two batched products per KV head and a softmax) in place of the C++ kernel of
+  eager      Session(packed=True), the one-row products reading the row-block copies that
+             `Transformer.hold_rows` keeps (model.Linear, model.side_by_side: one block of
+             rows per thread, model.held_product), against Session(packed=False) with no
+             copies held (every product nn.Linear's own library call)
+  compiled   the compiled step as a session builds it (compile_step with the CPU options:
+             one-row products as model.Linear's row sums over its (out, in) weight, inductor's
+             realize_reads_threshold 1, TorchDynamo's guards on the model and cache left out by
+             _step_guards) against the same step with inductor's default
+             realize_reads_threshold, with inductor's C++ wrapper (cpp_wrapper), with every
+             guard TorchDynamo makes, and with the attention as the library products (two
+             batched products per KV head and a softmax) in place of the C++ kernel of
              attention/cpu_decode.py
+  hook check what the session checks itself before every compiled step instead of those guards
+             (compiled.step_key: the modules, their hooks, the kernels, dtype, device, threads,
+             compared with the key of the step before): microseconds a step (timeit over many
+             calls) and the fraction of one compiled step that is
+
+Column blocks (each matrix as one block of columns per thread) were an experiment of the packed
+forward that generation used to run; with one forward they have no place to go, and are gone.
 
     flock /tmp/glassformer-bench.lock python bench/decode_parts.py [--rounds 8] [--threads 2]
+    python bench/decode_parts.py --quick                  # a check that it runs: 2 rounds of 16 tokens
     python bench/decode_parts.py --pair "C++ wrapper" [--second-first] --out /tmp/pair.json
     python bench/decode_parts.py --pair "C++ wrapper" --context 1900     # the timed steps over a long cache
     python bench/decode_parts.py --pair "the attention as library products" --context 1900
@@ -28,6 +38,7 @@ import argparse
 import statistics
 import sys
 import time
+import timeit
 from pathlib import Path
 
 import torch
@@ -35,36 +46,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
-from glassformer import ModelConfig, Transformer, packed  # noqa: E402
+from glassformer import ModelConfig, Transformer  # noqa: E402
 from glassformer.attention import cpu_decode  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
+from glassformer.generation.compiled import CPU_STEP_OPTIONS, compile_step, step_key  # noqa: E402
 from glassformer.generation.session import Session  # noqa: E402
-from glassformer.generation.compiled import CPU_STEP_OPTIONS, _compile_step  # noqa: E402
 
-
-ROWS = (packed._t, packed._lin)  # what packed.py does: row blocks
-
-
-def column_blocks(w: torch.Tensor, P: int, layout: str = "rows"):
-    """packed._t with blocks of columns: (in, out) and its view (P, in, out/P)."""
-    w = w.detach().t().contiguous()  # (in, out)
-    n_in, n_out = w.shape
-    if P == 1 or n_out % P:
-        return w, None, False
-    return w, w.view(n_in, P, n_out // P).transpose(0, 1), False  # (P, in, out/P)
-
-
-def column_lin(x, w, b, add=None):
-    """packed._lin for column blocks: the blocks' outputs end to end are the output row."""
-    io, blocks, _ = w
-    x2 = x.reshape(-1, io.shape[0])  # (M, in)
-    if blocks is None or x2.shape[0] != 1:
-        return ROWS[1](x, w, b, add)
-    P = blocks.shape[0]
-    y = torch.bmm(x2.expand(P, 1, io.shape[0]), blocks).view(1, io.shape[1])  # (P, 1, out/P) end to end
-    y = y if b is None else y + b
-    y = y.view(*x.shape[:-1], io.shape[1])
-    return y if add is None else add + y
+SHIPPED = "as shipped"
+COMPILED_VARIANTS = (SHIPPED, "inductor's default realize_reads_threshold", "C++ wrapper", "every guard",
+                     "the attention as library products")
 
 
 def rate(session: Session, n: int, context: int = 16) -> float:
@@ -85,6 +75,80 @@ def race(variants: dict, rounds: int, n: int) -> dict:
     return {k: {"median": statistics.median(v), "best": max(v), "rounds": v} for k, v in out.items()}
 
 
+def eager_variants(model, S: int, context: int) -> dict:
+    """Eager steps with and without held row blocks. The copies live on the model's modules, so
+    each run sets them as its variant wants (outside the timed steps) whatever the other left."""
+    held, plain = Session(model, max_len=S), Session(model, max_len=S, packed=False)
+
+    def with_rows(n):
+        model.hold_rows(True)
+        return rate(held, n, context)
+
+    def without(n):
+        model.hold_rows(False)
+        return rate(plain, n, context)
+    return {"held row blocks": with_rows, "no row blocks (packed=False)": without}
+
+
+def compiled_variant(model, S: int, context: int, options: dict):
+    """A compiled session whose step is compiled with `options` (on first use), warmed up; -> its
+    session and a run(n) for race(). A session recompiles with the default options when its
+    step_key changes, so report() checks that none of them did."""
+    s = Session(model, max_len=S, compile=True)
+    s._compiled = compile_step(s.device, options)
+    rate(s, 2, context)
+    return s, lambda n: rate(s, n, context)
+
+
+def library_attention(model, S: int, context: int):
+    """The step with its attention traced as the library products: the switch is read when the
+    step is traced, and guarded, so it must also be off whenever this variant runs."""
+    def off(fn, *a):
+        cpu_decode.enabled = False
+        try:
+            return fn(*a)
+        finally:
+            cpu_decode.enabled = True
+    s, run = off(compiled_variant, model, S, context, CPU_STEP_OPTIONS)
+    return s, lambda n: off(run, n)
+
+
+def build_compiled(name: str, model, S: int, context: int):
+    """(session, run) of one of COMPILED_VARIANTS."""
+    if name == "the attention as library products":
+        return library_attention(model, S, context)
+    options = {
+        SHIPPED: CPU_STEP_OPTIONS,
+        "inductor's default realize_reads_threshold":
+            {k: v for k, v in CPU_STEP_OPTIONS.items() if k != "realize_reads_threshold"},
+        "C++ wrapper": {**CPU_STEP_OPTIONS, "cpp_wrapper": True},
+        "every guard": {k: v for k, v in CPU_STEP_OPTIONS.items() if k != "guard_filter_fn"},
+    }[name]
+    return compiled_variant(model, S, context, options)
+
+
+def hook_check(model, step_seconds: float, calls: int) -> dict:
+    """Microseconds of the check a compiled session makes before each step (step_key(model), compared
+    with the key it kept: Session._model), the best of 5 timeit repeats of `calls` calls each, and
+    its fraction of one compiled step."""
+    kept = step_key(model)
+    check = min(timeit.repeat(lambda: step_key(model) == kept, number=calls, repeat=5)) / calls * 1e6
+    return {"calls": calls, "modules": sum(1 for _ in model.modules()), "check_us": check,
+            "compiled_step_us": step_seconds * 1e6, "fraction_of_compiled_step": check / (step_seconds * 1e6)}
+
+
+def report(res: dict, args) -> None:
+    print(f"reference shape, fp32, {args.threads} threads, batch 1, greedy, {args.context}-token prompt; "
+          f"tokens/s over {args.rounds} alternating rounds")
+    for part, first in (("eager", "held row blocks"), ("compiled", SHIPPED)):
+        for name, r in res.get(part, {}).items():
+            print(f"  {part:9} {name:44} median {r['median']:6.1f}  best {r['best']:6.1f}  "
+                  f"{res[part][first]['median'] / r['median']:5.2f}x")
+    h = res["hook_check"]
+    print(f"  hook check (step_key, {h['modules']} modules): {h['check_us']:.1f} us a step, "
+          f"{100 * h['fraction_of_compiled_step']:.2f}% of a compiled step ({h['compiled_step_us']:.0f} us)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8)
@@ -92,11 +156,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=16,
                     help="prompt tokens before the timed steps (e.g. 1900: steps that read a long cache)")
-    ap.add_argument("--pair", default=None, help="race only the compiled step as shipped against this one variant "
+    ap.add_argument("--pair", default=None, choices=COMPILED_VARIANTS[1:],
+                    help="race only the compiled step as shipped against this one variant "
                     "(a process of its own for each comparison: the variants of one process can sway each other)")
     ap.add_argument("--second-first", action="store_true", help="with --pair: compile and run the variant first")
+    ap.add_argument("--hook-calls", type=int, default=2000, help="step_key calls per timeit repeat")
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 16 tokens: a check that it runs, not a measurement")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_parts.json"))
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.tokens, args.hook_calls = 2, 16, 200
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**REFERENCE_SHAPE)).eval()
@@ -104,59 +173,18 @@ def main() -> None:
     if S > REFERENCE_SHAPE["max_seq_len"]:
         raise SystemExit(f"--context + --tokens + 32 must fit the model's context ({REFERENCE_SHAPE['max_seq_len']})")
 
-    eager = Session(model, max_len=S)
-
-    def layout(t_lin):
-        def run(n):
-            packed._t, packed._lin = t_lin
-            packed._PACKS.clear()  # repack in this layout
-            return rate(eager, n, args.context)
-        return run
-
     res = {"threads": args.threads, "tokens": args.tokens, "context": args.context}
     if not args.pair:
-        res["layout"] = race({"row blocks": layout(ROWS), "column blocks": layout((column_blocks, column_lin))},
-                             args.rounds, args.tokens)
-        packed._t, packed._lin = ROWS
-        packed._PACKS.clear()
-
-    def compiled(options: dict, layout: str = "out_in"):
-        s = Session(model, max_len=S, compile=True, layout=layout)  # the packed weights this variant's step reads
-        s._compiled = _compile_step(s.device, options)  # this variant's step, compiled on first use
-        rate(s, 2, args.context)
-        return lambda n: rate(s, n, args.context)
-
-    def library_attention():
-        """The step with its attention traced as the library products: the switch is read when the
-        step is traced, and guarded, so it must also be off whenever this variant runs."""
-        def off(fn, *a):
-            cpu_decode.enabled = False
-            try:
-                return fn(*a)
-            finally:
-                cpu_decode.enabled = True
-        run = off(compiled, CPU_STEP_OPTIONS)
-        return lambda n: off(run, n)
-
-    default_reads = {k: v for k, v in CPU_STEP_OPTIONS.items() if k != "realize_reads_threshold"}
-
-    builds = {
-        "as shipped": lambda: compiled(CPU_STEP_OPTIONS),
-        "the same over (in, out) row blocks": lambda: compiled(CPU_STEP_OPTIONS, "rows"),
-        "inductor's default realize_reads_threshold": lambda: compiled(default_reads),
-        "C++ wrapper": lambda: compiled({**CPU_STEP_OPTIONS, "cpp_wrapper": True}),
-        "every guard": lambda: compiled({k: v for k, v in CPU_STEP_OPTIONS.items() if k != "guard_filter_fn"}),
-        "the attention as library products": library_attention,
-    }
-    names = list(builds) if not args.pair else ["as shipped", args.pair][:: -1 if args.second_first else 1]
-    res["compiled"] = race({k: builds[k]() for k in names}, args.rounds, args.tokens)
-
-    print(f"reference shape, fp32, {args.threads} threads, batch 1, greedy, {args.context}-token prompt; "
-          f"tokens/s over {args.rounds} alternating rounds")
-    for part in [p for p in ("layout", "compiled") if p in res]:
-        first = res[part]["row blocks" if part == "layout" else "as shipped"]["median"]
-        for name, r in res[part].items():
-            print(f"  {part:9} {name:44} median {r['median']:6.1f}  best {r['best']:6.1f}  {first / r['median']:5.2f}x")
+        res["eager"] = race(eager_variants(model, S, args.context), args.rounds, args.tokens)
+        model.hold_rows(False)  # compiled steps read the weights themselves: no copies needed
+    names = list(COMPILED_VARIANTS) if not args.pair else [SHIPPED, args.pair][:: -1 if args.second_first else 1]
+    built = {k: build_compiled(k, model, S, args.context) for k in names}
+    res["compiled"] = race({k: run for k, (_, run) in built.items()}, args.rounds, args.tokens)
+    res["recompiles"] = {k: s.recompiles for k, (s, _) in built.items()}
+    if any(res["recompiles"].values()):  # a session that recompiled ran the default options, not its variant's
+        raise SystemExit(f"a compiled variant recompiled mid-race: {res['recompiles']}")
+    res["hook_check"] = hook_check(model, 1 / res["compiled"][SHIPPED]["median"], args.hook_calls)
+    report(res, args)
     write_json(args.out, res)
 
 

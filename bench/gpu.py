@@ -19,7 +19,7 @@
 
 Rounds alternate between the two sides; the best round counts.
 
-    python bench/gpu.py [--out bench/results/gpu.json] [--only train decode] [--decode-layouts out_in]
+    python bench/gpu.py [--out bench/results/gpu.json] [--only train decode] [--rounds 3] [--new-tokens 256]
     python bench/gpu.py --smoke     # tiny shapes, no compile, CPU if no GPU: a check that the
                                     # script runs end to end (tests/test_bench_gpu.py), not a measurement
 """
@@ -188,7 +188,7 @@ def step_profile(session: Session, prompt: list[int], device: torch.device, n: i
     return profiled(lambda: list(session.send(None, max_new_tokens=n, greedy=True)), n, device)
 
 
-def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int, layouts=()) -> dict:
+def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int) -> dict:
     small = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=512)
     cfg = ModelConfig.from_preset("llama3.2-1b", max_seq_len=8192, **(small if smoke else {}))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -219,13 +219,6 @@ def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int
         out["transformers"] = got[0, len(prompt):].tolist()
 
     runs = {"glassformer": ours, "glassformer, no run-ahead": ours_in_step, "transformers": theirs}
-    for layout in layouts:  # other packed layouts, each a session (and a compile) of its own
-        other = Session(model, max_len=len(prompt) + N, compile=not smoke, run_ahead=True, layout=layout)
-
-        def run(s=other, key=f"glassformer, {layout} layout"):
-            s.reset()
-            out[key] = list(s.send(prompt.tolist(), max_new_tokens=N, greedy=True))
-        runs[f"glassformer, {layout} layout"] = run
     for fn in runs.values():  # compile, capture, warm up
         fn()
     sec = best_of(runs, rounds, device)
@@ -240,6 +233,7 @@ def bench_decode(device: torch.device, smoke: bool, rounds: int, new_tokens: int
     return {"preset": "llama3.2-1b" + (" (smoke: shrunk)" if smoke else ""), "dtype": str(dtype).split(".")[-1],
             "new_tokens": N, "compile": not smoke, "bytes_per_token": bytes_per_token, "copy_bandwidth": bw,
             "identical_tokens": all(t == out["transformers"] for t in out.values()), "rows": rows,
+            "recompiles": session.recompiles,  # the step traced anew after its first compile (hooks, kernels changed)
             "ratio": rows["glassformer"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"],
             "step_profile": step_profile(session, prompt.tolist(), device, min(32, N - 4))}  # within the cache: prompt + N
 
@@ -251,9 +245,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no compile (a check, not a measurement)")
-    ap.add_argument("--decode-layouts", nargs="*", default=[], choices=["rows", "out_in"],
-                    help="also decode with these packed layouts (packed.py), a compiled session each: on a GPU "
-                         "the default is rows (library products); out_in makes each one-row product a generated reduction")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -271,8 +262,7 @@ def main(argv=None) -> dict:
         print("LM head product, fwd+bwd: " + ", ".join(f"{k} {v:.2f} ms" for k, v in hp["ms"].items())
               + f"; padded {hp['speedup']:.2f}x", flush=True)
     if "decode" in args.only:
-        res["decode"] = bench_decode(device, args.smoke, args.rounds, 8 if args.smoke else args.new_tokens,
-                                     args.decode_layouts)
+        res["decode"] = bench_decode(device, args.smoke, args.rounds, 8 if args.smoke else args.new_tokens)
         r = res["decode"]["rows"]
         print("decode " + ", ".join(f"{k}: {v['tokens_per_s']:,.1f} tok/s, {100 * v['fraction_of_4_8_TBps']:.1f}% of 4.8 TB/s"
                                     for k, v in r.items())

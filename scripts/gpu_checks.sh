@@ -3,7 +3,7 @@
 # CUDA GPU and the packages of pyproject's dev extras already there (nothing is installed or
 # fetched; the package runs from src/):
 #
-#   bash scripts/gpu_checks.sh OUTDIR [bench/gpu.py's options, e.g. --only decode --decode-layouts out_in]
+#   bash scripts/gpu_checks.sh OUTDIR [bench/gpu.py's options, e.g. --only decode --new-tokens 512]
 #
 # OUTDIR gets gpu_info.txt (nvidia-smi), gpu_tests.log (the GPU-only tests), gpu_bench.log
 # and gpu.json (bench/gpu.py: training MFU, decode bandwidth, each beside transformers).
