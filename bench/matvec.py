@@ -1,23 +1,26 @@
 """The matrix-vector products of one decode step, alone: how fast each way of doing them streams weights.
 
 A batch-1 decode step on the reference shape is 25 products of one row by a weight matrix
-(per layer: fused QKV, O, fused gate-up, down; then the LM head), 50.3 MB of fp32 weights
-in all. This times the 25 in a row, over and over, for each layout packed.py could use:
+(per layer: Q/K/V side by side as Attention.qkv joins them, O, gate/up side by side as
+FeedForward.gate_up joins them, down; then the LM head), 50.3 MB of fp32 weights in all.
+This times the 25 in a row, over and over, for each way a module could read its weight:
 
-  linear        F.linear(x, W) with nn.Linear's (out, in) weight
+  linear        F.linear(x, W) with nn.Linear's (out, in) weight (what a Linear does without
+                held row blocks: Session(packed=False))
   x @ W         the (in, out) matrix, one product (runs on one thread whatever the thread count)
   blocks P      the (in, out) matrix seen as P column blocks (a strided view), one batched product
   copied P      the same blocks copied to their own memory
   rows P        the matrix cut along its inputs into P row blocks (contiguous), one batched
-                product, then the P partial outputs summed (what packed.py does for an eager
-                step, P = threads)
+                product, then the P partial outputs summed (model.held_product over the copies
+                model.fresh_rows makes for an eager step, P = threads)
 
 and other kernels torch offers for the job: `torch.mv` on either layout, oneDNN's linear
 (plain, and with its weights reordered to oneDNN's own layout), MKL's packed sgemm, and the
 product written as a multiply-and-sum that torch.compile turns into a loop, over the (in, out)
-matrix's columns or over the (out, in) weight's rows: the row sums are what a compiled
-session's step runs on the CPU (packed.py's out_in layout); and, for scale, a plain sum over a
-512 MB tensor (what the memory gives one reader).
+matrix's columns or over the (out, in) weight's rows: the row sums are what model.Linear runs
+when a compiled session's step traces it on the CPU (there Q, K, V and gate, up are each their
+own Linear's sum over the same input); and, for scale, a plain sum over a 512 MB tensor (what
+the memory gives one reader).
 
     python bench/matvec.py [--threads 1 2] [--blocks 2 4 8] [--no-compiled]      # bench/results/matvec.json
 """
@@ -43,7 +46,8 @@ from decode import bandwidth  # noqa: E402  (bench/ is the script's folder)
 
 
 def step_matrices() -> list[torch.Tensor]:
-    """The (in, out) matrices one decode step multiplies by, in order, as packed.py lays them out."""
+    """The (in, out) matrices one decode step multiplies by, in order, as the held row-block copies
+    (model.fresh_rows) lay them out: Q/K/V and gate/up joined side by side."""
     c = ModelConfig(**REFERENCE_SHAPE)
     per_layer = [(c.dim, c.q_dim + 2 * c.kv_dim), (c.q_dim, c.dim), (c.dim, 2 * c.ffn_dim), (c.ffn_dim, c.dim)]
     shapes = per_layer * c.n_layers + [(c.dim, c.vocab_size)]

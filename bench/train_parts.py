@@ -2,7 +2,8 @@
 
 The choices behind the training step (docs/benchmarks.md, "Training tokens/s"): the fused
 attention kernel against two matrix-product forms, Q/K/V and gate/up as one product or
-several, RMSNorm as written against torch's, RoPE as model.apply_rope against the
+several (Attention.qkv and FeedForward.gate_up join them through model.side_by_side when
+nothing is hooked), RMSNorm as written against torch's, RoPE as model.apply_rope against the
 roll-and-multiply-add form. Batch 8 × 256 tokens, fp32, median of 10 runs each.
 
     python bench/train_parts.py [--threads 2]          # bench/results/train_parts.json
