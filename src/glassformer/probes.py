@@ -1,20 +1,9 @@
 """Named probes: the places where the model shows its intermediate tensors.
 
-The model calls `tap(name, x)` at every point named in design.md (`embed`,
-`blocks.0.attn.q`, ...). With no recorder installed, `tap` returns `x` after one global
-read, so a trace costs nothing when off. A recorder (see `glassformer.trace`) may store the
-tensor and may return a replacement for it (ablation, patching).
-
-Shapes as tapped (batch first, then token, then head, then feature):
-    embed, blocks.i.attn_norm, blocks.i.attn.out, blocks.i.resid_mid,
-    blocks.i.ffn_norm, blocks.i.ffn.down, blocks.i.resid_out, final_norm   (B, T, D)
-    blocks.i.attn.q, .q_rot, .z                                            (B, T, N, H)
-    blocks.i.attn.k, .v, .k_rot                                            (B, T, K, H)
-    blocks.i.attn.scores (scaled, before the mask), .weights (after it)    (B, T, N, Tk)
-    blocks.i.ffn.up, .gate, .act                                           (B, T, F)
-    logits, probs                                                          (B, T, V)
-`.scores` and `.weights` are only computed when a recorder asks for them
-(`wants(name)`), since the fused kernels never form them.
+The model calls `tap(name, x)` at every point named in design.md; with no recorder installed
+it returns `x` after one global read, so a trace costs nothing when off. A recorder (see
+`glassformer.trace`) may store the tensor or return a replacement (ablation, patching).
+Shapes as tapped: batch first, then docs/trace-format.md#probe-entries's axes and shapes.
 """
 
 from __future__ import annotations

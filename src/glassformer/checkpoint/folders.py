@@ -1,10 +1,9 @@
 """Checkpoint and run folders: config.json + model.safetensors + tokenizer.json (+ COMPLETE),
 and a run's step-NNNNNN checkpoints with `latest` / `best` pointer files.
 
-A checkpoint is written into a temporary sibling folder, fsynced, and renamed into place
-(files.atomic_folder), so a crash never leaves half a checkpoint under the real name;
-`COMPLETE` is written last and a folder without it is ignored. Loading never unpickles
-anything. Building the model: builder.py; training state: training.py; `load`: loading.py.
+Written atomically (files.atomic_folder; `COMPLETE` last, a folder without it is ignored);
+loading never unpickles anything (docs/training.md#run-folder). Building the model:
+builder.py; training state: training.py; `load`: loading.py.
 """
 
 from __future__ import annotations

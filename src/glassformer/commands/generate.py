@@ -37,11 +37,10 @@ def add_arguments(p) -> None:
 class TextStream:
     """Turn token ids into text that is safe to print as they arrive.
 
-    A byte-level token may end in the middle of a UTF-8 character: its bytes go through an
-    incremental UTF-8 decoder, which keeps an unfinished character until the next tokens
-    complete it (tokenizers without `id_to_bytes` are decoded whole and an unfinished
-    U+FFFD tail held back). Text that could be the start of a stop string is held back
-    too, so a stop string is never printed.
+    A token's bytes go through an incremental UTF-8 decoder, which keeps an unfinished character
+    until later tokens complete it (tokenizers without `id_to_bytes` are decoded whole and an
+    unfinished U+FFFD tail held back); text that could start a stop string is held back too, so
+    a stop string is never printed (docs/generation.md#streaming-text).
     """
 
     def __init__(self, tokenizer, stops=()):

@@ -1,11 +1,9 @@
 """Per-family key maps between Hugging Face checkpoints and ours.
 
 A family is a `model_type` of Hugging Face `transformers`: how its config.json maps onto a
-ModelConfig (both ways) and a declarative list of rules, one per Hugging Face tensor. A
-rule names the tensor on each side and the transform between them (transforms.py: copy,
-conv1d, qkv_conv1d, qkv_bias, rope_q, rope_k). Run on meta tensors, the rules also give
-the shape of every Hugging Face tensor, which is how every shape is checked before any
-data is read.
+ModelConfig (both ways) and a declarative list of rules, one per Hugging Face tensor, each
+naming the tensor on both sides and the transform between them (transforms.py). Run on meta
+tensors the rules also give every tensor's shape: docs/convert.md#the-key-map-and-its-transforms.
 """
 
 from __future__ import annotations

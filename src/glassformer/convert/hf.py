@@ -2,12 +2,8 @@
 
     load_hf(folder)        -> (Transformer, tokenizer or None)
     save_hf(model, out)    -> the folder written (config.json, model.safetensors, tokenizer.json)
-
-Every tensor in the folder is either used by a rule of its family (families.py) or a known
-recomputed buffer; every rule finds its tensor; every shape is checked against the shape
-the config implies before any data is read. Errors name the key and the file.
-Pickled `.bin` checkpoints are refused unless allow_pickle, and are then read with
-torch.load(weights_only=True), which rebuilds tensors but no other objects.
+Every tensor is used by a rule (families.py) and every shape is checked before any data is
+read; pickled `.bin` files only with allow_pickle (docs/convert.md#files, #errors).
 """
 
 from __future__ import annotations

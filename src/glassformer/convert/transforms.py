@@ -1,15 +1,9 @@
 """Named transforms between a Hugging Face tensor and ours, and the Rule that applies one.
 
-    copy        same tensor
-    conv1d      GPT-2's Conv1D stores weights [in, out]; nn.Linear stores [out, in]: transpose
-    qkv_conv1d  GPT-2's c_attn fuses Q, K, V into one Conv1D: transpose, then split rows
-    qkv_bias    the fused c_attn bias: split into Q, K, V
-    rope_q/k    Q/K rows in Hugging Face's 'half' RoPE pair order; a model of ours built with
-                rope_pairs='interleaved' permutes them (Meta -> HF order, as HF's own
-                convert_llama_weights_to_hf.py does); our default 'half' copies them as they are
-
-Each transform is a pair of pure functions (to_ours, to_hf); applied to meta tensors,
-to_hf also gives the shape a Hugging Face tensor must have.
+copy, conv1d, qkv_conv1d, qkv_bias, rope_q and rope_k (what each does, and why:
+docs/convert.md#the-key-map-and-its-transforms). Each transform is a pair of pure
+functions (to_ours, to_hf); applied to meta tensors, to_hf also gives the shape a Hugging
+Face tensor must have.
 """
 
 from __future__ import annotations

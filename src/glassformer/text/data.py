@@ -1,21 +1,9 @@
-"""Token files and batches.
+"""Token files and batches: the prepared data folder (tokenizer.json, train.bin, val.bin,
+meta.json, COMPLETE) and `get_batch`, deterministic in (seed, step) across ranks.
 
-A prepared data folder (`glassformer prepare --out DIR`) holds
-
-    tokenizer.json   the tokenizer that made the ids
-    train.bin        raw little-endian token ids, uint16 when the vocabulary fits, else uint32
-    val.bin          the held-out split, same format
-    meta.json        {"dtype", "vocab_size", "eot_id", "train_tokens", "val_tokens",
-                      "train_bytes", "val_bytes", "corpus", "val_works" or "val_fraction", ...}
-    COMPLETE         written last (the folder is written under a temporary name and renamed)
-
-Documents are joined with the end-of-text token, which stands for zero bytes of text:
-`val_bytes` is the UTF-8 size of the validation text itself, so a model's bits per byte is
-    bpb = (sum of per-token losses in nats over val.bin) / (ln 2 * val_bytes).
-
-Batches (design.md, Determinism): `get_batch(tokens, B, T, seed, step, rank, world_size)`
-draws the start of every row of the global batch from a generator seeded by (seed, step),
-then returns rank `rank`'s rows, so N ranks together see exactly what one process would.
+Documents are joined with the end-of-text token, which stands for zero bytes of text, so
+bpb = (sum of per-token losses in nats over val.bin) / (ln 2 * val_bytes). The folder's
+files, meta.json's keys and the batch rule: docs/data.md#the-prepared-folder, #batches-glassformertextdata.
 """
 
 from __future__ import annotations
@@ -162,11 +150,10 @@ def _chunk_batches(docs, stats, progress):
 def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) -> tuple[int, int]:
     """Encode docs into a token file, each document followed by eot_id; (tokens, bytes).
 
-    Streams: at most IN_FLIGHT + 1 batches of BATCH_CHUNKS text chunks (about 2 MB each) and
-    their ids are in memory. While `tokenizers` encodes batches (in its own threads, without
-    the GIL), this thread reads the next one and writes the oldest one's ids.
-    bytes counts the UTF-8 bytes of the text that was encoded (after any U+FFFD
-    replacement), i.e. what bits per byte divides by; the eot separators count no bytes.
+    Streams: at most IN_FLIGHT + 1 batches of BATCH_CHUNKS text chunks and their ids are in
+    memory, encoded by `tokenizers` in its own threads while this one reads and writes
+    (docs/data.md#streaming-and-exactness). bytes counts the UTF-8 bytes of the text that was
+    encoded (after any U+FFFD replacement), what bits per byte divides by; eot counts none.
     """
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
@@ -209,11 +196,9 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
     """Write a prepared data folder at `out` (atomically) and return its meta.json.
 
     corpus: a glassformer.corpus.Corpus. tokenizer: a Tokenizer to reuse; if None, byte-level
-    BPE is trained on the training split alone, to vocab_size (default 2048).
-    context: the longest window a model will draw; both splits must hold context+1 tokens.
-    tokenizer_sample_mb: train the tokenizer on about this many MB of the training split,
-    chunks taken evenly from all of it (the trainer's memory grows with the number of
-    distinct words, so a huge corpus is sampled; below this size all of it is used).
+    BPE is trained on the training split alone, to vocab_size (default 2048). context: the
+    longest window a model will draw; both splits must hold context+1 tokens. tokenizer_sample_mb:
+    train the tokenizer on about this many MB, taken evenly (docs/data.md#streaming-and-exactness).
     """
     import sys
 

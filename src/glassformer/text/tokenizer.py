@@ -1,17 +1,9 @@
-"""Byte-level BPE on the `tokenizers` library: train, save and load `tokenizer.json`.
-
-Byte-level means the alphabet is the 256 byte values, so every string, in any script,
-round-trips exactly: text -> UTF-8 bytes -> pieces -> ids, and back. BPE (Sennrich et al.
-2016, byte-level as in GPT-2) then merges the most frequent neighbouring pairs until the
-vocabulary reaches the chosen size. The merges and the pre-tokenizer are the `tokenizers`
-library's own; this module only wraps them, so a tokenizer.json from anywhere (GPT-2,
-Llama 3, SmolLM) encodes exactly as `tokenizers` does.
-
+"""Byte-level BPE on the `tokenizers` library: train, save and load `tokenizer.json`. Every
+string round-trips exactly, any tokenizer.json (GPT-2, Llama 3, SmolLM) encodes as `tokenizers`
+does, `<|endoftext|>` (`eot_id`) separates documents: docs/data.md#the-tokenizer-glassformertexttokenizer.
     >>> tok = Tokenizer.train(["to be or not to be"] * 50, vocab_size=300)
     >>> tok.decode(tok.encode("to be, or not?")) == "to be, or not?"
     True
-
-The special token `<|endoftext|>` (id `eot_id`) separates documents in token files.
 """
 
 from __future__ import annotations
