@@ -86,7 +86,7 @@ def _split_point(buf: str) -> int:
     buf[:i] and buf[i:] apart gives exactly the ids of encoding buf whole; 0 if none found.
 
     Just after the last lone newline, else just before a space between two letters; never in a
-    run of whitespace (str.isalpha is exactly the regexes' \p{L}). Why those cuts are safe for
+    run of whitespace (str.isalpha is exactly the regexes' \\p{L}). Why those cuts are safe for
     GPT-2's and Llama 3's pre-tokenizers: docs/data.md#streaming-and-exactness.
     """
     i = len(buf) - 1

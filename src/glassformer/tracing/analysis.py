@@ -1,10 +1,9 @@
-"""Small analyses of a trace, each returning plain JSON-ready data (the viewer draws them).
-
-    norm_rms(trace)                  RMS of each token's stream after every addition
-    norm_placement(model, ids)       the same for pre-norm and post-norm, side by side
-    head_summary(trace)              per layer and head: weight on the previous token, the first, itself
-    flash_walkthrough(trace, l, h)   one query row through the tiled kernel: m, l, o, alpha per tile
-    decode_step(model, ids)          the KV cache and the new row of scores for one generated token
+"""Small analyses of a trace, each returning plain JSON-ready data (the viewer draws them):
+norm_rms (each token's stream RMS after every addition), norm_placement (the same pre-norm
+and post-norm, side by side), head_summary (per head: weight on the previous token, the
+first, itself), flash_walkthrough (one query row through the tiled kernel), decode_step
+(the KV cache and the new row of scores for one generated token).
+Each one's output: docs/explain.md#analyses-glassformertracinganalysis.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Interventions, as TransformerLens users expect: change one probe and see the next token move.
-
-    >>> r = ablate(model, ids, "blocks.0.attn.z", head=2)         # zero one head's output
-    >>> r = ablate(model, ids, "blocks.1.ffn.act", mode="mean")    # mean over the text's tokens
-    >>> r = patch(model, ids, "blocks.0.resid_out", source_ids)    # another text's activation
-    >>> r = remove_head(model, ids, layer=0, head=2)
-    >>> r.to_dict()["after"]                                       # top next tokens after the change
-    >>> logit_lens(model, ids)                                     # (L, T, V): what each block predicts
+"""Interventions, as TransformerLens users expect: change one probe and see the next token move
+(ablate, patch, remove_head, logit_lens; examples: docs/explain.md#interventions-glassformertracinginterventions).
 
 Every intervention goes through the probes (glassformer.probes): the recorder returns a
 changed tensor in place of the one tapped, so the model code knows nothing about it.
-`.scores`, `.weights` and `probs` are only shown by the model, never used, so changing them
-would change nothing; ablate `.z` or remove a head instead.
+`.scores`, `.weights` and `probs` are shown, never used: ablate `.z` or remove a head instead.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The FlashAttention walk-through: one query row through the tiled kernel, tile by tile.
 
-The kernel (attention/tiled.py) logs, for every (query tile, key tile), its running max m,
-sum l, output o and rescale alpha. This module is the one place that turns such a log into
-the walk of one query row (`row_walk`, stored in a trace as `blocks.i.attn.tiles`), runs the
-kernel to get one (`kernel_walk`: the worked example, the page's other rows and tile sizes),
-and reads one head's steps out of it (`head_walk`: analysis, the page). docs/trace-format.md
-describes the stored form.
+The kernel (attention/tiled.py) logs its running max m, sum l, output o and rescale alpha
+per (query tile, key tile); this is the one place that turns the log into one row's walk
+(`row_walk`, a trace's `blocks.i.attn.tiles`), runs the kernel for one (`kernel_walk`) and
+reads one head out (`head_walk`). Stored form: docs/trace-format.md#tiles-the-flashattention-walk-through-of-one-query-row.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Traces: one text through the model with every named probe recorded.
+"""Traces: one text through the model with every named probe recorded (docs/explain.md).
 
 `trace(model, ids)` installs a recorder (glassformer.probes), runs one forward pass and
 returns a `Trace`: every probe of design.md for every traced layer, without the batch axis,
-in the axis order of the trace-file contract (token, head, feature). With no recorder
-installed the model's `tap` calls return their input after one global read, so tracing
-costs nothing when it is off.
-
-    >>> t = trace(model, [0, 2, 3, 5], tokens=["I", "like", "cats", "too"])
-    >>> t["blocks.0.attn.q"].shape            # (T, N, H)
-    torch.Size([4, 1, 2])
-    >>> t.to_json("trace.json")               # docs/trace-format.md
-
-The file format lives in format.py, the tile walk in tiles.py; this module records.
+token first (docs/trace-format.md). The file format lives in format.py, the tile walk in
+tiles.py; this module records.
 """
 
 from __future__ import annotations
@@ -177,13 +169,10 @@ def trace(
 ):
     """Run `ids` (one text) through `model` and record every probe. Returns a Trace.
 
-    tokens: the text of each token (default '#<id>'). pos: position of the first token.
-    layers / heads: keep only these blocks / query heads (key and value heads: those the kept
-    query heads read). top_k: keep only the k largest logits and probabilities per token.
-    with_weights: store the traced layers' weights in math layout [in, out].
-    attention: kernel for this trace ('naive', 'tiled', 'sdpa'; default the model's own);
-    with 'tiled', each traced layer's `.tiles` walks through query row `query` (default last),
-    in tiles of `tile` queries × keys (default the model's attention_tile).
+    tokens: each token's text (default '#<id>'). pos: the first token's position. layers / heads,
+    top_k, with_weights, attention, query, tile: as `glassformer trace`'s flags (docs/explain.md).
+        >>> t = trace(model, [0, 2, 3, 5], tokens=["I", "like", "cats", "too"])
+        >>> t["blocks.0.attn.q"].shape            # (T, N, H)
     """
     cfg = model.config
     ids = [int(i) for i in (ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids)]

@@ -1,12 +1,9 @@
 """Running one training loop in N processes under torchrun: DDP or FSDP2, on PyTorch's own engine.
 
-`torchrun --nproc-per-node N -m glassformer train ...` sets RANK / WORLD_SIZE / LOCAL_RANK;
-without them everything here is a no-op and the loop runs in one process. Batches are drawn
-globally from (seed, step) and sliced by rank (glassformer.data.get_batch), so N ranks see
-exactly the rows one process would, and their mean gradient is the one-process gradient.
-
-Checkpoints hold full (unsharded) tensors keyed by parameter name, gathered with
-torch.distributed.checkpoint.state_dict, so a checkpoint written at one world size loads at any.
+Without torchrun's RANK / WORLD_SIZE / LOCAL_RANK everything here is a no-op. Batches are
+drawn globally from (seed, step) and sliced by rank, so the mean gradient is the one-process
+gradient; checkpoints hold full tensors gathered with torch.distributed.checkpoint.state_dict,
+loadable at any world size (docs/training.md#many-processes).
 """
 
 from __future__ import annotations

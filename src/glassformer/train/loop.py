@@ -1,14 +1,9 @@
 """The training loop: one process or many (torchrun), exact resume, faults handled.
 
-`train(cfg)` is its table of contents: start or resume the run (train/setup.py `start_run`),
-then per step: one optimizer step (`one_step`, around train/step.py `train_step`), fix the
-time budget once (`fix_time_budget`), log (`log_step`), evaluate and checkpoint when due
-(`evaluate_if_due`), stop on a signal; then `finish`. The phases share one `RunState`
-(train/runstate.py). docs/training.md, "The loop", walks through a step.
-
-Everything that decides a step's numbers (batch, dropout mask, learning rate) is a function
-of (seed, step, rank), and optimizer moments plus RNG states are checkpointed, so a resumed
-run repeats the uninterrupted one bit for bit.
+`train(cfg)` is its table of contents: `start_run` (train/setup.py), then per step `one_step`
+(around train/step.py `train_step`), `fix_time_budget`, `log_step`, `evaluate_if_due`, a
+signal check; then `finish`, all sharing one `RunState` (train/runstate.py). A step's numbers
+are a function of (seed, step, rank), so a resume repeats the run bit for bit (docs/training.md#the-loop).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The calculation behind each cost figure the page lists: its formula, the formula with the
 config's numbers put in, and the result, so a click on a cost shows how it was reached.
 
-The formulas restate glassformer.cost (params.py, flops.py, memory.py) for the case the page
-prices (B rows of T tokens, the naive kernel's full score grid for FLOPs); `cost_calcs`
-evaluates each one and tests/test_viewer_server.py checks every result against
-`cost.estimate`. Sums of parts (activations, training memory) list the parts'
-values as `glassformer.cost` gives them.
+The formulas restate glassformer.cost for the case the page prices (B rows of T tokens, the
+naive kernel's full grid for FLOPs; sums of parts list cost's own parts); tests/viewer checks
+every result against `cost.estimate`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """A trace (design.md "Trace files") → one explorer page.
 
-`build_payload` gathers what the page draws: the trace itself, the top next tokens, the
-stream wiring, the stream's RMS pre-norm vs post-norm, the FlashAttention walks, the costs,
-and the calculations (`explain` results) of the numbers the page shows. `render_html` writes the page: for a saved file the CSS,
-the JavaScript and the data are inlined, so it opens offline with nothing else; for the
-server it links /static/ files and fetches new traces and calculations on demand.
-
-Safety: the data sits in a <script type="application/json"> block with every `<`, `>`
-and `&` written as a \\u escape, so no text in it can close the block; the page's own
-script is pinned by its hash in a Content-Security-Policy, so even an injected inline
-handler could not run; and the script writes data to the page only as text.
+`build_payload` gathers what the page draws (the trace, next tokens, stream wiring, RMS pre-
+vs post-norm, FlashAttention walks, costs, calculations); `render_html` writes the page, all
+inlined for a saved file, linking /static/ for the server. The data block is \\u-escaped and
+the script pinned by its hash: docs/viewer.md#safety.
 """
 
 from __future__ import annotations
@@ -237,12 +231,10 @@ def build_payload(
 ) -> dict:
     """Everything the page draws, as one JSON-ready dict.
 
-    mode: 'static' (a saved file: calculations are precomputed for the numbers shown) or
-    'server' (the page asks /api/explain for any number). slim: keep only the first
-    FEATURE_CAP features of the feed-forward's wide probes. explain: `explain(probe, index)`
-    for this trace; norm: source.norm_table's output; costs: a cost report (`cost_rows`);
-    flash: source.flash_walks's output (the trace's own tile logs are added to it).
-    The page reads which probe holds the stream from `wiring` (probes.stream_wiring).
+    mode: 'static' (calculations precomputed for the numbers shown) or 'server' (the page asks
+    /api/explain). slim: only the first FEATURE_CAP features of the FFN's wide probes. explain:
+    `explain(probe, index)` for this trace; norm: source.norm_table's output; costs: `cost_rows`;
+    flash: source.flash_walks's output. The page reads the stream's probes from `wiring`.
     """
     trace = _checked_trace(trace, mode)
     T = len(trace["tokens"])

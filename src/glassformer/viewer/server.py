@@ -1,17 +1,9 @@
 """`glassformer view`: a small local server for the explorer page.
 
-It serves three things and nothing else:
-    GET  /                 the page, drawn from the trace of the opening sentence
-    GET  /static/NAME      the page's own CSS and JavaScript (a fixed list of names)
-    POST /api/trace        {"text": "..."} -> the page's data for that sentence, recomputed
-    POST /api/explain      {"text", "probe", "index"} -> the calculation of one number
-
-Safety: binds 127.0.0.1 unless another address is asked for; refuses request bodies over
-MAX_BODY bytes and sentences over MAX_TEXT characters (413); answers any other path,
-`..` included, with 404 (files are looked up in a fixed list, never joined to a path);
-refuses Host headers other than the loopback names while bound to loopback (so a web page
-elsewhere cannot reach it by DNS rebinding); and sends JSON as application/json with
-nosniff, so nothing it returns is ever read as HTML.
+It serves GET / (the page), GET /static/NAME (its own CSS and JavaScript, a fixed list),
+POST /api/trace and POST /api/explain (docs/viewer.md#the-servers-endpoints), nothing else.
+Loopback by default, size limits (413), 404 for any other path, loopback Host names only,
+JSON with nosniff: docs/viewer.md#safety.
 """
 
 from __future__ import annotations
@@ -45,9 +37,8 @@ class Explorer:
     """What the server computes with: turn text into ids, trace them, explain a number.
 
     encode(text) -> (ids, tokens), raising UserError for text the model cannot read.
-    trace(ids, tokens) -> a trace (a glassformer.trace.Trace, or its dict form).
-    explain(trace, probe, index) -> the calculation of one number (optional).
-    as_dict(trace, digits) -> the trace's dict form (optional: trace() may return a dict).
+    trace(ids, tokens) -> a Trace or its dict form. explain(trace, probe, index) -> one number's
+    calculation (optional). as_dict(trace, digits) -> the dict form (optional).
     extras(ids, tokens, trace_dict, trace) -> more build_payload arguments: norm, costs, ... (optional).
     """
 

@@ -1,21 +1,7 @@
 """The walkthrough's toy model: every number of the hand calculation, computed by the real model.
-
-The hand-calculation walkthrough follows the sentence "I like cats too" through a transformer
-so small that each number can be checked on paper: six words, width D = 4, one head of size
-H = 2, a ReLU feed-forward of width F = 8. It prints some weights as numbers and shows the
-others only as pictures. Here the whole family of toy models is built with the project's own
-`Transformer`, with the printed weights as printed and the pictured ones chosen so that every
-figure the walkthrough states comes out to its printed digits (docs/worked.md tells how they
-were found):
-
-    build_one_head()        1 block, 1 head            (the single-layer sections)
-    build_two_blocks(p)     the same block twice, p = 'pre' or 'post' norm placement
-    build_four_heads()      4 query heads, MHA; build_gqa() / build_mqa() pool its key and
-                            value heads into 2 / 1 (Ainslie et al., 2023) with convert_kv_heads
-
-`figures.figures()` recomputes every figure (same keys and nesting as the walkthrough's
-list); `text.walkthrough()` prints them section by section.
-
+"I like cats too" through `Transformer`s small enough to check on paper (six words, D = 4, one
+head of H = 2, a ReLU FFN of F = 8): build_one_head, build_two_blocks, build_four_heads,
+build_gqa, build_mqa (docs/worked.md#the-family-of-models-glassformerworkedmodel).
 >>> encode("I like cats too")
 [0, 2, 3, 5]
 """
@@ -39,11 +25,9 @@ SENTENCE = "I like cats too"
 
 
 class WordTokenizer:
-    """One id per word over a fixed vocabulary; the toy stand-in for the BPE tokenizer.
-
-    Same interface as glassformer.tokenizer.Tokenizer (encode, decode, vocab_size, eot_id,
-    id_to_piece). Words are split on whitespace and matched ignoring case.
-
+    """One id per word over a fixed vocabulary; the toy stand-in for the BPE tokenizer, with
+    Tokenizer's interface (encode, decode, vocab_size, eot_id, id_to_piece). Words are split on
+    whitespace and matched ignoring case.
     >>> WordTokenizer().decode([0, 2, 4])
     'I like dogs'
     """
