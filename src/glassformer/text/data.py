@@ -118,7 +118,7 @@ def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
 # -- prepare: corpus -> tokenizer + token files -------------------------------------------
 BATCH_CHUNKS = 8  # chunks encoded together (2 MB of text; tokenizers spreads a batch over its threads)
 # Batches encoded at once: while one batch's last chunks finish, the next one's fill the idle
-# threads, so no core waits at a batch boundary.
+# threads, so no core waits at a batch boundary (bench/prepare_throughput.py).
 IN_FLIGHT = 2
 
 
