@@ -191,6 +191,14 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def joined_rows(held: tuple | None, lins, on: bool = True) -> tuple | None:
+    """A row-block copy of `lins`' weights side by side (fresh_rows), or None when off or when any of
+    them is not a plain Linear (a module replaced from outside: it runs its own call)."""
+    if not on or any(type(m) is not Linear for m in lins):
+        return None
+    return fresh_rows(held, [m.weight for m in lins], [m.bias for m in lins])
+
+
 def side_by_side(x: torch.Tensor, lins, held: tuple | None):
     """Each of `lins` (Linears reading the same x) applied to x, as one product over their weights
     side by side where they are plain Linears with nothing hooked, else each by its own call:
@@ -198,14 +206,12 @@ def side_by_side(x: torch.Tensor, lins, held: tuple | None):
     forward and one input gradient backward (bench/train_parts.py); at one row it reads a held
     row-block copy of the joined weights, or each module's own way when compiled or none is held."""
     plain = all(type(m) is Linear and not hooked(m) for m in lins)
+    if not plain or (one_row(x) and (held is None or torch.compiler.is_compiling())):
+        return tuple(m(x) for m in lins), held  # a replaced or hooked module: each its own call
     sizes = [m.out_features for m in lins]
     if one_row(x):
-        if not (plain and held is not None and not torch.compiler.is_compiling()):
-            return tuple(m(x) for m in lins), held
         held = fresh_rows(held, [m.weight for m in lins], [m.bias for m in lins])
         return held_product(held, x).split(sizes, dim=-1), held
-    if not plain:
-        return tuple(m(x) for m in lins), held
     w = torch.cat([m.weight for m in lins])  # (sum of outs, in)
     b = None if lins[0].bias is None else torch.cat([m.bias for m in lins])
     return F.linear(x, w, b).split(sizes, dim=-1), held
@@ -286,9 +292,9 @@ class Attention(nn.Module):
 
     def hold_rows(self, on: bool = True) -> None:
         """Keep (or drop) row-block copies for eager one-row products: Q, K, V joined, and O."""
-        lins = (self.wq, self.wk, self.wv)
-        self.held = fresh_rows(self.held, [m.weight for m in lins], [m.bias for m in lins]) if on else None
-        self.wo.hold_rows(on)
+        self.held = joined_rows(self.held, (self.wq, self.wk, self.wv), on)
+        if isinstance(self.wo, Linear):
+            self.wo.hold_rows(on)
 
     def qkv(self, x):
         """x·W_Q, x·W_K, x·W_V: (B, T, N·H), (B, T, K·H), (B, T, K·H), through side_by_side."""
@@ -339,11 +345,12 @@ class FeedForward(nn.Module):
     def hold_rows(self, on: bool = True) -> None:
         """Keep (or drop) row-block copies for eager one-row products: gate and up joined, and down."""
         if self.w_gate is None:
-            self.w_up.hold_rows(on)
+            if isinstance(self.w_up, Linear):
+                self.w_up.hold_rows(on)
         else:
-            lins = (self.w_gate, self.w_up)
-            self.held = fresh_rows(self.held, [m.weight for m in lins], [m.bias for m in lins]) if on else None
-        self.w_down.hold_rows(on)
+            self.held = joined_rows(self.held, (self.w_gate, self.w_up), on)
+        if isinstance(self.w_down, Linear):
+            self.w_down.hold_rows(on)
 
     def gate_up(self, x):
         """SwiGLU's x·W_gate and x·W_up, (B, T, F) each: one product at one row where a joined copy is
@@ -465,7 +472,8 @@ class Transformer(nn.Module):
         for b in self.blocks:
             b.attn.hold_rows(on)
             b.ffn.hold_rows(on)
-        self.lm_head.hold_rows(on)
+        if isinstance(self.lm_head, Linear):
+            self.lm_head.hold_rows(on)
 
     def set_attention(self, name: str) -> None:
         """Switch every layer to another kernel ('naive', 'tiled', 'sdpa'); weights unchanged."""

@@ -104,3 +104,34 @@ def test_a_compiled_session_follows_hooks_added_and_removed_after_it_compiled():
     again = list(s.send(PROMPT, max_new_tokens=STEPS, greedy=True))
     assert want != plain and hooked == want
     assert again == plain and s.recompiles == 2  # once for the hook, once for its removal
+
+
+class Doubled(torch.nn.Module):
+    """A module replacing a projection from outside the model, as an adapter or a quantized layer
+    would: it has no weight, bias or out_features of its own."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+def test_a_replaced_projection_runs_in_training_generation_and_batches():
+    model = reinit(tiny_model(n_layers=2), std=0.3)
+    plain = list(generate(model, PROMPT, max_new_tokens=STEPS, greedy=True))  # holds row-block copies
+    model.blocks[0].attn.wq = Doubled(model.blocks[0].attn.wq)
+    model.blocks[1].ffn.w_gate = Doubled(model.blocks[1].ffn.w_gate)
+    model.lm_head = Doubled(model.lm_head)
+    ids = torch.tensor([PROMPT])
+    _, loss = model.train()(ids, targets=ids)  # many rows with gradients: the joined QKV steps aside
+    loss.backward()
+    assert model.blocks[0].attn.wq.inner.weight.grad is not None
+    model.eval()
+    want = greedy_by_full_forward(model, PROMPT, STEPS)
+    assert want != plain
+    assert list(generate(model, PROMPT, max_new_tokens=STEPS, greedy=True)) == want
+    prompts = [PROMPT, [2, 4]]
+    steps = list(Session(model, 2).send(prompts, max_new_tokens=STEPS, greedy=True))
+    assert [[s[b] for s in steps] for b in range(2)] == [greedy_by_full_forward(model, p, STEPS) for p in prompts]
