@@ -206,10 +206,11 @@ def side_by_side(x: torch.Tensor, lins, held: tuple | None):
     forward and one input gradient backward (bench/train_parts.py); at one row it reads a held
     row-block copy of the joined weights, or each module's own way when compiled or none is held."""
     plain = all(type(m) is Linear and not hooked(m) for m in lins)
-    if not plain or (one_row(x) and (held is None or torch.compiler.is_compiling())):
+    row = one_row(x)
+    if not plain or (row and (held is None or torch.compiler.is_compiling())):
         return tuple(m(x) for m in lins), held  # a replaced or hooked module: each its own call
     sizes = [m.out_features for m in lins]
-    if one_row(x):
+    if row:
         held = fresh_rows(held, [m.weight for m in lins], [m.bias for m in lins])
         return held_product(held, x).split(sizes, dim=-1), held
     w = torch.cat([m.weight for m in lins])  # (sum of outs, in)
