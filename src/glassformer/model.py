@@ -121,7 +121,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str
 
 
 def dropout(drop: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
-    """drop(x) while training with p > 0; else x itself, without the module's call (13 a decode step)."""
+    """drop(x) while training with p > 0; else x itself, without the module's call (2L + 1 a decode step)."""
     return drop(x) if drop.training and drop.p > 0 else x
 
 
@@ -486,14 +486,9 @@ class Transformer(nn.Module):
     def forward(self, idx, targets=None, cache=None, pos=0, padding_mask=None, logits_at=None):
         """Logits (B, T, V) for every position, and the mean cross-entropy if targets are given.
 
-        idx: (B, T) token ids. pos: where idx starts, an int or a (B,) tensor (rows of a
-        batch may sit at different positions: prompts of different lengths, right-padded).
-        cache: a KVCache, to which this call's keys and values are added at their positions.
-        padding_mask: optional (B, Tk) bool, False for key positions that must not be read
-        (left padding), Tk = T without a cache, the cache length with one.
-        targets: (B, T) ids, -1 where no loss is wanted.
-        logits_at: optional (B,) index of one position per row: only its logits, (B, 1, V) (a
-        prefill needs no more; Hugging Face's generate does the same with logits_to_keep).
+        idx, targets: (B, T) ids (targets -1: no loss there); pos: an int or a (B,) tensor, where each
+        row starts; cache: a KVCache; padding_mask: (B, Tk) bool, False on keys never to be read;
+        logits_at: (B,), one position per row, logits (B, 1, V). docs/model.md#positions-the-kv-cache-and-batches
         """
         cfg = self.config
         B, T = idx.shape

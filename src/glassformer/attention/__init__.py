@@ -1,23 +1,9 @@
-"""Three attention kernels behind one signature.
-
-Every kernel is a function
+"""Three attention kernels behind one signature (naive, tiled, sdpa; get_kernel picks one):
 
     kernel(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, start=None) -> out
 
-with q (B, N, Tq, H), k and v (B, K, Tk, H) where N is a multiple of K (GQA: each group of
-N // K query heads reads one key/value head; MQA is K = 1), q_pos (B, Tq) the position of
-each query, and key j sitting at position j (a key/value cache slot is its position).
-Query i of row b may read key j when
-
-    j <= q_pos[b, i]                       (causal: nothing from the future)
-    q_pos[b, i] - j < window               (sliding window, when given)
-    key_mask[b, j]                         (padding, when given)
-
-A query that may read no key at all (a padding row) gets an output of zeros.
-`out` is (B, N, Tq, H). `start`, when given, promises q_pos[b, i] == start + i for every
-row, which lets a kernel plan without reading q_pos (sdpa's is_causal fast path, tiled's
-skipping) and so without a device sync.
-"""
+q (B, N, Tq, H), k and v (B, K, Tk, H), out (B, N, Tq, H). Which keys a query reads (mask.py), what
+`start` promises, and rows with no readable key: docs/model.md#attention-kernels."""
 
 from __future__ import annotations
 

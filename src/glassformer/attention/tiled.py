@@ -1,12 +1,8 @@
 """FlashAttention's online softmax, written in plain PyTorch (Dao et al., 2022).
 
-Queries and keys are cut into tiles. For each query tile we walk the key tiles left to
-right, keeping per query a running max m, a running sum l of exp(score - m) and a running
-weighted sum o of values. When a new tile raises the max, what was summed so far is worth
-alpha = exp(m_old - m_new) of what it was, so l and o are rescaled by alpha before the new
-tile is added. At the end o / l is exactly softmax(scores) @ V, yet no more than one
-(tile × tile) block of scores ever exists. Tiles that the mask hides entirely are skipped
-without computing anything: for causal attention that is almost half of them.
+Tile by tile, a running max m, sum l and weighted sum o per query, rescaled by alpha =
+exp(m_old - m_new) when a tile raises the max: o / l is exactly softmax(scores) @ V, with no
+more than one tile × tile block of scores, and hidden tiles skipped. docs/model.md#attention-kernels.
 """
 
 from __future__ import annotations
@@ -30,10 +26,9 @@ def _tile_is_hidden(q_lo: int, q_hi: int, k0: int, k1: int, window: int | None) 
 def tiled_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, start=None, tile=64, tile_log=None):
     """Same result as naive_attention, computed tile by tile with an online softmax.
 
-    tile: rows and columns per tile (any T works; the last tile may be short).
-    tile_log: if a list is given, one dict per (query tile, key tile) is appended with the
-    running statistics after that tile (m, l, o, alpha, skipped), for the FlashAttention
-    walk-through.
+    tile: rows and columns per tile (any T works; the last tile may be short). tile_log: a list, to
+    which one dict per (query tile, key tile) is appended, the running m, l, o, alpha after it or
+    `skipped`: the walk-through of docs/trace-format.md#tiles-the-flashattention-walk-through-of-one-query-row.
     """
     B, N, Tq, H = q.shape
     K, Tk = k.shape[1], k.shape[2]
