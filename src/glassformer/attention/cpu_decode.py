@@ -1,19 +1,9 @@
-"""A compiled CPU session's decode attention: a small C++ kernel, built once on this machine.
+"""A compiled CPU session's decode attention: a small C++ kernel (cpu_decode.cpp), built once per machine.
 
-At one query the attention reads every cached key and value and does almost nothing else;
-the library route (attention/sdpa.py's two batched products per KV head) streams them at
-~10 GB/s a core, a third of what a core can, and on a long context that is most of a
-compiled step's growth (docs/benchmarks.md). cpu_decode.cpp reads each key and value row
-once for the whole group of query heads that shares it, one thread per KV head or stretch of
-positions.
-
-Only compiled sessions use it (generate.Session(compile=True) on the CPU calls load()):
-they already need the C++ compiler that torch.compile's CPU backend uses, and the eager
-path stays plain PyTorch. It is built with that compiler (CXX, else c++/g++/clang++) into
-the project's cache folder (files.cache_dir: GLASSFORMER_CACHE, else ~/.cache/glassformer), once per source, machine
-and compiler; if it cannot be built, load() says why once and sessions keep the library
-route. Same numbers as the library route to float rounding (tests/test_cpu_decode.py).
-"""
+At one query attention only streams the cached keys and values, which the library route (sdpa.py's
+batched products) does slowly (bench/decode_attention.py); this reads each row once for its group of
+query heads. Only Session(compile=True) on the CPU loads it; where it cannot be built load() warns
+once and the library route stays. Why, how and where it is cached: docs/generation.md#compiled-steps."""
 
 from __future__ import annotations
 

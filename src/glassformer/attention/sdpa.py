@@ -16,14 +16,10 @@ _HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 def _decode_step(q, k, v, scale):
     """One query per row reading every cached key: two batched products per key/value head (CPU).
 
-    The fused CPU kernel reads a key/value head once for each query head of its group; here
-    the group's queries share one pass over it, which is what a decode step at a long
-    context is bound by (bench/decode.py: 1.1-1.27x latency growth from 128 to 2000
-    cached positions, against 1.33x with the fused kernel). Same math as the fused kernel.
-    A compiled step (torch.compile tracing this) calls the C++ kernel of cpu_decode.py instead
-    where a session has built it: each key and value row read once for the whole group, at
-    about a core's streaming rate (bench/decode_attention.py).
-    """
+    The fused CPU kernel reads a key/value head once per query head of its group; here the group
+    shares one pass, what a long-context step is bound by (bench/decode.py); the same math. Compiled,
+    it calls cpu_decode.py's C++ kernel where a session built it (bench/decode_attention.py).
+    docs/generation.md#speed."""
     if torch.compiler.is_compiling() and cpu_decode_usable(q, k, v):
         return cpu_decode_attention(q, k, v, _scale(q, scale))  # (B, N, 1, H)
     B, N, _, H = q.shape

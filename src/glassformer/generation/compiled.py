@@ -36,20 +36,17 @@ def _step_guards(entries) -> list[bool]:
 # more than one input (inductor's default: more than four), rather than again inside every
 # loop that uses it, some of them a product's loop over each weight row (bench/decode_parts.py).
 CPU_STEP_OPTIONS = {"guard_filter_fn": _step_guards, "realize_reads_threshold": 1}
-# On a GPU: CUDA graphs, with the same guard filter, since the ~500 guards would be checked on
-# the host before every replay while the GPU waits.
+# On a GPU: CUDA graphs, with the same guard filter, since the host would check every guard
+# (most of them on the model's modules and the cache) before each replay while the GPU waits.
 CUDA_STEP_OPTIONS = {"guard_filter_fn": _step_guards, "triton.cudagraphs": True}
 
 
 def compile_step(device: torch.device, options: dict | None = None):
-    """torch.compile of a private copy of model_step, for one session.
-
-    Before each call TorchDynamo checks the guards of the compiled code, ~500 here, most on the
-    model's modules and the cache; a session holds those fixed, so its step drops them
-    (_step_guards; bench/decode_parts.py) and checks `step_key` itself instead. TorchDynamo keeps
-    compiled code per code object, so the private copy keeps one session's step from serving
-    another model. `options` replaces the device's inductor options (benchmarks and tests).
-    """
+    """torch.compile of a private copy of model_step, for one session; `options` replaces the device's
+    inductor options (benchmarks and tests). The step drops the guards on the model and the cache, which
+    a session holds fixed (_step_guards; bench/decode_parts.py), and the session checks `step_key`
+    instead; TorchDynamo keeps compiled code per code object, so the private copy keeps one session's
+    step from serving another model. docs/generation.md#compiled-steps."""
     f = model_step
     step = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__)
     if options is None:

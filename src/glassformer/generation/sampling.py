@@ -1,9 +1,8 @@
-"""Sampling: logits -> probabilities -> one token per row (Hugging Face's filters, in its order).
+"""Sampling: logits -> probabilities -> one token per row, Hugging Face's filters in its order.
 
-    check_sampling(...)                                       the parameters' ranges, as UserErrors
-    apply_repetition_penalty(logits, seen, penalty)           CTRL's penalty on tokens already seen
-    logits_to_probs(logits, temperature, top_k, top_p, min_p) the filters
-    sample(logits, ...)                                       one token per row
+check_sampling (the parameters' ranges, as UserErrors), apply_repetition_penalty (CTRL's, on the
+tokens already seen), logits_to_probs (the filters), sample (one token per row).
+docs/generation.md#sampling-exactly.
 """
 
 from __future__ import annotations
@@ -28,9 +27,8 @@ def check_sampling(temperature=1.0, top_k=None, top_p=None, min_p=None, repetiti
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's penalty (Keskar et al., 2019, as Hugging Face applies it): for every token already in
-    the text, a positive logit is divided by `penalty` and a negative one multiplied by it, so
-    penalty > 1 always makes a seen token less likely. logits (B, V), seen (B, V) bool.
+    """CTRL's penalty (Keskar et al., 2019, as Hugging Face applies it) on the tokens `seen` (B, V) bool:
+    a positive logit (B, V) is divided by `penalty`, a negative one multiplied. docs/generation.md#sampling-exactly.
 
     >>> apply_repetition_penalty(torch.tensor([[2., -2., 2.]]), torch.tensor([[True, True, False]]), 2.0)
     tensor([[ 1., -4.,  2.]])
@@ -40,17 +38,11 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 
 def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
-    """Probabilities (B, V) to sample from, in Hugging Face's order of filters:
+    """Probabilities (B, V) to sample from: temperature, top_k, top_p, min_p in Hugging Face's order,
+    each filter renormalising what it keeps. docs/generation.md#sampling-exactly.
 
-    1. temperature: softmax(logits / temperature) (temperature > 0);
-    2. top_k: keep exactly the k most likely tokens (ties broken by index, never more than k);
-    3. top_p (nucleus, Holtzman et al., 2020): keep the smallest set of most likely tokens whose
-       probabilities sum to at least p: a token stays when the tokens more likely than it
-       sum to less than p (so the most likely token always stays);
-    4. min_p (Nguyen et al., 2024): keep tokens whose probability is at least min_p times the
-       most likely token's;
-    each filter renormalises what it keeps. Example: probabilities (0.5, 0.3, 0.2) with
-    top_p=0.7 keep (0.5, 0.3) -> (0.625, 0.375); with min_p=0.5 keep (0.5, 0.3) as well.
+    >>> logits_to_probs(torch.tensor([[0.5, 0.3, 0.2]]).log(), top_p=0.7)
+    tensor([[0.6250, 0.3750, 0.0000]])
     """
     logits = logits.float() / temperature  # (B, V)
     V = logits.shape[-1]

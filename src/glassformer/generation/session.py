@@ -1,18 +1,8 @@
-"""Generation with a KV cache: logits -> probabilities -> a token; prefill; decode; sessions.
+"""Generation with a KV cache: prefill and decode_step (one forward each), Session, generate.
 
-The pieces are small free functions (gpt-fast's layout):
-
-    logits_to_probs(logits, temperature, top_k, top_p, min_p)   the sampling filters (sampling.py)
-    sample(logits, ...)                                          one token per row (sampling.py)
-    prefill(model, ids, cache, ...)                              the whole prompt in one forward
-    decode_step(model, tok, cache, pos)                          one token in one forward
-
-A `Session` owns one preallocated cache and the tokens in it, so a conversation goes on
-without recomputing earlier tokens; `generate` is a session used once. Prompts of
-different lengths share a batch by right padding: row b's tokens sit at positions
-0..len_b-1, the padding after them writes junk into cache slots that are rewritten
-before any query may read them (a query at position p reads only slots <= p, and slot p is
-written in the very forward that asks), so a batch gives what each prompt gives alone.
+Small free functions (gpt-fast's layout); a `Session` owns one preallocated cache and the tokens in
+it, so a conversation goes on without recomputing them; `generate` is a session used once. Why a
+right-padded batch gives what each prompt gives alone: docs/generation.md#the-cache-batches-and-sessions.
 """
 
 from __future__ import annotations
@@ -85,16 +75,11 @@ def _stops(stop) -> list[tuple[int, ...]]:
 
 
 class Session:
-    """A KV cache and the tokens it holds, for `batch_size` rows: each `send` continues every
-    row's text from where the last one stopped, feeding only the tokens not yet cached.
-
-    Every row keeps its whole text; its window (what the cache holds) starts at
-    `starts[b]`. The last token of each row is always pending (not yet cached), since
-    the next forward needs its logits. context_policy 'error' refuses a send whose text
-    would outgrow the cache; 'slide' cuts a row that outgrows it to its latest
-    `slide_keep` tokens (default half the cache) and re-prefills, RoPE making the cut
-    window look like a fresh text that starts at position 0.
-    """
+    """A KV cache and the tokens it holds, for `batch_size` rows: each `send` continues every row's
+    text from where the last one stopped, feeding only the tokens not yet cached (each row's last
+    token stays pending: the next forward needs its logits). context_policy 'error' refuses a text
+    that outgrows the cache, 'slide' cuts it to its latest `slide_keep` tokens and re-prefills:
+    docs/generation.md#context-policies."""
 
     def __init__(self, model, batch_size: int = 1, *, max_len: int | None = None,
                  context_policy: str = "error", slide_keep: int | None = None, packed: bool = True,
@@ -270,15 +255,11 @@ class Session:
         return sample(logits, generator=self.generator, **sampling)
 
     def _run_ahead(self, n: int, sampling: dict, penalty: float, stops, single: bool) -> Iterator:
-        """_run for one row, each decode step queued before the host reads the token of the
-        step before it: that token stays on the device as the next step's input, so on a GPU
-        the host's work for token t (bookkeeping, guards, the graph launch, yielding t) runs
-        while the GPU computes step t+1, instead of the GPU waiting for it every step. The
-        same tokens and random draws as _run. A step queued past a stop (or an abandoned
-        iteration) is dropped: its token's slot counts as uncached again, and whatever it
-        wrote is rewritten before any query reads it; its random draw is spent (a later send
-        without a seed samples from a generator one draw further on than after _run). Slides
-        and a full cache fall back to _forward."""
+        """_run for one row, each decode step queued before the host reads the token of the step before
+        (which stays on the device as the next step's input), so on a GPU the host's work for token t
+        runs while the GPU computes step t+1. The same tokens and random draws as _run; a step queued
+        past a stop is dropped (its slot uncached again, its random draw spent); slides and a full
+        cache fall back to _forward. docs/generation.md#compiled-steps (runs ahead)."""
         if n == 0:
             return
         fixed = self._positions_as_tensor()
