@@ -1,9 +1,8 @@
-"""Named probes: the places where the model shows its intermediate tensors.
+"""Named probes: the places where the model shows its intermediate tensors, `tap(name, x)`.
 
-The model calls `tap(name, x)` at every point named in design.md; with no recorder installed
-it returns `x` after one global read, so a trace costs nothing when off. A recorder (see
-`glassformer.trace`) may store the tensor or return a replacement (ablation, patching).
-Shapes as tapped: batch first, then docs/trace-format.md#probe-entries's axes and shapes.
+With no recorder installed `tap` returns `x` after one global read, so a trace costs nothing when
+off; a recorder (see `glassformer.trace`) may store x or return a replacement (ablation, patching).
+The names, and the shapes as tapped (batch first): docs/trace-format.md#probe-entries; docs/explain.md.
 """
 
 from __future__ import annotations
