@@ -28,12 +28,27 @@ STEP_PREFIX = "step-"
 # ----------------------------------------------------------------------------- one checkpoint folder
 
 
+# What travels with tokenizer.json: the chat template(s), special tokens and the eos ids, as
+# Hugging Face folders keep them (text/tokenizer.py reads them; docs/chat.md#templates).
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_SIDE_DIR = "additional_chat_templates"
+
+
 def write_tokenizer(folder: Path, tokenizer: Any) -> None:
-    """tokenizer.json in folder: tokenizer is None, a tokenizer.json path (copied as is), or has save(path)."""
+    """tokenizer.json (+ its configs) in folder: tokenizer is None, a tokenizer.json path (copied
+    as is, with the configs beside it), an object with save_folder(folder), or one with save(path)."""
     if tokenizer is None:
         return
     if isinstance(tokenizer, (str, Path)):
-        shutil.copyfile(tokenizer, folder / "tokenizer.json")
+        src = Path(tokenizer)
+        shutil.copyfile(src, folder / "tokenizer.json")
+        for name in TOKENIZER_SIDE_FILES:
+            if (src.parent / name).is_file():
+                shutil.copyfile(src.parent / name, folder / name)
+        if (src.parent / TOKENIZER_SIDE_DIR).is_dir():
+            shutil.copytree(src.parent / TOKENIZER_SIDE_DIR, folder / TOKENIZER_SIDE_DIR)
+    elif hasattr(tokenizer, "save_folder"):
+        tokenizer.save_folder(folder)
     else:
         tokenizer.save(str(folder / "tokenizer.json"))
 
@@ -59,7 +74,7 @@ def write_state_files(folder: Path, config: ModelConfig, state: dict[str, torch.
 
 
 def save_model(dst: str | Path, model: torch.nn.Module, tokenizer: Any = None) -> Path:
-    """Write a complete checkpoint folder atomically. tokenizer: an object with save(path), or a tokenizer.json path."""
+    """Write a complete checkpoint folder atomically. tokenizer: as write_tokenizer takes it."""
     return atomic_folder(dst, lambda tmp: write_model_files(tmp, model, tokenizer))
 
 

@@ -42,5 +42,5 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     if (folder / "tokenizer.json").is_file():
         from ..text.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_file(folder / "tokenizer.json")
+        tokenizer = Tokenizer.from_folder(folder)  # with tokenizer_config.json and the chat template
     return model, tokenizer

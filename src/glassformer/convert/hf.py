@@ -1,4 +1,5 @@
-"""Hugging Face folders in and out: config.json + safetensors (single or sharded) + tokenizer.json.
+"""Hugging Face folders in and out: config.json + safetensors (single or sharded) + tokenizer.json
+(+ tokenizer_config.json, chat_template.jinja, generation_config.json).
 
     load_hf(folder)        -> (Transformer, tokenizer or None)
     save_hf(model, out)    -> the folder written (config.json, model.safetensors, tokenizer.json)
@@ -244,10 +245,13 @@ def _tokenizer(folder: Path):
     except ImportError:
         return None
     try:
-        return Tokenizer.from_file(path)
+        tok = Tokenizer.from_file(path)
     except Exception as e:  # a foreign tokenizer.json the class cannot read: the model still loads
         warnings.warn(f"{path} could not be read as a glassformer tokenizer ({e}); continuing without one")
         return None
+    # tokenizer_config.json (chat template, special tokens), chat_template.jinja, generation_config.json:
+    # a malformed one is the user's error, not a reason to drop the tokenizer.
+    return tok.read_configs(folder)
 
 
 def load_hf(folder: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
@@ -288,7 +292,8 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: Any = None, dtyp
             eot_id: int | None = None) -> Path:
     """Write `model` as a Hugging Face folder of the family that can hold it (atomically).
 
-    tokenizer: None, a tokenizer.json path (copied as is), or an object with save(path).
+    tokenizer: None, a tokenizer.json path (copied as is, with tokenizer_config.json, chat_template.jinja
+    and generation_config.json beside it), or a Tokenizer (written by save_folder).
     eot_id: the end-of-text id for config.json (default: tokenizer.eot_id when it has one).
     """
     from safetensors.torch import save_file
