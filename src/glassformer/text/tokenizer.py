@@ -150,6 +150,7 @@ class Tokenizer:
         """tokenizer.json, and tokenizer_config.json + chat_template.jinja (+ generation_config.json
         with an eos list) when there is something to put in them, as transformers reads them."""
         folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
         self.save(folder / "tokenizer.json")
         _write_configs(self, folder)
 
