@@ -12,15 +12,7 @@ def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the text to continue")
     src.add_argument("--prompts-file", help="a text file with one prompt per line, generated as one batch")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample")
-    p.add_argument("--temperature", type=float, default=1.0, help="divide the logits by this; 0 means greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
-    p.add_argument("--top-p", type=float, default=None, help="sample among the smallest set of tokens whose probabilities reach p")
-    p.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than min-p times the most likely one")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="CTRL penalty on tokens already in the text: positive logits / r, negative ones * r")
-    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--seed", type=int, default=None, help="fix the random draws (same seed, same text)")
+    add_sampling_arguments(p)
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="end a sample when this text appears (repeatable); the text itself is not printed")
     p.add_argument("--attention", choices=["naive", "tiled", "sdpa"], default=None,
@@ -32,6 +24,19 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
+
+
+def add_sampling_arguments(p, max_new_tokens: int = 200) -> None:
+    """The sampling flags, shared with `glassformer chat`."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens to generate per sample")
+    p.add_argument("--temperature", type=float, default=1.0, help="divide the logits by this; 0 means greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
+    p.add_argument("--top-p", type=float, default=None, help="sample among the smallest set of tokens whose probabilities reach p")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than min-p times the most likely one")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="CTRL penalty on tokens already in the text: positive logits / r, negative ones * r")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--seed", type=int, default=None, help="fix the random draws (same seed, same text)")
 
 
 class TextStream:

@@ -116,6 +116,8 @@ class Session:
                 torch._dynamo.mark_static_address(layer.k)
                 torch._dynamo.mark_static_address(layer.v)
         self.slides = 0  # how many times a window was cut (for reports and tests)
+        self.prefilled_tokens = 0  # every token fed from a prompt or a re-prefill, not a decode step's own
+        self._fresh = False  # the next forward is a send's first: what it feeds is prompt, even one token
 
     # ---- bookkeeping on the host -------------------------------------------------------
     def _append(self, b: int, ids: Sequence[int]) -> None:
@@ -132,6 +134,20 @@ class Session:
         self.texts = [[] for _ in range(self.B)]
         self.starts, self.cached = [0] * self.B, [0] * self.B
         self.seen = None
+
+    def replace(self, ids: Sequence[int], b: int = 0) -> int:
+        """Make row b's text `ids`, keeping the cached keys of its longest common prefix with the
+        text cached now; the next send feeds only the rest. Returns how many cached tokens were kept
+        (0 after a slide: the cache then holds a window, not the text's start)."""
+        ids = [int(t) for t in ids]
+        old, keep = self.texts[b], 0
+        if self.starts[b] == 0:
+            limit = min(self.cached[b], len(ids) - 1)  # the new text's last token stays pending
+            while keep < limit and old[keep] == ids[keep]:
+                keep += 1
+        self.texts[b], self.starts[b], self.cached[b] = ids, 0, keep
+        self.seen = None  # rebuilt from the new texts when a penalty asks for it
+        return keep
 
     def finish(self, b: int) -> None:
         """Stop row b for the rest of this send (a caller's stop rule, e.g. a stop string)."""
@@ -177,6 +193,9 @@ class Session:
         fixed = T == 1 and self._positions_as_tensor()
         pos = torch.tensor(self.cached, device=self.device) if fixed or len(set(self.cached)) > 1 else self.cached[0]
         lengths = None if len(set(n)) == 1 else torch.tensor(n, device=self.device)
+        if T > 1 or self._fresh:
+            self.prefilled_tokens += sum(n)
+        self._fresh = False
         fwd = self._model(decode=T == 1)
         logits = prefill(fwd, ids, self.cache, pos, lengths) if T > 1 else decode_step(fwd, ids, self.cache, pos)
         # A stopped row re-feeds its last token at the same slot (same keys and values) and
@@ -215,6 +234,7 @@ class Session:
                 )
         for b, r in enumerate(rows):
             self._append(b, r)
+        self._fresh = True
         if seed is not None:
             self.generator = torch.Generator(self.device).manual_seed(int(seed))
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, greedy=greedy)

@@ -1,0 +1,133 @@
+"""`glassformer chat`: talk with a checkpoint; each reply streams, the conversation stays cached.
+
+Typed commands: /reset, /system TEXT, /exit. With standard input not a terminal, each line is one
+user message (or one of those commands), and standard output holds the replies only, each followed
+by an empty line. docs/chat.md#chatting.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .generate import add_sampling_arguments
+
+HELP = "talk with a checkpoint: each reply streams, the conversation stays in one KV cache"
+COMMANDS = "/reset forgets the conversation, /system TEXT sets the system prompt, /exit ends"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder, training run folder or Hugging Face folder")
+    p.add_argument("--system", default=None, help="the system prompt")
+    p.add_argument("--template", default=None, metavar="FILE",
+                   help="a Jinja chat template file (default: the checkpoint's)")
+    p.add_argument("--template-name", default=None, metavar="NAME",
+                   help="which of the checkpoint's named templates to use (default: 'default')")
+    add_sampling_arguments(p, max_new_tokens=128)
+    p.add_argument("--context-policy", choices=["drop", "error"], default="drop",
+                   help="when the next turn would not fit: drop the oldest turns (with a notice), or stop with an error")
+    p.add_argument("--attention", choices=["naive", "tiled", "sdpa"], default=None,
+                   help="attention kernel (default: the checkpoint's)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights' dtype (default: as stored)")
+
+
+def _template(args, tok) -> str | None:
+    """--template FILE's text, or --template-name's template of the checkpoint, or the checkpoint's own."""
+    from ..errors import UserError
+
+    if args.template is not None:
+        try:
+            return open(args.template, encoding="utf-8").read()
+        except OSError as e:
+            raise UserError(f"cannot read --template {args.template}: {e.strerror}") from None
+    if args.template_name is not None:
+        named = getattr(tok, "chat_templates", None) or {}
+        if args.template_name not in named:
+            have = ", ".join(sorted(named)) or "none"
+            raise UserError(f"--template-name {args.template_name}: the checkpoint has no such template (it has: {have})")
+        return named[args.template_name]
+    return None
+
+
+def _reply(conversation, text: str, out) -> None:
+    """Stream the reply to `text`; Ctrl-C ends the reply, not the program."""
+    pieces = conversation.say(text)
+    try:
+        for piece in pieces:
+            out.write(piece)
+            out.flush()
+    except KeyboardInterrupt:
+        pieces.close()  # the reply so far joins the conversation
+        print(" [interrupted]", file=sys.stderr, flush=True)
+    out.write("\n")
+    out.flush()
+
+
+def _command(conversation, line: str) -> str | None:
+    """Run a /command; returns 'exit', 'done' (it was a command) or None (a user message)."""
+    if line == "/exit":
+        return "exit"
+    if line == "/reset":
+        conversation.reset()
+        return "done"
+    if line.startswith("/system "):
+        conversation.set_system(line[len("/system "):])
+        return "done"
+    return None
+
+
+def _piped(conversation, lines, out) -> int:
+    """Each line one user message (or command); stdout holds each reply and an empty line."""
+    for line in lines:
+        line = line.rstrip("\r\n")
+        what = _command(conversation, line)
+        if what == "exit":
+            break
+        if what is None:
+            _reply(conversation, line, out)
+            out.write("\n")
+            out.flush()
+    return 0
+
+
+def _interactive(conversation, out) -> int:
+    from ..errors import UserError
+
+    print(f"chat: {COMMANDS}; Ctrl-C ends a reply, Ctrl-D ends the chat", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            continue
+        what = _command(conversation, line.strip())
+        if what == "exit":
+            return 0
+        if what == "done":
+            print(f"({line.strip().split()[0][1:]} done)", file=sys.stderr)
+            continue
+        try:
+            _reply(conversation, line, out)
+        except UserError as e:  # the turn is refused (context policy, template): the chat goes on
+            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+
+
+def run(args) -> int:
+    from ..generation.chat import ChatSession
+    from .generate import _check_args, _load_model
+
+    args.num_samples = 1
+    _check_args(args)
+    model, tok = _load_model(args)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    repetition_penalty=args.repetition_penalty, greedy=args.greedy, seed=args.seed)
+    conversation = ChatSession(model, tok, system=args.system, template=_template(args, tok),
+                               max_new_tokens=args.max_new_tokens, context_policy=args.context_policy,
+                               notify=lambda line: print(line, file=sys.stderr, flush=True), **sampling)
+    if sys.stdin.isatty():
+        return _interactive(conversation, sys.stdout)
+    return _piped(conversation, sys.stdin, sys.stdout)
