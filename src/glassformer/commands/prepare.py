@@ -23,6 +23,14 @@ def add_arguments(p) -> None:
     p.add_argument("--tokenizer-sample-mb", type=float, default=256,
                    help="train the tokenizer on about this many MB of the training split, taken evenly "
                         "from all of it (the whole split when it is smaller)")
+    p.add_argument("--chat", default=None, metavar="PATH",
+                   help="conversations instead of a corpus: a JSONL file of {\"messages\": [...]} lines or a folder "
+                        "of .jsonl files; writes train.mask.bin / val.mask.bin beside the token files" + NO_DEFAULT)
+    p.add_argument("--train-on", choices=("assistant", "all"), default="assistant",
+                   help="with --chat: which tokens take a loss, the assistant's replies or every token")
+    p.add_argument("--add-chat-tokens", action="store_true",
+                   help="add <|im_start|> and <|im_end|> to the tokenizer and, lacking a template, the default "
+                        "ChatML template (--chat adds them whenever the tokenizer has no template)")
     p.add_argument("--progress", action="store_true", default=None,
                    help="always show progress bars (default: only on a terminal)" + NO_DEFAULT)
 
@@ -30,23 +38,52 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import json
 
-    from ..text.corpus import get_corpus
-    from ..text.data import prepare
     from ..errors import UserError
-    from ..text.tokenizer import Tokenizer, check_vocab_size
+    from ..text.tokenizer import check_vocab_size
 
     tokenizer = None
     if args.tokenizer is not None:
         if args.vocab_size is not None:
             raise UserError("give either --tokenizer (reuse one) or --vocab-size (train one), not both")
-        tokenizer = Tokenizer.from_file(args.tokenizer)
+        tokenizer = read_tokenizer(args.tokenizer, with_template=args.chat is not None or args.add_chat_tokens)
     elif args.vocab_size is not None:
         check_vocab_size(args.vocab_size)  # fail before reading any corpus
-    corpus = get_corpus(args.corpus, args.val_fraction)
-    meta = prepare(corpus, args.out, vocab_size=args.vocab_size, tokenizer=tokenizer,
-                   context=args.context, tokenizer_sample_mb=args.tokenizer_sample_mb,
-                   show_progress=args.progress)
+    if args.chat is not None:
+        if args.corpus is not None:
+            raise UserError("give either --chat (conversations) or --corpus (text), not both")
+        meta = prepare_conversations(args, tokenizer)
+    else:
+        from ..text.corpus import get_corpus
+        from ..text.data import prepare
+
+        corpus = get_corpus(args.corpus, args.val_fraction)
+        meta = prepare(corpus, args.out, vocab_size=args.vocab_size, tokenizer=tokenizer,
+                       context=args.context, tokenizer_sample_mb=args.tokenizer_sample_mb,
+                       show_progress=args.progress, add_chat_tokens=args.add_chat_tokens)
     keys = ("vocab_size", "dtype", "train_tokens", "val_tokens", "train_bytes", "val_bytes")
     print(f"wrote {args.out}: " + ", ".join(f"{k} {meta[k]}" for k in keys))
     print(json.dumps({k: meta[k] for k in keys}))
     return 0
+
+
+def read_tokenizer(path: str, with_template: bool):
+    """--tokenizer's Tokenizer: with its folder's configs and template when chat needs them."""
+    from ..text.tokenizer import Tokenizer, resolve_tokenizer_path
+
+    if not with_template:
+        return Tokenizer.from_file(path)
+    return Tokenizer.from_folder(resolve_tokenizer_path(path).parent)
+
+
+def prepare_conversations(args, tokenizer) -> dict:
+    """prepare --chat: the conversations, held out, encoded with their loss masks."""
+    from ..text.conversations import chat_corpus
+    from ..text.data import prepare_chat
+
+    corpus = chat_corpus(args.chat, args.val_fraction)
+    meta = prepare_chat(corpus, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size, context=args.context,
+                        train_on=args.train_on, add_chat_tokens=args.add_chat_tokens)
+    chat = meta["chat"]
+    print(f"{chat['conversations']['train']} training and {chat['conversations']['val']} held-out conversations; "
+          f"{chat['scored_tokens']['train']} training tokens take a loss ({chat['train_on']})")
+    return meta

@@ -17,7 +17,7 @@ import torch
 from ..errors import UserError
 from ..files import read_json
 
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "uint8": np.uint8}  # uint8: loss masks
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -66,6 +66,25 @@ def load_split(folder: str | Path, split: str) -> TokenFile:
     return TokenFile(Path(folder) / f"{split}.bin", meta["dtype"])
 
 
+def load_mask(folder: str | Path, split: str, n_tokens: int) -> TokenFile | None:
+    """The uint8 loss mask of a conversation folder's split (None for plain data), checked to be
+    aligned with its n_tokens tokens."""
+    path = Path(folder) / f"{split}.mask.bin"
+    if not path.is_file():
+        if "chat" in read_meta(folder):
+            raise UserError(f"{folder} holds conversation data but no {path.name}: prepare it again")
+        return None
+    mask = TokenFile(path, "uint8")
+    if len(mask) != n_tokens:
+        raise UserError(f"{path} has {len(mask)} entries for {n_tokens} tokens: it is damaged; prepare it again")
+    return mask
+
+
+def chat_block(meta: dict) -> int | None:
+    """The window block of a conversation folder (context+1 tokens), None for plain data."""
+    return meta["context"] + 1 if "chat" in meta else None
+
+
 def batch_generator(seed: int, step: int) -> torch.Generator:
     """A CPU generator seeded by (seed, step) alone, so a batch never depends on earlier draws
     (resuming at step s gives the batch an uninterrupted run would have had).
@@ -88,28 +107,53 @@ def batch_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step: 
     return torch.randint(0, n_tokens - seq_len, (batch_size,), generator=batch_generator(seed, step))  # (B,)
 
 
+def block_batch_starts(n_tokens: int, block: int, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
+    """Start offsets (B,) of windows of T+1 tokens drawn at block boundaries (k * block), so a
+    window of conversation data begins with a whole conversation."""
+    from .conversations import block_starts
+
+    n_starts = block_starts(n_tokens, block, seq_len + 1)
+    if n_starts < 1:
+        raise UserError(f"the token file has {n_tokens} tokens, too few for one window of {seq_len}+1: "
+                        f"use more conversations or a shorter context")
+    return torch.randint(0, n_starts, (batch_size,), generator=batch_generator(seed, step)) * block  # (B,)
+
+
+def _rows(arr, starts: list[int], n: int) -> torch.Tensor:
+    """(len(starts), n) int64 rows arr[s:s+n]."""
+    if isinstance(arr, torch.Tensor):
+        return torch.stack([arr[s:s + n].long() for s in starts])
+    return torch.from_numpy(np.stack([np.asarray(arr[s:s + n], dtype=np.int64) for s in starts]))
+
+
 def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
-              rank: int = 0, world_size: int = 1, device: str | torch.device | None = None):
+              rank: int = 0, world_size: int = 1, device: str | torch.device | None = None,
+              mask=None, block: int | None = None):
     """(x, y): this rank's rows of the global batch drawn from (seed, step).
 
     tokens: a TokenFile, numpy array or 1-D tensor of ids. batch_size is the GLOBAL batch B
     (divisible by world_size); each rank gets B / world_size rows, rank r the rows
     r*B/W … (r+1)*B/W - 1, so concatenating the ranks' x in rank order gives world_size=1's x.
     x, y: int64 tensors (B/W, T); y is x shifted left by one token (the next-token targets).
+    mask (aligned with tokens, 0 = no loss) sets y to -1 there; block draws windows at multiples
+    of block (conversation data: docs/data.md#conversation-data).
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0 … world_size-1 (world_size {world_size})")
     if batch_size % world_size:
         raise UserError(f"global batch size {batch_size} is not divisible by {world_size} ranks: choose a multiple of {world_size}")
     arr = tokens.array if isinstance(tokens, TokenFile) else tokens
-    starts = batch_starts(len(arr), batch_size, seq_len, seed, step)  # (B,)
+    if block is None:
+        starts = batch_starts(len(arr), batch_size, seq_len, seed, step)  # (B,)
+    else:
+        starts = block_batch_starts(len(arr), block, batch_size, seq_len, seed, step)  # (B,)
     per = batch_size // world_size
     mine = starts[rank * per:(rank + 1) * per].tolist()  # (B/W,) only this rank's windows are read
-    if isinstance(arr, torch.Tensor):
-        rows = torch.stack([arr[s:s + seq_len + 1].long() for s in mine])  # (B/W, T+1)
-    else:
-        rows = torch.from_numpy(np.stack([np.asarray(arr[s:s + seq_len + 1], dtype=np.int64) for s in mine]))  # (B/W, T+1)
+    rows = _rows(arr, mine, seq_len + 1)  # (B/W, T+1)
     x, y = rows[:, :-1], rows[:, 1:]  # (B/W, T) each
+    if mask is not None:
+        keep = _rows(mask.array if isinstance(mask, TokenFile) else mask, mine, seq_len + 1)[:, 1:]  # (B/W, T)
+        y = y.masked_fill(keep == 0, -1)
     if device is not None:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     return x.contiguous(), y.contiguous()
@@ -192,13 +236,15 @@ def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) ->
 
 
 def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer=None,
-            context: int = 256, tokenizer_sample_mb: float = 256, show_progress: bool | None = None) -> dict:
+            context: int = 256, tokenizer_sample_mb: float = 256, show_progress: bool | None = None,
+            add_chat_tokens: bool = False) -> dict:
     """Write a prepared data folder at `out` (atomically) and return its meta.json.
 
     corpus: a glassformer.corpus.Corpus. tokenizer: a Tokenizer to reuse; if None, byte-level
     BPE is trained on the training split alone, to vocab_size (default 2048). context: the
     longest window a model will draw; both splits must hold context+1 tokens. tokenizer_sample_mb:
     train the tokenizer on about this many MB, taken evenly (docs/data.md#streaming-and-exactness).
+    add_chat_tokens: give the tokenizer the chat tokens and, lacking one, the default template.
     """
     import sys
 
@@ -211,10 +257,15 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
     trained, sampled = tokenizer is None, None
     if trained:
         tokenizer, sampled = _train_tokenizer(corpus, vocab_size, tokenizer_sample_mb, train_size, disable)
+    if add_chat_tokens:
+        chat_ready(tokenizer, True)
     stats, meta = DecodeStats(), {}  # invalid UTF-8 counted while encoding
 
     def write(tmp: Path) -> None:
-        tokenizer.save(tmp / "tokenizer.json")
+        if add_chat_tokens:
+            tokenizer.save_folder(tmp)  # with tokenizer_config.json and the template
+        else:
+            tokenizer.save(tmp / "tokenizer.json")
         counts = _encode_splits(tmp, corpus, tokenizer, context, stats, train_size + val_size, disable)
         meta.update(_prepared_meta(corpus, tokenizer, counts, context, trained, sampled, stats))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -303,4 +354,109 @@ def _prepared_meta(corpus, tokenizer, counts: dict, context: int, trained: bool,
         "context": context, "tokenizer": "trained" if trained else "given",
         "tokenizer_trained_on_bytes": sampled if trained else None,
         "invalid_utf8_bytes": stats.bytes_replaced, "invalid_utf8_files": stats.files,
+    }
+
+
+# -- prepare --chat: conversations -> tokenizer + token files + loss masks ------------------
+
+
+def prepare_chat(corpus, out: str | Path, *, tokenizer=None, vocab_size: int | None = None, context: int = 256,
+                 train_on: str = "assistant", add_chat_tokens: bool = True) -> dict:
+    """Write a prepared folder of conversations at `out` (atomically) and return its meta.json.
+
+    corpus: a conversations.ChatCorpus. tokenizer: one to reuse (its template, else the chat
+    tokens added and the default ChatML template); None trains byte-level BPE on the training
+    conversations' text. Files and keys: docs/data.md#conversation-data.
+    """
+    import sys
+
+    from ..files import atomic_folder
+    from .conversations import TRAIN_ON, encode_split, template_sha256
+
+    out = Path(out)
+    if train_on not in TRAIN_ON:
+        raise UserError(f"--train-on {train_on!r}: choose one of {', '.join(TRAIN_ON)}")
+    if out.exists() and not (out / "meta.json").is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not a prepared data folder: choose a new or empty folder")
+    if context < 1:
+        raise UserError(f"--context {context} must be at least 1")
+    trained = tokenizer is None
+    if trained:
+        tokenizer = _train_chat_tokenizer(corpus, vocab_size)
+    added = chat_ready(tokenizer, add_chat_tokens)
+    packed = {split: encode_split(tokenizer, convs, context, train_on)
+              for split, convs in (("train", corpus.train), ("val", corpus.val))}
+    _warn_chat(packed, train_on, context)
+    meta = _chat_meta(corpus, tokenizer, packed, context, trained, train_on, added, template_sha256(tokenizer.chat_template))
+
+    def write(tmp: Path) -> None:
+        tokenizer.save_folder(tmp)
+        np_dtype = np.dtype(DTYPES[meta["dtype"]]).newbyteorder("<")
+        for split, p in packed.items():
+            p.ids.astype(np_dtype).tofile(tmp / f"{split}.bin")
+            p.mask.tofile(tmp / f"{split}.mask.bin")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+    atomic_folder(out, write)
+    sys.stderr.flush()
+    return meta
+
+
+def chat_ready(tok, add_chat_tokens: bool) -> list[str]:
+    """Give a tokenizer without a template the chat tokens and the default ChatML template
+    (or, with add_chat_tokens, the chat tokens in any case); the tokens added."""
+    from .chat_template import CHATML_TEMPLATE
+
+    added = tok.add_chat_tokens() if add_chat_tokens or tok.chat_template is None else []
+    if tok.chat_template is None:
+        tok.chat_template = CHATML_TEMPLATE
+        tok.chat_templates = {"default": CHATML_TEMPLATE}
+    return added
+
+
+def _train_chat_tokenizer(corpus, vocab_size: int | None):
+    """Byte-level BPE trained on the training conversations' message text."""
+    from .tokenizer import Tokenizer, check_vocab_size
+
+    vocab_size = check_vocab_size(2048 if vocab_size is None else vocab_size)
+    return Tokenizer.train((m["content"] for c in corpus.train for m in c.messages), vocab_size)
+
+
+def _warn_chat(packed: dict, train_on: str, context: int) -> None:
+    """The counted warnings: conversations dropped as too long, conversations with nothing to train."""
+    import sys
+
+    for split, p in packed.items():
+        if p.dropped_long:
+            print(f"warning: {p.dropped_long} {split} conversation(s) longer than the context of {context} "
+                  f"tokens were dropped (a larger --context keeps them)", file=sys.stderr)
+        if p.no_assistant and train_on == "assistant":
+            print(f"warning: {p.no_assistant} {split} conversation(s) have no assistant turn: none of their tokens "
+                  f"are trained (--train-on all trains every token)", file=sys.stderr)
+    for split, p in packed.items():
+        if not p.mask.any():
+            raise UserError(f"the {split} split has no token to train on (every conversation was dropped or has no "
+                            f"assistant turn): give more conversations, a larger --context, or --train-on all")
+
+
+def _chat_meta(corpus, tokenizer, packed: dict, context: int, trained: bool, train_on: str,
+               added: list[str], sha: str | None) -> dict:
+    """meta.json of a conversation folder: the plain folder's keys (bytes counting the scored
+    tokens' text, what bits per byte divides by) plus "chat"."""
+    from .conversations import scored_bytes
+
+    counts = {s: (len(p.ids), scored_bytes(tokenizer, p.ids, p.mask)) for s, p in packed.items()}
+    return {
+        "dtype": dtype_for_vocab(tokenizer.vocab_size), "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+        "train_tokens": counts["train"][0], "val_tokens": counts["val"][0],
+        "train_bytes": counts["train"][1], "val_bytes": counts["val"][1],
+        "corpus": corpus.description, **corpus.meta,
+        "documents": {"train": len(corpus.train), "val": len(corpus.val)},
+        "context": context, "tokenizer": "trained" if trained else "given", "tokenizer_trained_on_bytes": None,
+        "invalid_utf8_bytes": 0, "invalid_utf8_files": 0,
+        "chat": {"train_on": train_on, "template_sha256": sha, "chat_tokens_added": added,
+                 "scored_tokens": {s: int(p.mask.sum()) for s, p in packed.items()},
+                 "conversations": {s: p.conversations for s, p in packed.items()},
+                 "dropped_too_long": {s: p.dropped_long for s, p in packed.items()},
+                 "no_assistant_turn": {s: p.no_assistant for s, p in packed.items()}},
     }
