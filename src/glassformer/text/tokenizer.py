@@ -1,6 +1,7 @@
 """Byte-level BPE on the `tokenizers` library: train, save and load `tokenizer.json`. Every
 string round-trips exactly, any tokenizer.json (GPT-2, Llama 3, SmolLM) encodes as `tokenizers`
 does, `<|endoftext|>` (`eot_id`) separates documents: docs/data.md#the-tokenizer-glassformertexttokenizer.
+Chat templates and the configs beside tokenizer.json (from_folder, save_folder): docs/chat.md#templates.
     >>> tok = Tokenizer.train(["to be or not to be"] * 50, vocab_size=300)
     >>> tok.decode(tok.encode("to be, or not?")) == "to be, or not?"
     True
