@@ -231,6 +231,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# The chat demo's model (`make chat-demo`, docs/chat.md#the-chat-demo): the small demo model with a
+# context that holds several turns of a conversation from text/dialogue.py.
+PRESETS["chat"] = {**PRESETS["small"], "max_seq_len": 256}
+
 # The reference shape that the benchmarks compare against Hugging Face on (15.7M weights).
 REFERENCE_SHAPE = dict(
     vocab_size=8192, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=2048,
