@@ -21,7 +21,6 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    import numpy as np
     import torch
 
     from ..checkpoint.loading import load
@@ -39,39 +38,76 @@ def run(args) -> int:
         pick_threads(torch.get_num_threads())
     model, tokenizer = load(args.checkpoint, device=device)
     model.float().eval()
-    data = Path(args.data)
+    data, chat = Path(args.data), {}  # chat: how a conversation folder is scored
     if data.is_dir():
-        from ..text.data import TokenFile, read_meta
-
-        meta = read_meta(data)
-        if meta["vocab_size"] != model.config.vocab_size:
-            raise UserError(f"{data} was tokenized with {meta['vocab_size']} token ids but the model has "
-                            f"{model.config.vocab_size}: use the data folder the model was trained on, or a text file")
-        ids = np.asarray(TokenFile(data / "val.bin", meta["dtype"]).array)
-        n_bytes = int(meta["val_bytes"])
+        ids, n_bytes, chat = folder_ids(data, model)
     elif data.is_file():
-        if args.tokenizer:
-            from ..text.tokenizer import Tokenizer
-
-            tokenizer = Tokenizer.from_file(args.tokenizer)
-        if tokenizer is None:
-            raise UserError(f"{args.checkpoint} has no tokenizer.json: pass --tokenizer PATH")
-        try:
-            text = data.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(f"{data} is not UTF-8 text ({e})") from None
-        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
-        n_bytes = len(text.encode("utf-8"))
-        if len(ids) and int(ids.max()) >= model.config.vocab_size:
-            raise UserError(f"the tokenizer makes ids up to {int(ids.max())} but the model has only "
-                            f"{model.config.vocab_size}: use the checkpoint's own tokenizer")
+        ids, n_bytes = text_ids(args, data, tokenizer, model)
     else:
         raise UserError(f"--data {data} does not exist: give a text file or a prepared data folder")
     if len(ids) < 2:
         raise UserError(f"{data} holds {len(ids)} token(s): at least 2 are needed to score anything")
     with keep_freed_memory(device.type == "cpu"), torch.no_grad():  # each batch reuses the last one's memory
-        nats, n = score(model, ids, model.config.max_seq_len, device, batch_size=args.batch_size)
+        nats, n = score(model, ids, model.config.max_seq_len, device, batch_size=args.batch_size,
+                        mask=chat.get("mask"), block=chat.get("block"))
     result = summary(nats, n, n_bytes)
-    print(f"{data}: {n:,} tokens scored in windows of {model.config.max_seq_len}, {n_bytes:,} bytes")
+    if chat:
+        result["scored"] = chat["scored"]
+    print(f"{data}: {n:,} tokens scored in windows of {model.config.max_seq_len}, {n_bytes:,} bytes"
+          + (f" ({chat['scored']} tokens of whole conversations)" if chat else ""))
     print(json.dumps(result))
     return 0
+
+
+def conversation_scoring(data, meta: dict, n_tokens: int, model_context: int) -> dict:
+    """For a conversation folder: its val mask, window block and what is scored ("assistant" or
+    "all"); {} for plain data."""
+    from ..errors import UserError
+    from ..text.data import chat_block, load_mask
+
+    block = chat_block(meta)
+    if block is None:
+        return {}
+    if model_context < block - 1:
+        raise UserError(f"{data} packs conversations into {block - 1} tokens but the model's context is "
+                        f"{model_context}: prepare it with --context {model_context}")
+    return {"mask": load_mask(data, "val", n_tokens).array, "block": block, "scored": meta["chat"]["train_on"]}
+
+
+def folder_ids(data, model):
+    """(val.bin's ids, its bytes, conversation scoring or {}) of a prepared folder."""
+    import numpy as np
+
+    from ..errors import UserError
+    from ..text.data import TokenFile, read_meta
+
+    meta = read_meta(data)
+    if meta["vocab_size"] != model.config.vocab_size:
+        raise UserError(f"{data} was tokenized with {meta['vocab_size']} token ids but the model has "
+                        f"{model.config.vocab_size}: use the data folder the model was trained on, or a text file")
+    ids = np.asarray(TokenFile(data / "val.bin", meta["dtype"]).array)
+    n_bytes = int(meta["val_bytes"])  # in a conversation folder, the scored tokens' bytes
+    return ids, n_bytes, conversation_scoring(data, meta, len(ids), model.config.max_seq_len)
+
+
+def text_ids(args, data, tokenizer, model):
+    """(ids, UTF-8 bytes) of a text file under the checkpoint's tokenizer (or --tokenizer)."""
+    import numpy as np
+
+    from ..errors import UserError
+
+    if args.tokenizer:
+        from ..text.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_file(args.tokenizer)
+    if tokenizer is None:
+        raise UserError(f"{args.checkpoint} has no tokenizer.json: pass --tokenizer PATH")
+    try:
+        text = data.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{data} is not UTF-8 text ({e})") from None
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    if len(ids) and int(ids.max()) >= model.config.vocab_size:
+        raise UserError(f"the tokenizer makes ids up to {int(ids.max())} but the model has only "
+                        f"{model.config.vocab_size}: use the checkpoint's own tokenizer")
+    return ids, len(text.encode("utf-8"))

@@ -68,9 +68,10 @@ def one_step(run: RunState) -> None:
     if cfg.dropout > 0:  # the dropout masks are a function of (seed, step, rank)
         torch.manual_seed(cfg.seed * 1_000_003 + run.step * d.world_size + d.rank)
     run.lr = lr_at(run.step, cfg.lr, cfg.min_lr, cfg.warmup_steps, run.total_steps or 10**9)
-    xs, ys = get_batch(run.train_tokens, cfg.batch_size, run.seq_len, cfg.seed, run.step, d.rank, d.world_size)  # (B/W, T)
+    xs, ys = get_batch(run.train_tokens, cfg.batch_size, run.seq_len, cfg.seed, run.step, d.rank, d.world_size,
+                       mask=run.train_mask, block=run.block)  # (B/W, T); ys -1 where the mask says no loss
     res = train_step(run.net, run.optimizer, xs, ys, accum=run.accum, lr=run.lr, grad_clip=cfg.grad_clip,
-                     autocast=run.autocast, d=d, device=run.device)
+                     autocast=run.autocast, d=d, device=run.device, masked=run.train_mask is not None)
     if not res.stepped:
         nonfinite(run, res)
     run.step += 1
@@ -172,11 +173,13 @@ def evaluate(run: RunState) -> dict:
     cfg, d, net = run.cfg, run.d, run.net
     net.eval()
     try:
+        chat = {"mask": run.eval_mask, "block": run.block}  # None, None for plain data
         if cfg.fsdp and d.enabled:  # every rank must run the same forwards under FSDP
-            nats, n = score(net, run.eval_ids, run.seq_len, run.device, batch_size=run.micro, autocast=run.autocast)
+            nats, n = score(net, run.eval_ids, run.seq_len, run.device, batch_size=run.micro, autocast=run.autocast,
+                            **chat)
         else:
             nats, n = score(run.model, run.eval_ids, run.seq_len, run.device, batch_size=run.micro, rank=d.rank,
-                            world_size=d.world_size, autocast=run.autocast)
+                            world_size=d.world_size, autocast=run.autocast, **chat)
             tot = all_sum(torch.tensor([nats, float(n)], dtype=torch.float64, device=run.device), d)
             nats, n = float(tot[0]), int(tot[1])
     finally:
@@ -214,6 +217,8 @@ def save_checkpoint(run: RunState, val: dict | None, reason: str) -> str | None:
             "world_size": run.d.world_size, "threads": run.n_threads, "torch": torch.__version__, "rng": js,
             "config": run.cfg.to_dict(), "time_budget_plan": run.plan,
         }
+        if run.grown:
+            state["vocab_growth"] = run.grown
         try:
             folder = save_training(out, step, run.model.config, model_sd, run.data / "tokenizer.json", optim_sd,
                                    state, tensors)

@@ -63,6 +63,11 @@ class RunState:
     losses: list[float] = field(default_factory=list)  # every step's training loss
     last_val: dict | None = None  # the last evaluation
     stop_reason: str | None = None  # the signal that stopped the run
+    # Conversation data (docs/data.md#conversation-data): the loss masks and the window block.
+    train_mask: TokenFile | None = None  # None: plain data, every target trained
+    eval_mask: np.ndarray | None = None  # aligned with eval_ids
+    block: int | None = None  # windows start at multiples of this (context + 1)
+    grown: dict | None = None  # --init-from's embedding growth, recorded in the run
 
     @property
     def tokens_per_step(self) -> int:

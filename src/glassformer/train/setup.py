@@ -69,24 +69,30 @@ def set_dropout(model: torch.nn.Module, p: float) -> None:
 
 
 def build_model(cfg: TrainConfig, meta: dict):
-    """A fresh model from the preset (+ --model overrides), or the weights of --init-from."""
+    """(model, vocabulary growth or None): a fresh model from the preset (+ --model overrides),
+    or the weights of --init-from, grown to the data's larger vocabulary (train/vocab.py)."""
     from ..model import Transformer
 
+    grown = None
     if cfg.init_from:
         from ..checkpoint.loading import load
 
         model, _ = load(cfg.init_from)
-        if model.config.vocab_size != meta["vocab_size"]:
+        if model.config.vocab_size > meta["vocab_size"]:
             raise UserError(
                 f"--init-from {cfg.init_from} has a vocabulary of {model.config.vocab_size} tokens but the data's "
                 f"tokenizer has {meta['vocab_size']}: prepare the data with that checkpoint's tokenizer"
             )
         model.float()
+        if model.config.vocab_size < meta["vocab_size"]:
+            from .vocab import grow_vocab
+
+            model, grown = grow_vocab(model, meta["vocab_size"])
     else:
         overrides = {"vocab_size": meta["vocab_size"], **cfg.model_overrides()}
         model = Transformer(ModelConfig.from_preset(cfg.preset, **overrides))
     set_dropout(model, cfg.dropout)
-    return model
+    return model, grown
 
 
 def say(d: Dist, msg: str) -> None:
@@ -108,20 +114,26 @@ def start_run(cfg: TrainConfig, d: Dist) -> RunState:
     open_run_folder(out, d)
     resume_from, saved = find_checkpoint(cfg, out, d)
     torch.manual_seed(cfg.seed)
-    model = resumed_model(cfg, resume_from, saved[0]) if saved else build_model(cfg, meta)
+    model, grown = (resumed_model(cfg, resume_from, saved[0]), None) if saved else build_model(cfg, meta)
+    if grown:
+        say(d, f"vocabulary grown from {grown['from']} to {grown['to']} ids for the data's tokenizer: "
+               f"new rows of {', '.join(grown['matrices'])} are the mean of the old rows")
     seq_len, micro, accum = batch_shape(cfg, model.config, d)
     train_tokens, val_tokens = (TokenFile(data / f"{split}.bin", meta["dtype"]) for split in ("train", "val"))
     if len(train_tokens) <= seq_len + 1:
         raise UserError(f"{data}/train.bin has {len(train_tokens)} tokens, fewer than one sequence of {seq_len + 1}")
     net, optimizer = place_model(cfg, model, d, device)
-    eval_ids = np.asarray(val_tokens[: (cfg.eval_tokens + 1) if cfg.eval_tokens else len(val_tokens)])
+    n_eval = (cfg.eval_tokens + 1) if cfg.eval_tokens else len(val_tokens)
+    eval_ids = np.asarray(val_tokens[:n_eval])
     run = RunState(cfg=cfg, d=d, device=device, data=data, out=out, model=model, net=net, optimizer=optimizer,
                    train_tokens=train_tokens, eval_ids=eval_ids,
                    eval_bytes=int(round(meta.get("val_bytes", 0) * min(1.0, len(eval_ids) / max(1, len(val_tokens))))),
                    seq_len=seq_len, micro=micro, accum=accum, autocast=contextlib.nullcontext, n_threads=0,
-                   total_steps=None if cfg.time_budget else cfg.max_steps, t_start=t_start)
+                   total_steps=None if cfg.time_budget else cfg.max_steps, t_start=t_start, grown=grown)
+    attach_masks(run, meta, len(train_tokens), len(val_tokens), n_eval)
     if saved:
         restore_training(run, *saved[1:])
+        run.grown = saved[2].get("vocab_growth")
     if cfg.time_budget and cfg.calibrate_steps > cfg.warmup_steps and run.total_steps is None:
         raise UserError("--calibrate-steps must not exceed --warmup-steps with --time-budget, so the "
                         "calibration steps' learning rate does not depend on the step count it fixes")
@@ -132,6 +144,22 @@ def start_run(cfg: TrainConfig, d: Dist) -> RunState:
     run.start_step = run.step
     run.t_log = time.perf_counter()
     return run
+
+
+def attach_masks(run: RunState, meta: dict, n_train: int, n_val: int, n_eval: int) -> None:
+    """A conversation folder's loss masks and window block (docs/data.md#conversation-data);
+    nothing for plain data, which trains as it always has."""
+    from ..text.data import chat_block, load_mask
+
+    run.block = chat_block(meta)
+    run.train_mask = load_mask(run.data, "train", n_train)
+    val_mask = load_mask(run.data, "val", n_val)
+    if run.block is None:
+        return
+    if run.seq_len < run.block - 1:
+        raise UserError(f"--seq-len {run.seq_len} is shorter than the conversations' context of {run.block - 1} "
+                        f"in {run.data}: prepare with --context {run.seq_len} or train with a longer context")
+    run.eval_mask = np.asarray(val_mask[:n_eval])
 
 
 def open_run_folder(out: Path, d: Dist) -> None:

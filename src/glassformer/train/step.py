@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .distributed import Dist, all_mean, micro_batch_sync, unwrap
+from .distributed import Dist, all_mean, all_sum, micro_batch_sync, unwrap
 from .optim import set_lr
 
 
@@ -29,23 +29,41 @@ def forward_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def masked_nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the cross-entropy over the targets that are not -1 (B, T, V logits, B, T targets):
+    a masked position's logits get exactly zero gradient."""
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                             ignore_index=-1, reduction="sum")
+
+
+def forward_loss_sum(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over one micro-batch's unmasked targets (y -1: masked)."""
+    logits, _ = model(x)
+    return masked_nll_sum(logits, y)
+
+
 def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
                accum: int = 1, lr: float | None = None, grad_clip: float = 0.0,
                autocast=contextlib.nullcontext, d: Dist | None = None,
-               device: torch.device | None = None) -> StepResult:
+               device: torch.device | None = None, masked: bool = False) -> StepResult:
     """One optimizer step on this process's rows x, y (B, T): `accum` micro-batches of B/accum rows,
     their mean loss backpropagated (gradients reduced across ranks on the last one only), the global
     gradient norm, clipping to grad_clip (0: none), then the optimizer step at learning rate lr
     (None: as the optimizer has it). A non-finite loss or norm drops the gradients and skips the step.
 
     net is the model or its DDP/FSDP wrapper; d the process group (None: one process).
+    masked: targets -1 take no loss, and the loss is the sum over the global batch's other
+    targets divided by their count, whatever the split into micro-batches and ranks.
     """
     assert x.shape == y.shape and x.shape[0] % accum == 0, (x.shape, y.shape, accum)
     if lr is not None:
         set_lr(optimizer, lr)
     device = device or next(net.parameters()).device
-    loss_mean = _accumulate_gradients(net, x, y, accum, autocast, d, device)
-    loss = float(all_mean(loss_mean, d)) if d is not None else float(loss_mean)
+    if masked:
+        loss = _accumulate_masked(net, x, y, accum, autocast, d, device)
+    else:
+        loss_mean = _accumulate_gradients(net, x, y, accum, autocast, d, device)
+        loss = float(all_mean(loss_mean, d)) if d is not None else float(loss_mean)
     params = [p for p in unwrap(net).parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP2: the norm is a DTensor
@@ -72,3 +90,27 @@ def _accumulate_gradients(net, x, y, accum, autocast, d, device) -> torch.Tensor
             (loss / accum).backward()
         loss_sum += loss.detach().float()
     return loss_sum / accum
+
+
+def _accumulate_masked(net, x, y, accum, autocast, d, device) -> float:
+    """Backward of each micro-batch's summed loss / the global batch's count of unmasked targets
+    (times the world size: DDP and FSDP average gradients over ranks), so the summed gradient is
+    that of the global masked mean; returns that mean."""
+    micro = x.shape[0] // accum
+    world = d.world_size if d is not None and d.enabled else 1
+    count = (y >= 0).sum().to(device=device, dtype=torch.float64)
+    if d is not None:
+        count = all_sum(count, d)
+    scale = world / max(1.0, float(count))  # a batch with nothing to train: zero loss and gradient
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    for m in range(accum):
+        xm = x[m * micro:(m + 1) * micro].to(device, non_blocking=True)  # (micro, T)
+        ym = y[m * micro:(m + 1) * micro].to(device, non_blocking=True)  # (micro, T)
+        with micro_batch_sync(net, d, last=m == accum - 1):
+            with autocast():
+                loss = forward_loss_sum(net, xm, ym)
+            (loss * scale).backward()
+        loss_sum += loss.detach().double()
+    if d is not None:
+        loss_sum = all_sum(loss_sum, d)
+    return float(loss_sum) / max(1.0, float(count))
