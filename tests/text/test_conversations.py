@@ -202,3 +202,29 @@ def test_prepare_chat_train_on_all_and_given_tokenizer(tmp_path, chat_folder):
     ids = TokenFile(tmp_path / "all" / "train.bin", meta["dtype"]).array
     assert bool((mask[ids != meta["eot_id"]] == 1).all())  # every conversation token trained
     assert Tokenizer.from_folder(tmp_path / "all").chat_template == CHATML_TEMPLATE
+
+
+def test_a_folder_holds_out_whole_files(tmp_path):
+    folder = tmp_path / "chats"
+    (folder / "sub").mkdir(parents=True)
+    for i in range(5):
+        write_jsonl((folder / "sub" if i % 2 else folder) / f"part{i}.jsonl", 10, seed=i)
+    (folder / "notes.txt").write_text("not a conversation file")
+    corpus = C.chat_corpus(folder, 0.2)
+    assert len(corpus.train) + len(corpus.val) == 50
+    held = {c.where.rsplit(":", 1)[0] for c in corpus.val}
+    assert held == set(corpus.meta["val_files"]) and len(held) == 1 and len(corpus.val) == 10  # one whole file: 20%
+    assert not held & {c.where.rsplit(":", 1)[0] for c in corpus.train}
+    assert C.chat_corpus(folder, 0.2).meta == corpus.meta  # the same split every time
+
+
+def test_add_chat_tokens_on_a_plain_corpus(tmp_path):
+    from ..support import synthetic_text
+
+    (tmp_path / "c.txt").write_text(synthetic_text(400, 1))
+    assert main(["prepare", "--corpus", str(tmp_path / "c.txt"), "--out", str(tmp_path / "o"), "--vocab-size", "300",
+                 "--context", "32", "--add-chat-tokens"]) == 0
+    tok = Tokenizer.from_folder(tmp_path / "o")
+    assert tok.vocab_size == 302 == read_meta(tmp_path / "o")["vocab_size"]
+    assert tok.chat_template == CHATML_TEMPLATE and (tmp_path / "o" / "chat_template.jinja").is_file()
+    assert not (tmp_path / "o" / "train.mask.bin").exists()  # plain text: every token trained
