@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # Where no NVIDIA GPU is present, take PyTorch's CPU wheels instead of a multi-GB CUDA build.
 TORCH_INDEX ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || echo https://download.pytorch.org/whl/cpu)
 
-.PHONY: demo test venv clean bench
+.PHONY: demo chat-demo test venv clean bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,22 @@ venv: $(VENV)/.installed
 
 demo: venv
 	$(PY) -m glassformer demo
+
+# The chat demo (docs/chat.md#the-chat-demo): the chat preset trained on Shakespeare, then fine-tuned
+# on conversations from the plays' dialogue with the assistant-only loss, then two lines of chat.
+CHAT_OUT    ?= demo-out/chat
+CHAT_BUDGET ?= 120
+chat-demo: venv
+	test -f demo-out/data/meta.json || $(PY) -m glassformer prepare --out demo-out/data
+	rm -rf $(CHAT_OUT)/base $(CHAT_OUT)/run
+	$(PY) -m glassformer train --data demo-out/data --out $(CHAT_OUT)/base --preset chat --time-budget $(CHAT_BUDGET)
+	$(PY) -m glassformer.text.dialogue $(CHAT_OUT)/plays.jsonl
+	$(PY) -m glassformer prepare --chat $(CHAT_OUT)/plays.jsonl --tokenizer $(CHAT_OUT)/base --out $(CHAT_OUT)/data
+	$(PY) -m glassformer train --data $(CHAT_OUT)/data --init-from $(CHAT_OUT)/base --out $(CHAT_OUT)/run \
+	  --time-budget $(CHAT_BUDGET)
+	printf 'Good morrow, my lord.\nWhat news from the court?\n' | \
+	  $(PY) -m glassformer chat --checkpoint $(CHAT_OUT)/run --temperature 0.8 --top-k 40 --seed 0
+	@echo "talk to it: $(PY) -m glassformer chat --checkpoint $(CHAT_OUT)/run --temperature 0.8 --top-k 40"
 
 test: venv
 	sh scripts/ensure_browser.sh
