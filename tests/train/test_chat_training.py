@@ -179,3 +179,36 @@ def test_fine_tune_lowers_held_out_assistant_loss(tmp_path, capsys):
     assert result["scored"] == "assistant" and result["tokens"] == meta["chat"]["scored_tokens"]["val"]
     assert result["loss"] == pytest.approx(after, rel=1e-4)
     assert set(result) == {"loss", "ppl", "bpb", "tokens", "bytes", "scored"} and result["bytes"] == meta["val_bytes"]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_two_processes_train_conversations_as_one(tmp_path):
+    """Under torchrun (2 CPU processes, DDP) the masked loss divides by the global batch's count of
+    assistant targets, so both ranks together take the one process's steps."""
+    import os
+    import subprocess
+    import sys
+
+    from glassformer.train.metrics import read_metrics
+
+    from ..support import REPO
+
+    chat = tmp_path / "c.jsonl"
+    chat.write_text("".join(json.dumps(c) + "\n" for c in conversations(120, 2)))
+    data = tmp_path / "chat"
+    assert main(["prepare", "--chat", str(chat), "--out", str(data), "--vocab-size", "300", "--context", "96"]) == 0
+    args = ["train", "--data", str(data), "--preset", "tiny", "--max-steps", "6", "--batch-size", "4", "--seq-len", "96",
+            "--eval-every", "3", "--log-every", "1", "--no-progress", "--threads", "1", "--micro-batch", "1"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "glassformer", *args, "--out", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def losses(run, key):
+        return [r[key] for r in read_metrics(run / "metrics.jsonl") if key in r]
+
+    assert len(losses(tmp_path / "one", "loss")) == 6
+    assert losses(tmp_path / "two", "loss") == pytest.approx(losses(tmp_path / "one", "loss"), abs=1e-5, rel=0)
+    assert losses(tmp_path / "two", "val_loss") == pytest.approx(losses(tmp_path / "one", "val_loss"), abs=1e-5, rel=0)
