@@ -116,21 +116,16 @@ def encode_conversation(tok, conv: Conversation, train_on: str) -> tuple[list[in
 
 def scored_bytes(tok, ids: np.ndarray, mask: np.ndarray) -> int:
     """UTF-8 bytes of the text the scored tokens stand for (special tokens, like end-of-text, stand for none)."""
-    sizes = {}
-    total = 0
-    for i in ids[mask.astype(bool)].tolist():
-        if i not in sizes:
-            sizes[i] = 0 if i in tok.special_ids else len(tok.id_to_bytes(i))
-        total += sizes[i]
-    return total
+    uniq, counts = np.unique(ids[mask.astype(bool)], return_counts=True)
+    sizes = [0 if i in tok.special_ids else len(tok.id_to_bytes(i)) for i in uniq.tolist()]
+    return int(np.dot(np.asarray(sizes, dtype=np.int64), counts))
 
 
 @dataclass
 class Packed:
     ids: np.ndarray  # (n_blocks * (context+1),) token ids
     mask: np.ndarray  # same shape, uint8: 1 where the token is a scored target
-    text_bytes: int  # UTF-8 bytes of every conversation's tokens (special tokens none)
-    conversations: int
+    conversations: int  # kept (not too long)
     dropped_long: int = 0  # longer than the context
     no_assistant: int = 0  # no assistant token under an assistant-only mask (kept, none of it trained)
 
@@ -166,10 +161,8 @@ def encode_split(tok, convs: list[Conversation], context: int, train_on: str) ->
     encoded = [encode_conversation(tok, c, train_on) for c in convs]
     no_assistant = sum(1 for _, m in encoded if not any(m)) if train_on == "assistant" else 0
     ids, mask, dropped = pack(encoded, context, tok.eot_id)
-    ids_np, mask_np = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
-    kept = [e for e in encoded if len(e[0]) + 1 <= context + 1]
-    text_bytes = sum(scored_bytes(tok, np.asarray(i, dtype=np.int64), np.ones(len(i), np.uint8)) for i, _ in kept)
-    return Packed(ids_np, mask_np, text_bytes, len(kept), dropped, no_assistant)
+    return Packed(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8), len(encoded) - dropped,
+                  dropped, no_assistant)
 
 
 def template_sha256(template: str | None) -> str | None:

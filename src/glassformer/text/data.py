@@ -368,8 +368,6 @@ def prepare_chat(corpus, out: str | Path, *, tokenizer=None, vocab_size: int | N
     tokens added and the default ChatML template); None trains byte-level BPE on the training
     conversations' text. Files and keys: docs/data.md#conversation-data.
     """
-    import sys
-
     from ..files import atomic_folder
     from .conversations import TRAIN_ON, encode_split, template_sha256
 
@@ -386,7 +384,7 @@ def prepare_chat(corpus, out: str | Path, *, tokenizer=None, vocab_size: int | N
     added = chat_ready(tokenizer, add_chat_tokens)
     packed = {split: encode_split(tokenizer, convs, context, train_on)
               for split, convs in (("train", corpus.train), ("val", corpus.val))}
-    _warn_chat(packed, train_on, context)
+    _report_packing(packed, train_on, context)
     meta = _chat_meta(corpus, tokenizer, packed, context, trained, train_on, added, template_sha256(tokenizer.chat_template))
 
     def write(tmp: Path) -> None:
@@ -398,7 +396,6 @@ def prepare_chat(corpus, out: str | Path, *, tokenizer=None, vocab_size: int | N
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
     atomic_folder(out, write)
-    sys.stderr.flush()
     return meta
 
 
@@ -422,8 +419,9 @@ def _train_chat_tokenizer(corpus, vocab_size: int | None):
     return Tokenizer.train((m["content"] for c in corpus.train for m in c.messages), vocab_size)
 
 
-def _warn_chat(packed: dict, train_on: str, context: int) -> None:
-    """The counted warnings: conversations dropped as too long, conversations with nothing to train."""
+def _report_packing(packed: dict, train_on: str, context: int) -> None:
+    """The counted warnings (conversations dropped as too long, conversations with nothing to
+    train), and an error when a split is left with nothing to train at all."""
     import sys
 
     for split, p in packed.items():

@@ -160,6 +160,8 @@ def attach_masks(run: RunState, meta: dict, n_train: int, n_val: int, n_eval: in
         raise UserError(f"--seq-len {run.seq_len} is shorter than the conversations' context of {run.block - 1} "
                         f"in {run.data}: prepare with --context {run.seq_len} or train with a longer context")
     run.eval_mask = np.asarray(val_mask[:n_eval])
+    # val_bytes counts the scored tokens' bytes: the evaluated share of them, as plain data's share of tokens.
+    run.eval_bytes = int(round(meta["val_bytes"] * int(run.eval_mask.sum()) / max(1, int(np.asarray(val_mask).sum()))))
 
 
 def open_run_folder(out: Path, d: Dist) -> None:
