@@ -221,3 +221,26 @@ def test_a_template_file_serves_a_checkpoint_without_one(monkeypatch, capsys, se
     assert code == 0
     assert got.out == glassformer.chat(model, tok, [{"role": "user", "content": "Now is"}], max_new_tokens=12,
                                        greedy=True) + "\n\n"
+
+
+def test_ctrl_c_ends_the_reply_being_written_not_the_chat(setup, script, capsys):
+    from glassformer.commands.chat import _reply
+
+    model, tok = setup
+    convo = ChatSession(model, tok, greedy=True, max_new_tokens=20)
+
+    class Interrupted(io.StringIO):
+        def write(self, s):
+            super().write(s)
+            if s.strip() and len(self.getvalue()) >= 4:
+                raise KeyboardInterrupt  # as Ctrl-C would, mid-reply
+
+    script.say(tok.encode("Good morrow, my lord.") + [_im_end(tok)])
+    out = Interrupted()
+    _reply(convo, "Now is", out)
+    partial = convo.messages[-1]
+    assert partial["role"] == "assistant" and out.getvalue() == partial["content"] + "\n"
+    assert 4 <= len(partial["content"]) < len("Good morrow, my lord.")
+    assert "Good morrow, my lord.".startswith(partial["content"]) and "[interrupted]" in capsys.readouterr().err
+    script.say(tok.encode("Fare thee well.") + [_im_end(tok)])
+    assert "".join(convo.say("What news?")) == "Fare thee well."  # the chat goes on
