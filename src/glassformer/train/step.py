@@ -95,14 +95,16 @@ def _accumulate_gradients(net, x, y, accum, autocast, d, device) -> torch.Tensor
 def _accumulate_masked(net, x, y, accum, autocast, d, device) -> float:
     """Backward of each micro-batch's summed loss / the global batch's count of unmasked targets
     (times the world size: DDP and FSDP average gradients over ranks), so the summed gradient is
-    that of the global masked mean; returns that mean."""
+    that of the global masked mean; returns that mean. The count stays a tensor (no device sync
+    before the forwards); a batch with nothing to train has zero loss and gradient."""
     micro = x.shape[0] // accum
     world = d.world_size if d is not None and d.enabled else 1
-    count = (y >= 0).sum().to(device=device, dtype=torch.float64)
+    count = (y >= 0).sum().to(device)
     if d is not None:
         count = all_sum(count, d)
-    scale = world / max(1.0, float(count))  # a batch with nothing to train: zero loss and gradient
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    count = count.clamp(min=1).float()
+    scale = world / count
+    loss_sum = torch.zeros((), device=device)
     for m in range(accum):
         xm = x[m * micro:(m + 1) * micro].to(device, non_blocking=True)  # (micro, T)
         ym = y[m * micro:(m + 1) * micro].to(device, non_blocking=True)  # (micro, T)
@@ -110,7 +112,7 @@ def _accumulate_masked(net, x, y, accum, autocast, d, device) -> float:
             with autocast():
                 loss = forward_loss_sum(net, xm, ym)
             (loss * scale).backward()
-        loss_sum += loss.detach().double()
+        loss_sum += loss.detach().float()
     if d is not None:
         loss_sum = all_sum(loss_sum, d)
-    return float(loss_sum) / max(1.0, float(count))
+    return float(loss_sum / count)
