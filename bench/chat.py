@@ -1,9 +1,14 @@
-"""Time to first token of a chat reply, turn 1 against turn 5 of one conversation (ChatSession,
-ChatML), on the reference shape: with the session's prefix reuse (each turn prefills only what
-is new) and, for contrast, with the cache dropped before every turn (the whole conversation
-prefilled again). The first token is timed at the head's first call of the turn (its logits ready).
+"""Chat: time to first token of a reply by turn, and fine-tuning's tokens/s against plain training.
 
-    python bench/chat.py [--rounds 5] [--threads 2] [--new-tokens 48] [--quick]
+Time to first token: turn 1 against turn 5 of one conversation (ChatSession, ChatML) on the
+reference shape, with the session's prefix reuse (each turn prefills only what is new) and, for
+contrast, with the cache dropped before every turn (the whole conversation prefilled again); timed
+at the head's first call of the turn (its logits ready). Training: train_step on the chat preset's
+shape (the demo's fine-tune), batch 8 x 256, masked (3 of 4 targets -1, about the demo data's share)
+against plain, rounds alternating, the best round of each, freed memory kept as `train` runs.
+
+    flock /tmp/glassformer-bench.lock python bench/chat.py [--part ttft|training|both] [--rounds 5]
+        [--threads 2] [--new-tokens 48] [--quick]
 """
 
 from __future__ import annotations
@@ -66,34 +71,75 @@ def one_conversation(model, tok, new_tokens: int, reuse: bool) -> tuple[list[flo
     return ttft, prefilled
 
 
+def training(rounds: int, steps: int = 3) -> dict:
+    """Tokens/s of masked and plain train_step on the same shape, batch and weights."""
+    from glassformer.train.cpu_memory import keep_freed_memory
+    from glassformer.train.optim import make_optimizer
+    from glassformer.train.step import train_step
+
+    B, T, V = 8, 256, 2050
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("chat", vocab_size=V, max_seq_len=T)).train()
+    opt = make_optimizer(model, 1e-4, 0.1, (0.9, 0.95), torch.device("cpu"))
+    x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    y_masked = torch.where(torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 0.75, -1, y)
+    runs = {"plain": lambda: train_step(model, opt, x, y, grad_clip=1.0),
+            "masked": lambda: train_step(model, opt, x, y_masked, grad_clip=1.0, masked=True)}
+    best = {k: float("inf") for k in runs}
+    with keep_freed_memory(True):
+        for fn in runs.values():
+            fn()  # warm-up
+        for r in range(rounds):
+            for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    runs[name]()
+                    best[name] = min(best[name], time.perf_counter() - t)
+    tps = {k: round(B * T / v) for k, v in best.items()}
+    res = {"shape": "chat preset", "batch": [B, T], "vocab_size": V, "masked_share": 0.75,
+           "tokens_per_s": tps, "masked_over_plain": round(tps["masked"] / tps["plain"], 4)}
+    print(f"training : tokens/s plain {tps['plain']:,}, masked {tps['masked']:,} "
+          f"(masked / plain = {res['masked_over_plain']:.3f})")
+    return res
+
+
+def ttft(rounds: int, new_tokens: int) -> dict:
+    tok = tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**REFERENCE_SHAPE, "vocab_size": tok.vocab_size})).eval()
+    one_conversation(model, tok, 4, True)  # warm-up: allocator, held row copies
+    res = {"shape": {**REFERENCE_SHAPE, "vocab_size": tok.vocab_size}, "new_tokens": new_tokens}
+    for name, reuse in (("reuse", True), ("reprefill", False)):
+        runs = []
+        for _ in range(rounds):
+            times, prefilled = one_conversation(model, tok, new_tokens, reuse)
+            runs.append(times)
+        med = [statistics.median(r[i] for r in runs) for i in range(len(TURNS))]
+        res[name] = {"ttft_ms": [round(1e3 * t, 2) for t in med], "prefilled": prefilled,
+                     "turn5_over_turn1": round(med[-1] / med[0], 3)}
+        print(f"{name:9s}: time to first token by turn (ms) {res[name]['ttft_ms']}; tokens prefilled {prefilled}; "
+              f"turn 5 / turn 1 = {res[name]['turn5_over_turn1']:.2f}x")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--part", choices=["ttft", "training", "both"], default="both")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 16 new tokens (a smoke run)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.new_tokens = 2, 16
     if args.threads:
         torch.set_num_threads(args.threads)
-    tok = tokenizer()
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(**{**REFERENCE_SHAPE, "vocab_size": tok.vocab_size})).eval()
-    one_conversation(model, tok, 4, True)  # warm-up: allocator, held row copies
     res = {"threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-           "shape": {**REFERENCE_SHAPE, "vocab_size": tok.vocab_size}, "new_tokens": args.new_tokens,
            "rounds": args.rounds}
-    for name, reuse in (("reuse", True), ("reprefill", False)):
-        runs = []
-        for _ in range(args.rounds):
-            ttft, prefilled = one_conversation(model, tok, args.new_tokens, reuse)
-            runs.append(ttft)
-        med = [statistics.median(r[i] for r in runs) for i in range(len(TURNS))]
-        res[name] = {"ttft_ms": [round(1e3 * t, 2) for t in med], "prefilled": prefilled,
-                     "turn5_over_turn1": round(med[-1] / med[0], 3)}
-        print(f"{name:9s}: time to first token by turn (ms) {res[name]['ttft_ms']}; tokens prefilled {prefilled}; "
-              f"turn 5 / turn 1 = {res[name]['turn5_over_turn1']:.2f}x")
+    if args.part in ("ttft", "both"):
+        res["ttft"] = ttft(args.rounds, args.new_tokens)
+    if args.part in ("training", "both"):
+        res["training"] = training(args.rounds, steps=1 if args.quick else 3)
     write_json(RESULTS / "chat.json", res, indent=2)
 
 

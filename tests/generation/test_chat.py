@@ -244,3 +244,16 @@ def test_ctrl_c_ends_the_reply_being_written_not_the_chat(setup, script, capsys)
     assert "Good morrow, my lord.".startswith(partial["content"]) and "[interrupted]" in capsys.readouterr().err
     script.say(tok.encode("Fare thee well.") + [_im_end(tok)])
     assert "".join(convo.say("What news?")) == "Fare thee well."  # the chat goes on
+
+
+def test_template_name_picks_a_named_template_and_an_unknown_name_lists_them(monkeypatch, capsys, setup):
+    model, tok = setup
+    named = chat_tokenizer()
+    named.chat_template = "{{ raise_exception('the default template is not for chat') }}"
+    named.chat_templates = {"default": named.chat_template, "chatml": CHATML}
+    code, got = _cli(monkeypatch, capsys, (model, named), "Now is\n", "--template-name", "chatml")
+    assert code == 0
+    assert got.out == glassformer.chat(model, tok, [{"role": "user", "content": "Now is"}], max_new_tokens=12,
+                                       greedy=True) + "\n\n"
+    code, got = _cli(monkeypatch, capsys, (model, named), "Now is\n", "--template-name", "tools")
+    assert code == 2 and got.out == "" and "it has: chatml, default" in got.err
