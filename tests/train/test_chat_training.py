@@ -163,7 +163,7 @@ def test_fine_tune_lowers_held_out_assistant_loss(tmp_path, capsys):
     capsys.readouterr()
     run = tmp_path / "sft"
     assert main(["train", "--data", str(data), "--out", str(run), "--init-from", str(base), "--max-steps", "40",
-                 "--lr", "3e-3", "--warmup-steps", "5", *common]) == 0
+                 "--lr", "3e-3", "--warmup-steps", "5", "--eval-every", "20", *common]) == 0
     assert "vocabulary grown from" in capsys.readouterr().err
     tuned, tok = load(run)
     after = held_out_loss(tuned, data)
@@ -179,6 +179,18 @@ def test_fine_tune_lowers_held_out_assistant_loss(tmp_path, capsys):
     assert result["scored"] == "assistant" and result["tokens"] == meta["chat"]["scored_tokens"]["val"]
     assert result["loss"] == pytest.approx(after, rel=1e-4)
     assert set(result) == {"loss", "ppl", "bpb", "tokens", "bytes", "scored"} and result["bytes"] == meta["val_bytes"]
+    # a run resumed from step 20 keeps the record (its model already has the grown vocabulary)
+    import shutil
+
+    from glassformer.checkpoint.folders import write_pointer
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "step-000040")
+    write_pointer(resumed, "latest", "step-000020")
+    assert main(["train", "--data", str(data), "--out", str(resumed), "--resume", "--no-progress"]) == 0
+    state = json.loads((resumed / "step-000040" / "train_state.json").read_text())
+    assert state["step"] == 40 and state["vocab_growth"]["to"] == meta["vocab_size"]
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
