@@ -2,8 +2,8 @@
 eos lists, `glassformer chat`'s piped mode, /reset and /system, the drop policy, the no-template error."""
 
 import io
+import json
 import sys
-import types
 
 import pytest
 import torch
@@ -25,21 +25,8 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _chatml(messages, add_generation_prompt):
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-
-
-def _stub_apply(self, messages, *, add_generation_prompt=False, tokenize=True, template=None, **_):
-    """Until Tokenizer.apply_chat_template lands (text/chat_template.py): ChatML, as CHATML renders it."""
-    text = _chatml(messages, add_generation_prompt)
-    return self.encode(text) if tokenize else text
-
-
 def chat_tokenizer() -> Tokenizer:
     tok = Tokenizer.train([TEXT], vocab_size=300, special_tokens=(EOT, *CHAT_TOKENS))
-    if not hasattr(Tokenizer, "apply_chat_template"):
-        tok.apply_chat_template = types.MethodType(_stub_apply, tok)
     tok.chat_template = CHATML
     tok.eos_ids = [tok.tk.token_to_id("<|im_end|>")]
     return tok
@@ -128,18 +115,18 @@ def test_greedy_chat_equals_greedy_generate_up_to_the_first_eos(setup):
 
 
 @pytest.mark.parametrize("which", [0, 1])
-def test_any_id_of_an_eos_list_ends_the_reply(setup, script, which):
+def test_any_id_of_generation_configs_eos_list_ends_the_reply(setup, script, which, tmp_path):
     model, tok = setup
+    tok.save_folder(tmp_path)
     eos = [_im_end(tok), tok.eot_id]
-    saved = tok.eos_ids
-    tok.eos_ids = eos
-    try:
-        script.say(tok.encode("Good morrow") + [eos[which]] + tok.encode(" my lord"))
-        convo = ChatSession(model, tok, greedy=True, max_new_tokens=20)
-        assert "".join(convo.say("Now is")) == "Good morrow"
-        assert convo.session.texts[0][-1] == eos[which]
-    finally:
-        tok.eos_ids = saved
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    folder_tok = Tokenizer.from_folder(tmp_path)
+    folder_tok.chat_template = CHATML
+    assert folder_tok.eos_ids == eos
+    script.say(tok.encode("Good morrow") + [eos[which]] + tok.encode(" my lord"))
+    convo = ChatSession(model, folder_tok, greedy=True, max_new_tokens=20)
+    assert "".join(convo.say("Now is")) == "Good morrow"
+    assert convo.session.texts[0][-1] == eos[which]
 
 
 def _cli(monkeypatch, capsys, setup, stdin: str, *flags):
@@ -213,8 +200,6 @@ def test_chat_without_a_template_names_the_template_flag(monkeypatch, capsys, se
 def test_a_template_file_serves_a_checkpoint_without_one(monkeypatch, capsys, setup, tmp_path):
     model, tok = setup
     bare = Tokenizer.train([TEXT], vocab_size=300, special_tokens=(EOT, *CHAT_TOKENS))
-    if not hasattr(Tokenizer, "apply_chat_template"):
-        bare.apply_chat_template = types.MethodType(_stub_apply, bare)
     bare.eos_ids = tok.eos_ids
     (tmp_path / "t.jinja").write_text(CHATML)
     code, got = _cli(monkeypatch, capsys, (model, bare), "Now is\n", "--template", str(tmp_path / "t.jinja"))
