@@ -1,10 +1,7 @@
-"""Conversation data: JSONL reading, encoding with assistant masks, and windows that pack whole
-conversations (docs/data.md#conversation-data, docs/chat.md#fine-tuning-on-conversations).
-
-A conversation is encoded by the tokenizer's chat template (`Tokenizer.apply_chat_template`);
-its mask is 1 on the tokens a loss is taken on. Packed into blocks of context+1 tokens, each
-conversation followed by the end-of-text token, so a window drawn at a block's start holds whole
-conversations only.
+"""Conversation data: JSONL reading, encoding with assistant masks (`Tokenizer.apply_chat_template`;
+1 where a loss is taken), and packing into blocks of context+1 tokens, each conversation followed
+by the end-of-text token, so a window drawn at a block's start holds whole conversations only
+(docs/data.md#conversation-data, docs/chat.md#fine-tuning-on-conversations).
 """
 
 from __future__ import annotations

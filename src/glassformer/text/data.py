@@ -134,9 +134,7 @@ def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
     tokens: a TokenFile, numpy array or 1-D tensor of ids. batch_size is the GLOBAL batch B
     (divisible by world_size); each rank gets B / world_size rows, rank r the rows
     r*B/W … (r+1)*B/W - 1, so concatenating the ranks' x in rank order gives world_size=1's x.
-    x, y: int64 tensors (B/W, T); y is x shifted left by one token (the next-token targets).
-    mask (aligned with tokens, 0 = no loss) sets y to -1 there; block draws windows at multiples
-    of block (conversation data: docs/data.md#conversation-data).
+    x, y: int64 (B/W, T), y shifted left one token; mask, block: docs/data.md#conversation-data.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0 … world_size-1 (world_size {world_size})")
@@ -239,12 +237,11 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
             context: int = 256, tokenizer_sample_mb: float = 256, show_progress: bool | None = None,
             add_chat_tokens: bool = False) -> dict:
     """Write a prepared data folder at `out` (atomically) and return its meta.json.
-
     corpus: a glassformer.corpus.Corpus. tokenizer: a Tokenizer to reuse; if None, byte-level
     BPE is trained on the training split alone, to vocab_size (default 2048). context: the
     longest window a model will draw; both splits must hold context+1 tokens. tokenizer_sample_mb:
-    train the tokenizer on about this many MB, taken evenly (docs/data.md#streaming-and-exactness).
-    add_chat_tokens: give the tokenizer the chat tokens and, lacking one, the default template.
+    train the tokenizer on about this many MB, taken evenly (docs/data.md#streaming-and-exactness);
+    add_chat_tokens: the chat tokens and default template too (docs/data.md#conversation-data).
     """
     import sys
 

@@ -15,14 +15,11 @@ import torch
 
 
 def windows(n_tokens: int, ctx: int, block: int | None = None) -> list[tuple[int, int]]:
-    """(start, length) of each window: inputs ids[s:s+len], targets ids[s+1:s+1+len]. With block
-    (conversation data), one window at each block's start, of at most block-1 tokens: every
-    target but a block's first token, which is no conversation's target.
+    """(start, length) of each window: inputs ids[s:s+len], targets ids[s+1:s+1+len]; with block,
+    one a block, of at most block-1 (docs/data.md#conversation-data).
 
-    >>> windows(10, 4)
-    [(0, 4), (4, 4), (8, 1)]
-    >>> windows(10, 8, block=5)
-    [(0, 4), (5, 4)]
+    >>> windows(10, 4), windows(10, 8, block=5)
+    ([(0, 4), (4, 4), (8, 1)], [(0, 4), (5, 4)])
     """
     step = ctx if block is None else block
     ctx = ctx if block is None else min(ctx, block - 1)

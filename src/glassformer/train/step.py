@@ -50,10 +50,8 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.
     their mean loss backpropagated (gradients reduced across ranks on the last one only), the global
     gradient norm, clipping to grad_clip (0: none), then the optimizer step at learning rate lr
     (None: as the optimizer has it). A non-finite loss or norm drops the gradients and skips the step.
-
-    net is the model or its DDP/FSDP wrapper; d the process group (None: one process).
-    masked: targets -1 take no loss, and the loss is the sum over the global batch's other
-    targets divided by their count, whatever the split into micro-batches and ranks.
+    net: the model or its DDP/FSDP wrapper; d: the process group (None: one process); masked: the
+    global masked mean instead (docs/chat.md#fine-tuning-on-conversations).
     """
     assert x.shape == y.shape and x.shape[0] % accum == 0, (x.shape, y.shape, accum)
     if lr is not None:
