@@ -9,7 +9,8 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True, metavar="CKPT",
                    help="checkpoint folder, training run folder (its latest checkpoint) or Hugging Face folder")
     p.add_argument("--data", required=True, metavar="PATH",
-                   help="a UTF-8 text file, or a prepared data folder (its val.bin is scored)")
+                   help="a UTF-8 text file, or a prepared data folder (its val.bin is scored; in a conversation "
+                        "folder, the tokens its mask trains, with \"scored\" in the result)")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
     p.add_argument("--batch-size", type=int, default=8, help="windows scored per forward pass")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = the faster of one and all, measured)")
