@@ -49,25 +49,50 @@ def tokenizer() -> Tokenizer:
     return tok
 
 
-def one_conversation(model, tok, new_tokens: int, reuse: bool) -> tuple[list[float], list[int]]:
+REPLY = ("My lord, the king doth wake tonight and takes his rouse, keeps wassail, and the swaggering "
+         "up-spring reels; and as he drains his draughts of Rhenish down, the kettle-drum and trumpet thus bray out "
+         "the triumph of his pledge. ") * 4
+
+
+class Head:
+    """A hook on the head: notes the time of its first call in a turn and, given a script, makes
+    the model say those ids (a trained model's replies are mostly the ids their text encodes to;
+    a random model's are not, and each such reply is prefilled again on the next turn)."""
+
+    def __init__(self, model):
+        self.first: list[float] = []
+        self.script: list[int] = []
+        self.handle = model.lm_head.register_forward_hook(self)
+
+    def __call__(self, module, args, out):
+        if not self.first:
+            self.first.append(time.perf_counter())
+        if self.script:
+            bump = torch.zeros(out.shape[-1], dtype=out.dtype)
+            bump[self.script.pop(0)] = 1e4
+            return out + bump
+        return out
+
+
+def one_conversation(model, tok, new_tokens: int, reuse: bool, scripted: bool) -> tuple[list[float], list[int]]:
     """(seconds to the first token of each turn's reply, tokens prefilled in each turn)."""
-    first: list[float] = []
-    hook = model.lm_head.register_forward_hook(lambda *_: first.append(time.perf_counter()) if len(first) == 0 else None)
+    head = Head(model)
     convo = ChatSession(model, tok, system=SYSTEM, max_new_tokens=new_tokens, greedy=True)
     convo.eos = []  # every reply the same length: new_tokens (a random model's eos would end it anywhere)
     ttft, prefilled = [], []
     try:
-        for text in TURNS:
+        for i, text in enumerate(TURNS):
             if not reuse:
                 convo.session.reset()
-            before, first[:] = convo.session.prefilled_tokens, []
+            before, head.first[:] = convo.session.prefilled_tokens, []
+            head.script = tok.encode(REPLY[i * 7:])[1:new_tokens + 1] if scripted else []
             t0 = time.perf_counter()
             for _ in convo.say(text):
                 pass
-            ttft.append(first[0] - t0)
+            ttft.append(head.first[0] - t0)
             prefilled.append(convo.session.prefilled_tokens - before)
     finally:
-        hook.remove()
+        head.handle.remove()
     return ttft, prefilled
 
 
@@ -107,17 +132,21 @@ def ttft(rounds: int, new_tokens: int) -> dict:
     tok = tokenizer()
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**{**REFERENCE_SHAPE, "vocab_size": tok.vocab_size})).eval()
-    one_conversation(model, tok, 4, True)  # warm-up: allocator, held row copies
+    one_conversation(model, tok, 4, True, True)  # warm-up: allocator, held row copies
     res = {"shape": {**REFERENCE_SHAPE, "vocab_size": tok.vocab_size}, "new_tokens": new_tokens}
-    for name, reuse in (("reuse", True), ("reprefill", False)):
-        runs = []
-        for _ in range(rounds):
-            times, prefilled = one_conversation(model, tok, new_tokens, reuse)
-            runs.append(times)
-        med = [statistics.median(r[i] for r in runs) for i in range(len(TURNS))]
+    kinds = {"reuse": (True, True), "reuse, the random model's own replies": (True, False),
+             "reprefill": (False, True)}
+    runs = {name: [] for name in kinds}
+    for r in range(rounds):  # rounds alternate among the kinds: a change in load hits all alike
+        for name, (reuse, scripted) in kinds.items():
+            times, prefilled = one_conversation(model, tok, new_tokens, reuse, scripted)
+            runs[name].append((times, prefilled))
+    for name in kinds:
+        prefilled = runs[name][-1][1]
+        med = [statistics.median(t[i] for t, _ in runs[name]) for i in range(len(TURNS))]
         res[name] = {"ttft_ms": [round(1e3 * t, 2) for t in med], "prefilled": prefilled,
                      "turn5_over_turn1": round(med[-1] / med[0], 3)}
-        print(f"{name:9s}: time to first token by turn (ms) {res[name]['ttft_ms']}; tokens prefilled {prefilled}; "
+        print(f"{name}: time to first token by turn (ms) {res[name]['ttft_ms']}; tokens prefilled {prefilled}; "
               f"turn 5 / turn 1 = {res[name]['turn5_over_turn1']:.2f}x")
     return res
 
