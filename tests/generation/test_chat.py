@@ -69,9 +69,11 @@ def _im_end(tok):
     return tok.tk.token_to_id("<|im_end|>")
 
 
-def test_turn_two_prefills_only_the_new_user_turn(setup, script):
+@pytest.mark.parametrize("run_ahead", [False, True], ids=["steps", "run-ahead"])
+def test_turn_two_prefills_only_the_new_user_turn(setup, script, run_ahead):
     model, tok = setup
     convo = ChatSession(model, tok, greedy=True, max_new_tokens=20)
+    convo.session.run_ahead = run_ahead  # a GPU session's path: a step queued past the eos is dropped
     reply1 = tok.encode("Good morrow, my lord.")
     script.say(reply1 + [_im_end(tok)])
     assert "".join(convo.say("Now is the winter")) == "Good morrow, my lord."
