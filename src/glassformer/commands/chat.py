@@ -18,10 +18,11 @@ COMMANDS = "/reset forgets the conversation, /system TEXT sets the system prompt
 def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint folder, training run folder or Hugging Face folder")
     p.add_argument("--system", default=None, help="the system prompt")
-    p.add_argument("--template", default=None, metavar="FILE",
-                   help="a Jinja chat template file (default: the checkpoint's)")
-    p.add_argument("--template-name", default=None, metavar="NAME",
-                   help="which of the checkpoint's named templates to use (default: 'default')")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--template", default=None, metavar="FILE",
+                       help="a Jinja chat template file (default: the checkpoint's)")
+    which.add_argument("--template-name", default=None, metavar="NAME",
+                       help="which of the checkpoint's named templates to use (default: 'default')")
     add_sampling_arguments(p, max_new_tokens=128)
     p.add_argument("--context-policy", choices=["drop", "error"], default="drop",
                    help="when the next turn would not fit: drop the oldest turns (with a notice), or stop with an error")
