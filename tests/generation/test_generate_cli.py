@@ -6,7 +6,7 @@ import torch
 from glassformer import ModelConfig, Transformer, generate
 from glassformer.checkpoint.folders import save_model
 from glassformer.cli import main
-from glassformer.commands.generate import TextStream
+from glassformer.generation.streaming import TextStream
 from glassformer.text.tokenizer import Tokenizer
 
 from ..support import reinit

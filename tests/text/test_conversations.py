@@ -52,8 +52,8 @@ def chat_tokenizer() -> Tokenizer:
     ("{not json", "not JSON"),
     ('{"turns": []}', 'no "messages"'),
     ('{"messages": [{"role": "narrator", "content": "x"}]}', "role 'narrator'"),
-    ('{"messages": [{"role": "user", "content": 3}]}', "not a string"),
-    ('{"messages": [{"role": "user"}]}', "not a string"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "needs string content"),
+    ('{"messages": [{"role": "user"}]}', "needs string content"),
     ('{"messages": []}', "non-empty list"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path, capsys, line, match):

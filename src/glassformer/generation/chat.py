@@ -8,11 +8,11 @@ found by comparing ids rather than remembered per message: docs/chat.md#chatting
 
 from __future__ import annotations
 
-import codecs
 from typing import Callable, Iterator
 
 from ..errors import UserError
 from .session import Session, cache_length
+from .streaming import TextStream
 
 __all__ = ["ChatSession", "chat", "chat_stream", "CONTEXT_POLICIES"]
 
@@ -39,32 +39,6 @@ def _eos_ids(tokenizer) -> list[int]:
     ids = list(getattr(tokenizer, "eos_ids", None) or [])
     eot = getattr(tokenizer, "eot_id", None)
     return ids or ([] if eot is None else [eot])
-
-
-class _Text:
-    """Token ids to printable text as they come: a token's bytes through an incremental UTF-8
-    decoder (an unfinished character waits for the tokens that complete it)."""
-
-    def __init__(self, tokenizer):
-        self.tok, self.ids = tokenizer, []
-        self.bytes_of = getattr(tokenizer, "id_to_bytes", None)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.shown = ""
-
-    def push(self, t: int) -> str:
-        if self.bytes_of is not None:
-            return self.utf8.decode(self.bytes_of(t))
-        self.ids.append(t)
-        text = self.tok.decode(self.ids).rstrip("\ufffd")
-        out, self.shown = text[len(self.shown):], text
-        return out
-
-    def flush(self) -> str:
-        if self.bytes_of is not None:
-            return self.utf8.decode(b"", final=True)
-        text = self.tok.decode(self.ids)
-        out, self.shown = text[len(self.shown):], text
-        return out
 
 
 class ChatSession:
@@ -138,7 +112,7 @@ class ChatSession:
         return self._stream(steps)
 
     def _stream(self, steps) -> Iterator[str]:
-        text, reply, eos = _Text(self.tok), [], set(self.eos)
+        text, reply, eos = TextStream(self.tok), [], set(self.eos)
         try:
             for t in steps:
                 if t in eos:

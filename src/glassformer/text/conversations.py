@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-
-ROLES = ("system", "user", "assistant", "tool")
+from .chat_template import check_messages
 TRAIN_ON = ("assistant", "all")
 
 
@@ -44,14 +43,7 @@ def parse_line(line: str, where: str) -> Conversation:
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
         raise UserError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise UserError(f"{where}: message {i} is not an object with a role and content")
-        if m.get("role") not in ROLES:
-            raise UserError(f"{where}: message {i} has role {m.get('role')!r}; the roles are {', '.join(ROLES)}")
-        if not isinstance(m.get("content"), str):
-            raise UserError(f"{where}: message {i} ({m['role']}) has content of type "
-                            f"{type(m.get('content')).__name__}, not a string")
+    check_messages(messages, where)
     return Conversation([{"role": m["role"], "content": m["content"]} for m in messages], where)
 
 
