@@ -440,18 +440,13 @@ def _chat_meta(corpus, tokenizer, packed: dict, context: int, trained: bool, tra
     tokens' text, what bits per byte divides by) plus "chat"."""
     from .conversations import scored_bytes
 
+    from .corpus import DecodeStats
+
     counts = {s: (len(p.ids), scored_bytes(tokenizer, p.ids, p.mask)) for s, p in packed.items()}
-    return {
-        "dtype": dtype_for_vocab(tokenizer.vocab_size), "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
-        "train_tokens": counts["train"][0], "val_tokens": counts["val"][0],
-        "train_bytes": counts["train"][1], "val_bytes": counts["val"][1],
-        "corpus": corpus.description, **corpus.meta,
-        "documents": {"train": len(corpus.train), "val": len(corpus.val)},
-        "context": context, "tokenizer": "trained" if trained else "given", "tokenizer_trained_on_bytes": None,
-        "invalid_utf8_bytes": 0, "invalid_utf8_files": 0,
-        "chat": {"train_on": train_on, "template_sha256": sha, "chat_tokens_added": added,
-                 "scored_tokens": {s: int(p.mask.sum()) for s, p in packed.items()},
-                 "conversations": {s: p.conversations for s, p in packed.items()},
-                 "dropped_too_long": {s: p.dropped_long for s, p in packed.items()},
-                 "no_assistant_turn": {s: p.no_assistant for s, p in packed.items()}},
-    }
+    meta = _prepared_meta(corpus, tokenizer, counts, context, trained, None, DecodeStats())
+    meta["chat"] = {"train_on": train_on, "template_sha256": sha, "chat_tokens_added": added,
+                    "scored_tokens": {s: int(p.mask.sum()) for s, p in packed.items()},
+                    "conversations": {s: p.conversations for s, p in packed.items()},
+                    "dropped_too_long": {s: p.dropped_long for s, p in packed.items()},
+                    "no_assistant_turn": {s: p.no_assistant for s, p in packed.items()}}
+    return meta

@@ -74,9 +74,9 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.
     return StepResult(loss=loss, grad_norm=norm, stepped=stepped)
 
 
-def _accumulate_gradients(net, x, y, accum, autocast, d, device) -> torch.Tensor:
-    """Backward of each micro-batch's loss / accum, so the summed gradient is that of the whole
-    batch's mean loss; returns the mean loss (a tensor on device, detached)."""
+def _backward_micro_batches(net, x, y, accum, autocast, d, device, loss_of, weigh) -> torch.Tensor:
+    """For each of `accum` micro-batches, backward of weigh(loss_of(micro-batch)), gradients reduced
+    across ranks on the last one only; returns the summed detached losses (a tensor on device)."""
     micro = x.shape[0] // accum
     loss_sum = torch.zeros((), device=device)
     for m in range(accum):
@@ -84,10 +84,17 @@ def _accumulate_gradients(net, x, y, accum, autocast, d, device) -> torch.Tensor
         ym = y[m * micro:(m + 1) * micro].to(device, non_blocking=True)  # (micro, T)
         with micro_batch_sync(net, d, last=m == accum - 1):
             with autocast():
-                loss = forward_loss(net, xm, ym)
-            (loss / accum).backward()
+                loss = loss_of(net, xm, ym)
+            weigh(loss).backward()
         loss_sum += loss.detach().float()
-    return loss_sum / accum
+    return loss_sum
+
+
+def _accumulate_gradients(net, x, y, accum, autocast, d, device) -> torch.Tensor:
+    """Backward of each micro-batch's loss / accum, so the summed gradient is that of the whole
+    batch's mean loss; returns the mean loss (a tensor on device, detached)."""
+    weigh = lambda loss: loss / accum  # noqa: E731
+    return _backward_micro_batches(net, x, y, accum, autocast, d, device, forward_loss, weigh) / accum
 
 
 def _accumulate_masked(net, x, y, accum, autocast, d, device) -> float:
@@ -95,22 +102,13 @@ def _accumulate_masked(net, x, y, accum, autocast, d, device) -> float:
     (times the world size: DDP and FSDP average gradients over ranks), so the summed gradient is
     that of the global masked mean; returns that mean. The count stays a tensor (no device sync
     before the forwards); a batch with nothing to train has zero loss and gradient."""
-    micro = x.shape[0] // accum
     world = d.world_size if d is not None and d.enabled else 1
     count = (y >= 0).sum().to(device)
     if d is not None:
         count = all_sum(count, d)
     count = count.clamp(min=1).float()
     scale = world / count
-    loss_sum = torch.zeros((), device=device)
-    for m in range(accum):
-        xm = x[m * micro:(m + 1) * micro].to(device, non_blocking=True)  # (micro, T)
-        ym = y[m * micro:(m + 1) * micro].to(device, non_blocking=True)  # (micro, T)
-        with micro_batch_sync(net, d, last=m == accum - 1):
-            with autocast():
-                loss = forward_loss_sum(net, xm, ym)
-            (loss * scale).backward()
-        loss_sum += loss.detach().float()
+    loss_sum = _backward_micro_batches(net, x, y, accum, autocast, d, device, forward_loss_sum, lambda loss: loss * scale)
     if d is not None:
         loss_sum = all_sum(loss_sum, d)
     return float(loss_sum / count)
