@@ -79,6 +79,9 @@ class ModelConfig:
     """Tile size (queries and keys) for the 'tiled' kernel."""
     init_std: float = 0.02
     """Standard deviation of the initial weights (residual projections get std/sqrt(2L))."""
+    quantization: dict | None = None
+    """None (float weights), or how the weights are stored, e.g. {'method': 'int8_weight_only',
+    'granularity': 'per_channel'} (convert/quantize.py, docs/quantize.md)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "attention_tile"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..convert.quantize import quantize_stored
 from ..errors import UserError
 from ..model import Transformer, rope_inv_freq
 
@@ -38,6 +39,8 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device: s
     assigned, so no second copy of the weights is made; `where` names the source in errors."""
     with torch.device("meta"):
         model = Transformer(cfg)
+        if cfg.quantization is not None:  # the stored structure first, then its tensors
+            quantize_stored(model, cfg.quantization, where)
     _check_state(model, state, where)
     model.load_state_dict(state, strict=True, assign=True)  # a tied head is filled by the model's load hook
     if cfg.pos == "rope":  # a non-persistent buffer: recomputed, never stored

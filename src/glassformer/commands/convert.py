@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-HELP = "convert checkpoints: from/to Hugging Face folders, or pool key/value heads (GQA/MQA)"
+HELP = "convert checkpoints: from/to Hugging Face folders, pool key/value heads (GQA/MQA), or store int8 weights"
 
 
 def add_arguments(p) -> None:
@@ -13,7 +13,9 @@ def add_arguments(p) -> None:
                       help="glassformer checkpoint or run folder to write as a Hugging Face folder")
     mode.add_argument("--kv-heads", type=int, metavar="K",
                       help="pool the key/value heads of --checkpoint into K heads (K=1: MQA)")
-    p.add_argument("--checkpoint", metavar="SRC", help="the checkpoint that --kv-heads converts")
+    mode.add_argument("--quantize", metavar="TYPE",
+                      help="store the weights of --checkpoint as TYPE (int8: per output channel; docs/quantize.md)")
+    p.add_argument("--checkpoint", metavar="SRC", help="the checkpoint that --kv-heads or --quantize converts")
     p.add_argument("--out", required=True, metavar="DST", help="folder to write (must not exist yet)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"], default=None,
                    help="cast the weights to this dtype; unset keeps the dtype the source stores")
@@ -57,22 +59,56 @@ def _stored_dtype(folder):
     return names.get(kinds.pop()) if len(kinds) == 1 else None
 
 
+def _float_model(folder, dtype=None):
+    """load(folder), refusing int8 weights: HF export and head pooling need the float weights."""
+    from ..checkpoint.loading import load
+    from ..errors import UserError
+
+    model, tok = load(folder, dtype=dtype)
+    if model.config.quantization is not None:
+        raise UserError(f"{folder} stores quantized weights ({model.config.quantization['method']}); "
+                        "convert its float checkpoint instead")
+    return model, tok
+
+
+def _quantize(args, src, dtype) -> int:
+    """--quantize TYPE --checkpoint SRC: the same checkpoint with its projections stored quantized."""
+    from ..checkpoint.folders import resolve, save_model
+    from ..checkpoint.loading import load
+    from ..convert.quantize import check_method, quantize
+    from ..errors import UserError
+
+    check_method(args.quantize)  # before anything is read or written
+    if dtype is not None:
+        raise UserError("--dtype does not go with --quantize: the scales and the embedding stay float32")
+    _check_out(args.out, src)
+    folder = resolve(src)
+    model, _ = load(folder)  # float32: the scales are taken from full-precision weights
+    model = quantize(model, args.quantize)
+    save_model(args.out, model, _tokenizer_file(folder))
+    print(f"wrote {args.out}: glassformer checkpoint with {args.quantize} weights "
+          f"({model.config.quantization['method']}, {model.config.quantization['granularity']})")
+    return 0
+
+
 def run(args) -> int:
     import torch
 
     from ..checkpoint.folders import resolve, save_model
-    from ..checkpoint.loading import load
     from ..convert.families import family_for
     from ..convert.heads import convert_kv_heads
     from ..convert.hf import load_hf, parse_dtype, save_hf
     from ..errors import UserError
 
     dtype = parse_dtype(args.dtype)
-    if args.kv_heads is None and args.checkpoint is not None:
-        raise UserError("--checkpoint goes with --kv-heads; use --from-hf SRC or --to-hf SRC on their own")
+    on_checkpoint = args.kv_heads is not None or args.quantize is not None
+    if not on_checkpoint and args.checkpoint is not None:
+        raise UserError("--checkpoint goes with --kv-heads or --quantize; use --from-hf SRC or --to-hf SRC on their own")
     src = args.from_hf or args.to_hf or args.checkpoint
-    if args.kv_heads is not None and src is None:
-        raise UserError("--kv-heads K needs --checkpoint SRC")
+    if on_checkpoint and src is None:
+        raise UserError(f"{'--kv-heads K' if args.kv_heads is not None else '--quantize TYPE'} needs --checkpoint SRC")
+    if args.quantize is not None:
+        return _quantize(args, src, dtype)
     _check_out(args.out, src)
 
     if args.from_hf is not None:
@@ -82,13 +118,13 @@ def run(args) -> int:
         what = "glassformer checkpoint"
     elif args.to_hf is not None:
         folder = resolve(src)
-        model, tok = load(folder, dtype=dtype or _stored_dtype(folder))
+        model, tok = _float_model(folder, dtype=dtype or _stored_dtype(folder))
         family = family_for(model.config)  # refuses, by name, what no family can hold
         save_hf(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=getattr(tok, "eot_id", None))
         what = f"Hugging Face {family.name} folder"
     else:
         folder = resolve(src)
-        model, _ = load(folder)  # float32: the means are taken at full precision
+        model, _ = _float_model(folder)  # float32: the means are taken at full precision
         model = convert_kv_heads(model, args.kv_heads)
         model = model.to(dtype or _stored_dtype(folder) or torch.float32)
         save_model(args.out, model, _tokenizer_file(folder))

@@ -16,6 +16,8 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = the faster of one and all, measured)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json to encode a text file with (default: the checkpoint's)")
+    p.add_argument("--quantize", metavar="TYPE", default=None,
+                   help="score with TYPE weights (int8: per output channel; docs/quantize.md); unset keeps them as stored")
 
 
 def run(args) -> int:
@@ -25,11 +27,13 @@ def run(args) -> int:
     import torch
 
     from ..checkpoint.loading import load
+    from ..convert.quantize import check_method, quantize
     from ..train.cpu_memory import keep_freed_memory
     from ..errors import UserError
     from ..train.evaluate import score, summary
     from ..train.setup import resolve_device
 
+    method = check_method(args.quantize)  # before the weights are read
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -38,7 +42,7 @@ def run(args) -> int:
 
         pick_threads(torch.get_num_threads())
     model, tokenizer = load(args.checkpoint, device=device)
-    model.float().eval()
+    model = quantize(model.float().eval(), method)
     data, chat = Path(args.data), {}  # chat: how a conversation folder is scored
     if data.is_dir():
         ids, n_bytes, chat = folder_ids(data, model)

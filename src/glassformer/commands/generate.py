@@ -24,6 +24,8 @@ def add_arguments(p) -> None:
                    help="when prompt + new tokens outgrow the context: stop with an error, or slide the window")
     p.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    p.add_argument("--quantize", metavar="TYPE", default=None,
+                   help="decode with TYPE weights (int8: per output channel; docs/quantize.md); unset keeps them as stored")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
 
@@ -72,13 +74,15 @@ def _check_args(args) -> None:
 
 
 def _load_model(args):
-    """(model, tokenizer) from --checkpoint on --device in --dtype, with --attention set."""
+    """(model, tokenizer) from --checkpoint on --device in --dtype, with --attention and --quantize set."""
     import torch
 
     from ..checkpoint.folders import read_config, resolve
     from ..checkpoint.loading import load
+    from ..convert.quantize import check_method, quantize
     from ..errors import UserError
 
+    method = check_method(getattr(args, "quantize", None))  # before the weights are read
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but PyTorch sees no CUDA GPU here; use --device cpu")
     folder = resolve(args.checkpoint)
@@ -88,6 +92,7 @@ def _load_model(args):
     model, tok = load(folder, device=args.device, dtype=dtype)
     if tok is None:
         raise UserError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
+    model = quantize(model, method)
     if args.attention:
         model.set_attention(args.attention)
     return model, tok

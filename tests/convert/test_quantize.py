@@ -1,0 +1,258 @@
+"""int8 weights (per output channel, symmetric): the math against an independent reference, greedy
+decoding against the quantized model's own full forward, the stored format, closeness to fp32,
+and the CLI (convert --quantize, generate --quantize, bad types)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from glassformer import ModelConfig, Transformer
+from glassformer.checkpoint.folders import save_model
+from glassformer.checkpoint.loading import load
+from glassformer.cli import main
+from glassformer.convert import quantize as qz
+from glassformer.convert.quantize import INT8, Int8Linear, int8_per_channel, quantize_int8
+from glassformer.generation.session import Session, generate
+from glassformer.text.tokenizer import Tokenizer
+
+from ..support import greedy_by_full_forward, reinit, synthetic_text, tiny_model
+
+PROMPT, STEPS = [1, 2, 3, 4], 10
+PROJECTIONS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn.w_gate", "ffn.w_up", "ffn.w_down")
+
+
+def _reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row by row in numpy: scale = max|row| / 127 (1 for a zero row), q = round(row / scale) in [-127, 127]."""
+    qs, scales = [], []
+    for row in w.astype(np.float64):
+        m = float(np.max(np.abs(row)))
+        s = m / 127 if m > 0 else 1.0
+        qs.append(np.clip(np.rint(row / s), -127, 127))
+        scales.append(s)
+    return np.array(qs, dtype=np.int64), np.array(scales)
+
+
+def test_per_channel_math_matches_an_independent_reference():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(12, 40, generator=g) * torch.logspace(-3, 1, 12)[:, None]  # rows of very different sizes
+    w[5] = 0.0  # a zero row: scale 1, q all zero
+    q, scale = int8_per_channel(w)
+    assert q.dtype == torch.int8 and q.shape == (12, 40) and scale.dtype == torch.float32 and scale.shape == (12,)
+    rq, rs = _reference(w.numpy())
+    np.testing.assert_allclose(scale.numpy(), rs, rtol=1e-6)
+    assert (np.abs(q.numpy().astype(np.int64) - rq) <= 1).all()  # a tie may round either way in fp32
+    assert (q.numpy().astype(np.int64) == rq).mean() > 0.99
+    assert scale[5] == 1 and (q[5] == 0).all()
+    nonzero = [i for i in range(12) if i != 5]
+    assert (q[nonzero].abs().amax(1) == 127).all()  # each row's largest entry maps to ±127
+    err = (q.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 * (1 + 1e-5)).all()  # round to nearest: half a step at most
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_multiplies_by_scale_times_q(rows, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 40, bias=bias)
+    m = Int8Linear.from_linear(lin)
+    x = torch.randn(1, rows, 48)
+    want = torch.nn.functional.linear(x.double(), m.dequantized().double(), None if not bias else lin.bias.double())
+    with torch.no_grad():
+        got = m(x)
+    assert got.shape == (1, rows, 40) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_form_and_the_fallback_give_the_kernels_product(monkeypatch):
+    torch.manual_seed(1)
+    m = Int8Linear.from_linear(torch.nn.Linear(32, 24))
+    with torch.no_grad():
+        eager = [m(torch.ones(1, r, 32) * 0.5) for r in (1, 5)]
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the cast forms, run eagerly
+        cast = [m(torch.ones(1, r, 32) * 0.5) for r in (1, 5)]
+    for a, b in zip(eager, cast):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        f64 = m.double()(torch.ones(1, 5, 32, dtype=torch.float64) * 0.5)  # a dtype the kernel refuses
+    torch.testing.assert_close(f64.float(), eager[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_every_projection_and_an_untied_head_are_replaced(tie):
+    model = quantize_int8(tiny_model(n_layers=2, tie_embeddings=tie))
+    for b in model.blocks:
+        for path in PROJECTIONS:
+            assert isinstance(b.get_submodule(path), Int8Linear), path
+    assert isinstance(model.lm_head, Int8Linear) != tie
+    if tie:
+        assert model.lm_head.weight is model.embed.weight
+    assert model.embed.weight.dtype == torch.float32
+    assert model.config.quantization == {"method": "int8_weight_only", "granularity": "per_channel"}
+    sd = model.state_dict()
+    assert sd["blocks.0.attn.wq.weight"].dtype == torch.int8 and sd["blocks.0.attn.wq.weight"].shape == (64, 64)
+    assert sd["blocks.1.ffn.w_down.weight_scale"].dtype == torch.float32
+    assert sd["blocks.1.ffn.w_down.weight_scale"].shape == (model.config.dim,)
+    assert ("lm_head.weight_scale" in sd) != tie
+
+
+def test_greedy_decoding_equals_the_int8_models_own_full_forward():
+    fp32 = tiny_model(n_layers=2)
+    plain = list(generate(fp32, PROMPT, max_new_tokens=STEPS, greedy=True))  # holds row-block copies
+    model = quantize_int8(fp32)
+    want = greedy_by_full_forward(model, PROMPT, STEPS)
+    assert list(generate(model, PROMPT, max_new_tokens=STEPS, greedy=True)) == want
+    prompts = [PROMPT, [7, 8]]
+    steps = list(Session(model, 2).send(prompts, max_new_tokens=STEPS, greedy=True))
+    assert [[s[b] for s in steps] for b in range(2)] == [greedy_by_full_forward(model, p, STEPS) for p in prompts]
+    assert len(plain) == STEPS
+
+
+@pytest.mark.slow
+def test_compiled_greedy_decoding_equals_the_full_forward():
+    model = quantize_int8(tiny_model(n_layers=2))
+    steps = list(Session(model, 1, compile=True).send(PROMPT, max_new_tokens=6, greedy=True))
+    assert steps == greedy_by_full_forward(model, PROMPT, 6)
+
+
+def test_the_stored_format_round_trips(tmp_path):
+    model = quantize_int8(tiny_model(n_layers=2))
+    save_model(tmp_path / "q", model)
+    meta = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert meta["model"]["quantization"] == INT8
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "q" / "model.safetensors"))
+    assert stored["blocks.0.ffn.w_up.weight"].dtype == torch.int8
+    assert stored["lm_head.weight_scale"].dtype == torch.float32
+    back, _ = load(tmp_path / "q")
+    assert isinstance(back.blocks[1].attn.wo, Int8Linear) and back.config.quantization == INT8
+    ids = torch.tensor([[5, 9, 2, 44, 3, 17]])
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], back(ids)[0])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+
+
+def test_logits_close_to_fp32_on_a_small_model():
+    # Per element the weight moves by at most half a step, max|row|/254; for a Gaussian row of 64
+    # that is under 1% of the row's size, and the errors of 2 layers' 7 products add mostly at
+    # random, so 3% relative (Frobenius) on the logits is a bound a real bug (a wrong scale, a
+    # transposed q, a lost bias) exceeds many times over.
+    fp32 = tiny_model(n_layers=2)
+    ids = torch.tensor([list(range(1, 33))])
+    with torch.no_grad():
+        ref = fp32(ids)[0]
+        got = quantize_int8(fp32)(ids)[0]
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < rel < 0.03
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_held_out_loss_within_one_percent_of_fp32_on_a_trained_model():
+    ids = torch.tensor(list(synthetic_text(400, seed=1).encode())) % 256
+    model = tiny_model(n_layers=2, vocab_size=256, max_seq_len=64).train()
+    opt, g, n = torch.optim.AdamW(model.parameters(), lr=3e-3), torch.Generator().manual_seed(0), len(ids) * 9 // 10
+    for _ in range(100):
+        i = torch.randint(0, n - 65, (16,), generator=g).tolist()
+        x, y = torch.stack([ids[j:j + 64] for j in i]), torch.stack([ids[j + 1:j + 65] for j in i])
+        _, loss = model(x, targets=y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    val = ids[n:]
+    B = (len(val) - 1) // 64
+    x, y = val[:B * 64].view(B, 64), val[1:B * 64 + 1].view(B, 64)
+    with torch.no_grad():
+        before = model.eval()(x, targets=y)[1].item()
+        after = quantize_int8(model)(x, targets=y)[1].item()
+    assert before < 2.0  # it learned something (uniform over 256 bytes is 5.5 nats)
+    assert abs(after - before) / before < 0.01  # the loss, hence bpb, within 1%
+
+
+TEXT = "Now is the winter of our discontent made glorious summer by this sun of York. " * 20
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    tok = Tokenizer.train([TEXT], vocab_size=300)
+    torch.manual_seed(0)
+    model = reinit(Transformer(ModelConfig.from_preset("tiny", vocab_size=tok.vocab_size)), std=0.1).eval()
+    path = tmp_path_factory.mktemp("q8") / "ckpt"
+    save_model(path, model, tok)
+    return path, tok
+
+
+def _generated(capsys, *args) -> str:
+    assert main(["generate", "--prompt", "Now is", "--greedy", "--max-new-tokens", "12", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_convert_and_generate_quantize_give_the_same_model(ckpt, tmp_path, capsys):
+    path, tok = ckpt
+    assert main(["convert", "--quantize", "int8", "--checkpoint", str(path), "--out", str(tmp_path / "q8")]) == 0
+    assert "int8" in capsys.readouterr().out
+    stored, _ = load(tmp_path / "q8")
+    assert stored.config.quantization == INT8
+    assert (tmp_path / "q8" / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+    on_the_fly = _generated(capsys, "--checkpoint", str(path), "--quantize", "int8")
+    from_stored = _generated(capsys, "--checkpoint", str(tmp_path / "q8"))
+    again = _generated(capsys, "--checkpoint", str(tmp_path / "q8"), "--quantize", "int8")  # already int8: as is
+    assert on_the_fly == from_stored == again
+    ids = list(generate(stored, tok.encode("Now is"), max_new_tokens=12, greedy=True, stop=[tok.eot_id]))
+    assert from_stored.startswith("Now is") and from_stored.strip() == ("Now is" + tok.decode(ids)).strip()
+
+
+def test_unknown_quantization_is_refused_by_name_and_nothing_written(ckpt, tmp_path, capsys):
+    path, _ = ckpt
+    assert main(["convert", "--quantize", "int4", "--checkpoint", str(path), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "int4" in err and "int8" in err
+    assert not (tmp_path / "x").exists()
+    assert main(["generate", "--checkpoint", str(path), "--prompt", "Now", "--quantize", "int4"]) == 2
+    err = capsys.readouterr().err
+    assert "int4" in err and "int8" in err
+    assert main(["convert", "--quantize", "int8", "--out", str(tmp_path / "y")]) == 2
+    assert "--checkpoint" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_a_quantized_checkpoint_is_refused_where_float_weights_are_needed(ckpt, tmp_path, capsys):
+    path, _ = ckpt
+    assert main(["convert", "--quantize", "int8", "--checkpoint", str(path), "--out", str(tmp_path / "q8")]) == 0
+    for argv in (["--to-hf", str(tmp_path / "q8")], ["--kv-heads", "1", "--checkpoint", str(tmp_path / "q8")]):
+        assert main(["convert", *argv, "--out", str(tmp_path / "z")]) == 2
+        assert "int8_weight_only" in capsys.readouterr().err and not (tmp_path / "z").exists()
+
+
+def test_a_stored_quantization_this_version_cannot_read_is_refused(tmp_path):
+    model = quantize_int8(tiny_model(n_layers=1))
+    save_model(tmp_path / "q", model)
+    meta = json.loads((tmp_path / "q" / "config.json").read_text())
+    meta["model"]["quantization"] = {"method": "int4_weight_only", "granularity": "per_group"}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(qz.UserError, match="int4_weight_only"):
+        load(tmp_path / "q")
+
+
+def test_an_eager_decode_step_never_makes_a_float_copy_of_a_weight():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names, self.shapes = [], []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.names.append(str(func))
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    model = quantize_int8(tiny_model(n_layers=1))
+    weights = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Int8Linear)}
+    with torch.no_grad(), Ops() as ops:
+        model(torch.tensor([[3]]))
+    assert sum("_weight_int8pack_mm" in n for n in ops.names) == 8  # 7 projections and the head
+    assert not weights & set(ops.shapes)  # no float (out, in) tensor was made
