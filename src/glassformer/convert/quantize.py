@@ -14,6 +14,11 @@ METHODS = ("int8",)
 INT8 = {"method": "int8_weight_only", "granularity": "per_channel"}
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what _weight_int8pack_mm takes for x
+# torch's CPU int8 weight-only kernel takes time in proportion to the rows, where a product over
+# a cast copy of q pays the cast once for all of them: past one row the cast is the faster way,
+# and many rows (a prefill, an eval batch) are bound by arithmetic, not by reading the weight
+# (bench/int8.py --products). So the kernel serves one-row products: batch-1 decode steps.
+KERNEL_MAX_ROWS = 1
 
 
 def check_method(name: str | None) -> str | None:
@@ -35,12 +40,12 @@ def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (..., in) · (q · scale)^T -> (..., out), without an fp32 copy of the weight where it can be.
 
-    Eagerly on the CPU: torch's int8 weight-only kernel (it reads q as int8). Compiled, or where that
-    kernel is not used (other devices, other dtypes, gradients wanted): a cast of q to x's dtype, which inductor fuses
-    into the product (a one-row product as a multiply-and-sum over rows, like model.Linear);
-    eagerly that fallback does materialise the cast copy."""
+    Eagerly on the CPU at one row (a batch-1 decode step): torch's int8 weight-only kernel, which
+    reads q as int8. Compiled: a cast of q to x's dtype, which inductor fuses into the product (at
+    one row a multiply-and-sum over the rows, like model.Linear). Elsewhere (many rows, other
+    devices or dtypes, gradients wanted) that cast runs eagerly, and makes a float copy of q."""
     if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES
-            or (x.requires_grad and torch.is_grad_enabled())):
+            or x.numel() > KERNEL_MAX_ROWS * x.shape[-1] or (x.requires_grad and torch.is_grad_enabled())):
         s = scale.to(x.dtype)
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
             return ((q.to(x.dtype) * x.reshape(1, -1)).sum(-1) * s).view(*x.shape[:-1], -1)
