@@ -256,3 +256,21 @@ def test_an_eager_decode_step_never_makes_a_float_copy_of_a_weight():
         model(torch.tensor([[3]]))
     assert sum("_weight_int8pack_mm" in n for n in ops.names) == 8  # 7 projections and the head
     assert not weights & set(ops.shapes)  # no float (out, in) tensor was made
+
+
+def test_eval_quantize_scores_the_int8_model(ckpt, tmp_path, capsys):
+    path, _ = ckpt
+    (tmp_path / "t.txt").write_text(TEXT)
+    argv = ["eval", "--data", str(tmp_path / "t.txt"), "--threads", "1", "--batch-size", "2"]
+
+    def score(*extra) -> dict:
+        assert main([*argv, *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    fp32 = score("--checkpoint", str(path))
+    on_the_fly = score("--checkpoint", str(path), "--quantize", "int8")
+    assert main(["convert", "--quantize", "int8", "--checkpoint", str(path), "--out", str(tmp_path / "q8")]) == 0
+    capsys.readouterr()
+    assert score("--checkpoint", str(tmp_path / "q8")) == on_the_fly
+    assert on_the_fly["bpb"] != fp32["bpb"]  # it really scored other weights
+    assert on_the_fly["bpb"] == pytest.approx(fp32["bpb"], rel=0.03)  # random weights: the logits bound's 3%
