@@ -258,8 +258,9 @@ def test_an_eager_decode_step_never_makes_a_float_copy_of_a_weight():
     assert not weights & set(ops.shapes)  # no float (out, in) tensor was made
 
 
-def test_eval_quantize_scores_the_int8_model(ckpt, tmp_path, capsys):
+def test_eval_quantize_scores_the_int8_model(ckpt, tmp_path, capsys, monkeypatch):
     path, _ = ckpt
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # eval's --threads would outlive the test
     (tmp_path / "t.txt").write_text(TEXT)
     argv = ["eval", "--data", str(tmp_path / "t.txt"), "--threads", "1", "--batch-size", "2"]
 
