@@ -275,3 +275,18 @@ def test_eval_quantize_scores_the_int8_model(ckpt, tmp_path, capsys, monkeypatch
     assert score("--checkpoint", str(tmp_path / "q8")) == on_the_fly
     assert on_the_fly["bpb"] != fp32["bpb"]  # it really scored other weights
     assert on_the_fly["bpb"] == pytest.approx(fp32["bpb"], rel=0.03)  # random weights: the logits bound's 3%
+
+
+def test_a_cast_model_keeps_fp32_scales_and_runs_in_bfloat16():
+    model = quantize_int8(tiny_model(n_layers=1))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        want = model(ids)[0]
+        half = model.to(torch.bfloat16)
+        assert half.blocks[0].attn.wq.weight_scale.dtype == torch.float32
+        assert half.blocks[0].attn.wq.weight.dtype == torch.int8 and half.embed.weight.dtype == torch.bfloat16
+        got = half(ids)[0]
+        step = half(ids[:, :1])[0]  # one row: the kernel, in bf16
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).norm() / want.norm()) < 0.05  # bf16 activations: about 3 digits
+    assert ((step.float() - want[:, :1]).norm() / want[:, :1].norm()) < 0.05
