@@ -17,7 +17,8 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what _weight_i
 # torch's CPU int8 weight-only kernel takes time in proportion to the rows, where a product over
 # a cast copy of q pays the cast once for all of them: past one row the cast is the faster way,
 # and many rows (a prefill, an eval batch) are bound by arithmetic, not by reading the weight
-# (bench/int8.py --products). So the kernel serves one-row products: batch-1 decode steps.
+# (bench/int8.py --products). So the kernel serves one-row products only: batch-1 decode steps,
+# which must not copy the weight (on some CPUs the cast is faster even there; docs/benchmarks.md).
 KERNEL_MAX_ROWS = 1
 
 
