@@ -83,7 +83,8 @@ def test_one_row_products_read_the_held_copy_only_while_it_is_fresh():
         lin.weight.mul_(-1)  # in place: the held copy is stale and must be rebuilt
         second = lin(x)
     torch.testing.assert_close(second, x @ lin.weight.T + lin.bias)
-    assert lin.held[0][1] == lin.weight._version
+    (ptr, version), = lin.held[0][0]  # the key: ((data pointer, version) of each weight, threads)
+    assert ptr == lin.weight.data_ptr() and version == lin.weight._version
     with torch.enable_grad():  # anything needing gradients uses the weight itself
         y = lin(x.requires_grad_())
     assert y.requires_grad and y.grad_fn is not None
