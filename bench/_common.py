@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -12,3 +13,13 @@ def write_json(path, result, indent: int = 1) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=indent) + "\n")
     print(f"wrote {path}")
+
+
+def add_decode_arguments(ap, compile_help: str) -> None:
+    """The flags every batch-1 decode benchmark takes (bench/decode.py, bench/int8.py)."""
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help=compile_help)
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds (a smoke run)")

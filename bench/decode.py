@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from _common import write_json  # noqa: E402  (bench/ is the script's folder)
+from _common import add_decode_arguments, write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig, Transformer, generate  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
@@ -58,17 +58,11 @@ def timed(fn):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--prompt-tokens", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    add_decode_arguments(ap, "also glassformer with its decode step compiled (torch.compile), in the same rounds")
     ap.add_argument("--latency-rounds", type=int, default=7,
                     help="rounds of the decode latency at context 128 vs 2000 (the best median of each is kept: "
                          "on a shared machine a single slow spell otherwise decides the growth)")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                    help="also glassformer with its decode step compiled (torch.compile), in the same rounds")
     ap.add_argument("--profile", action="store_true", help="also print where a decode step's time goes (torch profiler)")
-    ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds (a smoke run)")
     ap.add_argument("--profile-contexts", action="store_true",
                     help="only: where a compiled step's time goes at context 128 and 2000, kernel by kernel")
     ap.add_argument("--out", default=None, help="results file (default: bench/results/decode.json, "

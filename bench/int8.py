@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from _common import write_json  # noqa: E402  (bench/ is the script's folder)
+from _common import add_decode_arguments, write_json  # noqa: E402  (bench/ is the script's folder)
 from decode import bandwidth, timed  # noqa: E402
 
 from glassformer import ModelConfig, Transformer  # noqa: E402
@@ -80,13 +80,7 @@ def products(out, rows=(1, 2, 4, 16, 64), n: int = 200) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--prompt-tokens", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                    help="also both with the decode step compiled (torch.compile), in the same rounds")
-    ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds (a smoke run)")
+    add_decode_arguments(ap, "also both with the decode step compiled (torch.compile), in the same rounds")
     ap.add_argument("--products", action="store_true",
                     help="only: one product's time by way (int8 kernel, int8 cast, fp32) and rows")
     ap.add_argument("--out", default=None, help="results file (default: bench/results/int8.json, "

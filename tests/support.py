@@ -72,6 +72,19 @@ def greedy_by_full_forward(model, prompt: list[int], steps: int, keep: int | Non
         text.append(out[-1])
     return out
 
+def tiny_checkpoint(folder: Path, text: str, vocab_size: int = 300):
+    """A checkpoint folder of the tiny preset (large random weights) with a tokenizer trained on
+    `text`: (model, tokenizer). Shared by the command-line tests of generate and quantize."""
+    from glassformer.checkpoint.folders import save_model
+    from glassformer.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.train([text], vocab_size=vocab_size)
+    torch.manual_seed(0)
+    model = reinit(Transformer(ModelConfig.from_preset("tiny", vocab_size=tok.vocab_size)), std=0.1).eval()
+    save_model(folder, model, tok)
+    return model, tok
+
+
 # ----------------------------------------------------------------------------- prepared data
 
 

@@ -8,16 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from glassformer import ModelConfig, Transformer
 from glassformer.checkpoint.folders import save_model
 from glassformer.checkpoint.loading import load
 from glassformer.cli import main
 from glassformer.convert import quantize as qz
 from glassformer.convert.quantize import INT8, Int8Linear, int8_per_channel, quantize_int8
 from glassformer.generation.session import Session, generate
-from glassformer.text.tokenizer import Tokenizer
 
-from ..support import greedy_by_full_forward, reinit, synthetic_text, tiny_model
+from ..support import greedy_by_full_forward, synthetic_text, tiny_checkpoint, tiny_model
 
 PROMPT, STEPS = [1, 2, 3, 4], 10
 PROJECTIONS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn.w_gate", "ffn.w_up", "ffn.w_down")
@@ -176,11 +174,8 @@ TEXT = "Now is the winter of our discontent made glorious summer by this sun of 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    tok = Tokenizer.train([TEXT], vocab_size=300)
-    torch.manual_seed(0)
-    model = reinit(Transformer(ModelConfig.from_preset("tiny", vocab_size=tok.vocab_size)), std=0.1).eval()
     path = tmp_path_factory.mktemp("q8") / "ckpt"
-    save_model(path, model, tok)
+    model, tok = tiny_checkpoint(path, TEXT)
     return path, tok
 
 

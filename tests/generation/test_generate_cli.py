@@ -1,15 +1,12 @@
 """`glassformer generate`: streamed text equals the Python API's tokens; batches; stop strings; errors."""
 
 import pytest
-import torch
 
-from glassformer import ModelConfig, Transformer, generate
-from glassformer.checkpoint.folders import save_model
+from glassformer import generate
 from glassformer.cli import main
 from glassformer.generation.streaming import TextStream
-from glassformer.text.tokenizer import Tokenizer
 
-from ..support import reinit
+from ..support import tiny_checkpoint
 
 TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York. "
         "Café, naïve, façade — 日本語のテキスト. ") * 20
@@ -17,11 +14,8 @@ TEXT = ("Now is the winter of our discontent made glorious summer by this sun of
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    tok = Tokenizer.train([TEXT], vocab_size=300)
-    torch.manual_seed(0)
-    model = reinit(Transformer(ModelConfig.from_preset("tiny", vocab_size=tok.vocab_size)), std=0.1).eval()
     path = tmp_path_factory.mktemp("gen") / "ckpt"
-    save_model(path, model, tok)
+    model, tok = tiny_checkpoint(path, TEXT)
     return path, model, tok
 
 
