@@ -26,8 +26,10 @@ def explain(trace, probe: str, index: Sequence[int] | int, model=None, *, max_te
 
     trace: a Trace, a parsed trace dict or a trace file's path. model: where weights come
     from when the trace has none (`with_weights`). Covers every probe of design.md.
+    >>> t = trace(Transformer(ModelConfig.from_preset("tiny")), [0, 2, 3, 5], with_weights=True)
     >>> e = explain(t, "blocks.0.attn.q", (2, 0, 0))   # token 2, head 0, feature 0
-    >>> e.result == e.steps[-1]["value"]; print(e.text)
+    >>> e.result == e.steps[-1]["value"]
+    True
     """
     tr = as_trace(trace)
     index = [int(index)] if isinstance(index, int) else [int(i) for i in index]

@@ -171,8 +171,10 @@ def trace(
 
     tokens: each token's text (default '#<id>'). pos: the first token's position. layers / heads,
     top_k, with_weights, attention, query, tile: as `glassformer trace`'s flags (docs/explain.md).
+        >>> model = Transformer(ModelConfig.from_preset("tiny"))  # (from glassformer import ...)
         >>> t = trace(model, [0, 2, 3, 5], tokens=["I", "like", "cats", "too"])
         >>> t["blocks.0.attn.q"].shape            # (T, N, H)
+        torch.Size([4, 4, 16])
     """
     cfg = model.config
     ids = [int(i) for i in (ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids)]
