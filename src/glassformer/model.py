@@ -459,8 +459,10 @@ class Transformer(nn.Module):
         return self
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Weights counted once (tied matrices once). non_embedding drops token and position tables."""
+        """Weights counted once (tied matrices once). non_embedding drops token and position tables.
+        A module that holds its weight quantized keeps it as a buffer named weight: counted too."""
         n = sum(p.numel() for p in self.parameters())
+        n += sum(b.numel() for name, b in self.named_buffers() if name.rsplit(".", 1)[-1] == "weight")
         if non_embedding:
             n -= self.embed.weight.numel()
             if self.pos_embed is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from .generate import add_sampling_arguments
+from .options import add_quantize_argument
 
 HELP = "talk with a checkpoint: each reply streams, the conversation stays in one KV cache"
 COMMANDS = "/reset forgets the conversation, /system TEXT sets the system prompt, /exit ends"
@@ -29,6 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--attention", choices=["naive", "tiled", "sdpa"], default=None,
                    help="attention kernel (default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    add_quantize_argument(p, "chat")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
 

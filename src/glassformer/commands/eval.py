@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .options import add_quantize_argument
+
 HELP = "held-out loss, perplexity and bits per byte of a text file or a prepared folder's validation split"
 
 
@@ -16,8 +18,7 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = the faster of one and all, measured)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json to encode a text file with (default: the checkpoint's)")
-    p.add_argument("--quantize", metavar="TYPE", default=None,
-                   help="score with TYPE weights (int8: per output channel; docs/quantize.md); unset keeps them as stored")
+    add_quantize_argument(p, "score")
 
 
 def run(args) -> int:
@@ -27,13 +28,13 @@ def run(args) -> int:
     import torch
 
     from ..checkpoint.loading import load
-    from ..convert.quantize import check_method, quantize
     from ..train.cpu_memory import keep_freed_memory
     from ..errors import UserError
     from ..train.evaluate import score, summary
     from ..train.setup import resolve_device
+    from .options import apply_quantize, quantize_method
 
-    method = check_method(args.quantize)  # before the weights are read
+    quantize_method(args)  # before the weights are read
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -42,7 +43,7 @@ def run(args) -> int:
 
         pick_threads(torch.get_num_threads())
     model, tokenizer = load(args.checkpoint, device=device)
-    model = quantize(model.float().eval(), method)
+    model = apply_quantize(model.float().eval(), args)
     data, chat = Path(args.data), {}  # chat: how a conversation folder is scored
     if data.is_dir():
         ids, n_bytes, chat = folder_ids(data, model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..generation.streaming import TextStream
+from .options import add_quantize_argument
 
 HELP = "sample text from a checkpoint, streamed as tokens come (KV cache, batched prompts)"
 
@@ -24,8 +25,7 @@ def add_arguments(p) -> None:
                    help="when prompt + new tokens outgrow the context: stop with an error, or slide the window")
     p.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
-    p.add_argument("--quantize", metavar="TYPE", default=None,
-                   help="decode with TYPE weights (int8: per output channel; docs/quantize.md); unset keeps them as stored")
+    add_quantize_argument(p, "decode")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
 
@@ -79,10 +79,10 @@ def _load_model(args):
 
     from ..checkpoint.folders import read_config, resolve
     from ..checkpoint.loading import load
-    from ..convert.quantize import check_method, quantize
     from ..errors import UserError
+    from .options import apply_quantize, quantize_method
 
-    method = check_method(getattr(args, "quantize", None))  # before the weights are read
+    quantize_method(args)  # before the weights are read
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but PyTorch sees no CUDA GPU here; use --device cpu")
     folder = resolve(args.checkpoint)
@@ -92,7 +92,7 @@ def _load_model(args):
     model, tok = load(folder, device=args.device, dtype=dtype)
     if tok is None:
         raise UserError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
-    model = quantize(model, method)
+    model = apply_quantize(model, args)
     if args.attention:
         model.set_attention(args.attention)
     return model, tok

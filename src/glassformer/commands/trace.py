@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .options import add_quantize_argument
+
 HELP = "run one text through the model and write every probe to a trace file (JSON) or page"
 
 
@@ -45,11 +47,14 @@ def add_arguments(p) -> None:
     p.add_argument("--no-analysis", action="store_true",
                    help="leave out the 'analysis' key (norm RMS, head summary, logit lens, decode step)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    add_quantize_argument(p, "trace")
 
 
 def _load(args):
     from ..errors import UserError
+    from .options import apply_quantize, quantize_method
 
+    quantize_method(args)  # before the weights are read
     if args.worked:
         from ..worked import model as worked
 
@@ -60,7 +65,7 @@ def _load(args):
     from ..checkpoint.loading import load
 
     model, tok = load(args.checkpoint, device=args.device)
-    return model, tok, None
+    return apply_quantize(model, args), tok, None
 
 
 def token_strings(tokenizer, ids: list[int]) -> list[str]:

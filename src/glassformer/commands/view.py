@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .options import add_quantize_argument
+
 HELP = "the explorer: a local page that traces a sentence and shows every number of its computation"
 
 DEFAULT_TEXT = "the cat sat on the mat"
@@ -18,11 +20,14 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--text", default=None, help="the sentence the page opens with")
     p.add_argument("--device", default="cpu", help="device to run the model on")
+    add_quantize_argument(p, "explore")
 
 
 def build_explorer(args):
     from ..viewer import source
+    from .options import apply_quantize, quantize_method
 
+    quantize_method(args)  # before the weights are read
     if args.worked:
         ex = source.worked_explorer(args.variant)
         if args.text:
@@ -31,7 +36,7 @@ def build_explorer(args):
     from ..checkpoint.loading import load
 
     model, tokenizer = load(args.checkpoint)
-    model = model.to(args.device).eval()
+    model = apply_quantize(model, args).to(args.device).eval()
     return source.explorer(model, tokenizer, args.text or DEFAULT_TEXT, model_name=str(args.checkpoint))
 
 
