@@ -1,0 +1,158 @@
+"""LoRA adapters: the wrapped product against its formula, step 0 is the base, merged logits equal
+the adapted model's, the joined QKV / gate-up products skip an adapted module, the base's sha256
+against an independent hash, the adapter checkpoint format, load of an adapter run, --base,
+convert --merge-lora, and the bad inputs (clear errors, nothing written)."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from glassformer.convert import lora as L
+from glassformer.convert.lora import (
+    LORA_TARGETS,
+    LoRALinear,
+    LoraConfig,
+    adapter_state,
+    apply_lora,
+    base_sha256,
+    load_adapter_state,
+    merge_lora,
+)
+from glassformer.convert.quantize import quantize_int8
+from glassformer.errors import UserError
+
+from ..support import greedy_by_full_forward, tiny_model
+
+IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
+
+
+def _randomise_B(model, seed=1, std=0.05):
+    """Give every B a value (B starts at zero), so the adapters change the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in L.lora_modules(model).values():
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * std)
+    return model
+
+
+def adapted(seed=0, cfg=LoraConfig(), **model_overrides):
+    return _randomise_B(apply_lora(tiny_model(seed, **model_overrides), cfg))
+
+
+# ----------------------------------------------------------------------------- the module and its math
+
+
+def test_the_wrapped_product_is_base_plus_scaled_low_rank_term():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(12, 10, bias=True)
+    m = LoRALinear(base, r=3, alpha=6.0)
+    assert m.lora_A.shape == (3, 12) and m.lora_B.shape == (10, 3) and (m.lora_B == 0).all()
+    with torch.no_grad():
+        m.lora_B.normal_()
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    W, b, A, B = (t.detach().double() for t in (base.weight, base.bias, m.lora_A, m.lora_B))
+    want = x @ W.T + b + 2.0 * (x @ A.T @ B.T)  # alpha / r = 2
+    got = m.double()(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_step_zero_is_the_base_exactly_and_only_adapters_train():
+    base = tiny_model(0)
+    want, _ = base(IDS)
+    model = apply_lora(tiny_model(0), LoraConfig(r=4))
+    got, _ = model(IDS)
+    assert torch.equal(got, want)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(adapter_state(model))
+    assert len(trainable) == 2 * len(LORA_TARGETS) * model.config.n_layers
+    assert L.count_adapter_weights(model) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_merged_logits_equal_the_adapted_models():
+    model = adapted(0, LoraConfig(r=4, alpha=8.0))
+    want, _ = model(IDS)
+    ref, _ = tiny_model(0)(IDS)
+    assert (want - ref).abs().max() > 1e-2  # the adapters do change the logits
+    merged = merge_lora(model)
+    assert not L.lora_modules(merged) and all(p.requires_grad for p in merged.parameters())
+    got, _ = merged(IDS)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_targets_and_the_joined_products_skip_an_adapted_module():
+    """Only wq and w_up adapted: the QKV and gate-up products, joined where plain, must run each
+    module's own call at one row (a decode step with row-block copies held)."""
+    model = adapted(0, LoraConfig(r=2, targets=("wq", "w_up")))
+    blk = model.blocks[0]
+    assert isinstance(blk.attn.wq, LoRALinear) and isinstance(blk.ffn.w_up, LoRALinear)
+    assert type(blk.attn.wk).__name__ == "Linear" and type(blk.ffn.w_gate).__name__ == "Linear"
+    want = greedy_by_full_forward(model, IDS[0].tolist(), 6)
+    from ..support import greedy_cached
+
+    model.hold_rows(True)
+    assert model.blocks[0].attn.held is None and model.blocks[0].ffn.held is None
+    with torch.no_grad():
+        assert greedy_cached(model, IDS, 6) == want
+    # and the decode step's logits are the full forward's
+    with torch.no_grad():
+        full, _ = model(IDS)
+        from glassformer import KVCache
+
+        cache = KVCache.for_model(model, 1, IDS.shape[1])
+        model(IDS[:, :-1], cache=cache, pos=0)
+        last, _ = model(IDS[:, -1:], cache=cache, pos=IDS.shape[1] - 1)
+    torch.testing.assert_close(last[0, -1], full[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_state_round_trips():
+    a = adapted(0, LoraConfig(r=3))
+    state = adapter_state(a)
+    assert state["blocks.1.attn.wq.lora_A"].shape == (3, a.config.dim)
+    assert state["blocks.1.ffn.w_down.lora_B"].shape == (a.config.dim, 3)
+    b = apply_lora(tiny_model(0), LoraConfig(r=3))
+    load_adapter_state(b, state)
+    assert torch.equal(a(IDS)[0], b(IDS)[0])
+    with pytest.raises(UserError, match="does not match"):
+        load_adapter_state(b, {k: v for k, v in state.items() if "blocks.0" not in k})
+    with pytest.raises(UserError, match="expected"):
+        load_adapter_state(apply_lora(tiny_model(0), LoraConfig(r=2)), state)
+
+
+def test_base_sha256_against_an_independent_hash():
+    model = tiny_model(0, tie_embeddings=True)
+    sd = model.state_dict()
+    keys = sorted(k for k in sd if k != "lm_head.weight")  # the tied head is stored once, as embed.weight
+    want = hashlib.sha256(b"".join(sd[k].float().numpy().tobytes() for k in keys)).hexdigest()
+    assert base_sha256(model) == want
+    adapted_model = apply_lora(model, LoraConfig(r=2))
+    assert base_sha256(adapted_model) == want  # the adapters are not the base
+    assert base_sha256(adapted_model.state_dict()) == want
+    assert base_sha256(model.to(torch.bfloat16)) != want  # rounded weights are another base
+    other = tiny_model(0, tie_embeddings=True)
+    with torch.no_grad():
+        other.blocks[1].ffn.w_down.weight[0, 0] += 1e-3
+    assert base_sha256(other) != want
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(UserError, match="at least 1"):
+        LoraConfig(r=0)
+    with pytest.raises(UserError, match="alpha"):
+        LoraConfig(alpha=0)
+    with pytest.raises(UserError, match="wz is not"):
+        LoraConfig.from_dict({"r": 4, "targets": "wq,wz"})
+    with pytest.raises(UserError, match="w_gate does not exist"):
+        apply_lora(tiny_model(0, ffn="gelu"), LoraConfig(targets=("w_gate",)))
+    cfg = LoraConfig.from_dict({"r": 4, "alpha": 8, "dropout": 0.1, "targets": ["wq", "wv"], "base": {}})
+    assert cfg == LoraConfig(4, 8.0, 0.1, ("wq", "wv")) and LoraConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_merging_onto_an_int8_base_is_refused():
+    model = apply_lora(quantize_int8(tiny_model(0)), LoraConfig(r=2))
+    out, _ = model(IDS)  # an int8 base adapts (its adapter is fp32)
+    assert torch.isfinite(out).all()
+    with pytest.raises(UserError, match="quantized"):
+        merge_lora(model)
