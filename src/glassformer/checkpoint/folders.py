@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..files import atomic_folder, atomic_text, read_json
 from .builder import model_state
+from .hub import find
 
 FORMAT = "glassformer"
 FORMAT_VERSION = 1
@@ -83,11 +84,12 @@ def is_complete(folder: Path) -> bool:
 
 
 def resolve(path: str | Path) -> Path:
-    """The checkpoint folder that `path` names: itself, a run folder's `latest`, or the folder a
-    run's `latest` / `best` pointer file names."""
-    path = Path(path)
+    """The checkpoint folder that `path` names: itself, a run folder's `latest`, the folder a
+    run's `latest` / `best` pointer file names, or a Hugging Face Hub name's snapshot (hub.py)."""
+    path = find(path)
     if not path.exists():
-        raise UserError(f"checkpoint {path} does not exist: give a checkpoint folder, a run folder or a Hugging Face folder")
+        raise UserError(f"checkpoint {path} does not exist: give a checkpoint folder, a run folder, a Hugging Face folder "
+                        "or a Hugging Face Hub name (org/name)")
     if path.is_file() and path.name in ("latest", "best"):  # a run's pointer: the checkpoint it names
         ckpt = path.parent / path.read_text().strip()
         if not is_complete(ckpt):

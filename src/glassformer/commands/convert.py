@@ -8,7 +8,8 @@ HELP = "convert checkpoints: from/to Hugging Face folders, pool key/value heads 
 def add_arguments(p) -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--from-hf", metavar="SRC",
-                      help="Hugging Face folder (llama, mistral, qwen2, gpt2) to convert into a glassformer checkpoint")
+                      help="Hugging Face folder or Hub name org/name[@revision] (llama, mistral, qwen2, gpt2) "
+                           "to convert into a glassformer checkpoint")
     mode.add_argument("--to-hf", metavar="SRC",
                       help="glassformer checkpoint or run folder to write as a Hugging Face folder")
     mode.add_argument("--kv-heads", type=int, metavar="K",
@@ -20,7 +21,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"], default=None,
                    help="cast the weights to this dtype; unset keeps the dtype the source stores")
     p.add_argument("--allow-pickle", action="store_true",
-                   help="read pickled pytorch_model.bin files (with torch.load(weights_only=True))")
+                   help="read pickled pytorch_model.bin files (with torch.load(weights_only=True)); "
+                        "with a Hub name, fetch them too")
 
 
 def _check_out(out, *sources) -> None:
@@ -95,6 +97,7 @@ def run(args) -> int:
     import torch
 
     from ..checkpoint.folders import resolve, save_model
+    from ..checkpoint.hub import find
     from ..convert.families import family_for
     from ..convert.heads import convert_kv_heads
     from ..convert.hf import load_hf, parse_dtype, save_hf
@@ -112,6 +115,7 @@ def run(args) -> int:
     _check_out(args.out, src)
 
     if args.from_hf is not None:
+        src = find(src, allow_pickle=args.allow_pickle)  # a Hub name: its snapshot in the Hugging Face cache
         model, _ = load_hf(src, dtype=dtype, allow_pickle=args.allow_pickle)
         # tokenizer.json travels as a file: the exact bytes the model was trained with.
         save_model(args.out, model, _tokenizer_file(src))
