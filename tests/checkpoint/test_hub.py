@@ -73,6 +73,9 @@ def models(tmp_path_factory):
     save_model(root / "native", native)
     put_in_cache(hub, "org/native", COMMIT_A, root / "native", ("main",))
     made["native"] = root / "native", logits_of(native)
+    (root / "config-only").mkdir()
+    (root / "config-only" / "config.json").write_bytes((root / COMMIT_A / "config.json").read_bytes())
+    put_in_cache(hub, "org/config-only", COMMIT_A, root / "config-only", ("main",))
     return root / "home", made
 
 
@@ -174,11 +177,19 @@ def test_only_what_loading_reads_is_fetched():
 
     repo = ["config.json", "generation_config.json", "model.safetensors", "model-00001-of-00002.safetensors",
             "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-            "chat_template.jinja", "additional_chat_templates/tool_use.jinja", "COMPLETE", "README.md",
+            "chat_template.jinja", "additional_chat_templates/tool_use.jinja", "COMPLETE", "adapter.safetensors",
+            "README.md",
             ".gitattributes", "consolidated.safetensors", "original/model.safetensors", "onnx/model.onnx",
             "pytorch_model.bin", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json",
             "tf_model.h5", "flax_model.msgpack", "model.gguf"]
     got = set(filter_repo_objects(repo, allow_patterns=FILES))
-    assert got == set(repo[:11])
+    assert got == set(repo[:12])
     with_pickle = set(filter_repo_objects(repo, allow_patterns=FILES + PICKLE_FILES))
     assert with_pickle - got == {"pytorch_model.bin", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json"}
+
+
+def test_cost_reads_only_the_config_and_load_wants_weights(offline, capsys):
+    assert main(["cost", "--checkpoint", "org/config-only"]) == 0  # the cost of a model whose weights never came
+    assert capsys.readouterr().out
+    with pytest.raises(UserError, match="org/config-only on the Hugging Face Hub has no weights glassformer reads"):
+        load("org/config-only")

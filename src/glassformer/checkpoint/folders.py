@@ -83,10 +83,11 @@ def is_complete(folder: Path) -> bool:
     return (folder / "COMPLETE").is_file() and (folder / "config.json").is_file()
 
 
-def resolve(path: str | Path) -> Path:
+def resolve(path: str | Path, weights: bool = True) -> Path:
     """The checkpoint folder that `path` names: itself, a run folder's `latest`, the folder a
-    run's `latest` / `best` pointer file names, or a Hugging Face Hub name's snapshot (hub.py)."""
-    path = find(path)
+    run's `latest` / `best` pointer file names, or a Hugging Face Hub name's snapshot (hub.py;
+    weights=False fetches only its config)."""
+    path = find(path, weights=weights)
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist: give a checkpoint folder, a run folder, a Hugging Face folder "
                         "or a Hugging Face Hub name (org/name)")
@@ -109,7 +110,7 @@ def resolve(path: str | Path) -> Path:
 
 
 def read_config(folder: str | Path) -> dict:
-    folder = resolve(folder)
+    folder = resolve(folder, weights=False)  # a Hub name: its config.json alone
     return read_json(folder / "config.json")
 
 

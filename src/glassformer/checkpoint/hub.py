@@ -20,11 +20,12 @@ from ..errors import UserError
 _NAME = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w][\w./-]*))?")
 
 # What loading reads from a Hugging Face or glassformer folder (convert/hf.py open_weights, text/tokenizer.py,
-# checkpoint/loading.py), and no more: the root's weights only, so a repository's other copies
+# checkpoint/loading.py and adapters.py), and no more: the root's weights only, so a repository's other copies
 # (consolidated.safetensors, onnx/, original/) stay on the Hub.
-FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+CONFIG_FILES = ["config.json"]
+FILES = CONFIG_FILES + ["generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "special_tokens_map.json", "chat_template.jinja", "additional_chat_templates/*.jinja",
-         "model*.safetensors", "model.safetensors.index.json", "COMPLETE"]
+         "model*.safetensors", "model.safetensors.index.json", "adapter.safetensors", "COMPLETE"]
 PICKLE_FILES = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 _TRUE = {"1", "on", "yes", "true"}
 
@@ -41,13 +42,14 @@ def parse_name(text: str) -> tuple[str, str | None] | None:
     return (m["repo"], m["revision"]) if m else None
 
 
-def find(path: str | Path, allow_pickle: bool = False) -> Path:
+def find(path: str | Path, allow_pickle: bool = False, weights: bool = True) -> Path:
     """The local folder `path` names: the path itself when it exists or is no Hub name (a path
-    always wins), else the Hub model's snapshot folder in the Hugging Face cache."""
+    always wins), else the Hub model's snapshot folder in the Hugging Face cache (with
+    weights=False, only its config.json is fetched)."""
     name = parse_name(str(path)) if not Path(path).exists() else None
     if name is None:
         return Path(path)
-    return snapshot(str(path), *name, allow_pickle=allow_pickle)
+    return snapshot(str(path), *name, allow_pickle=allow_pickle, weights=weights)
 
 
 def _settings() -> tuple[str | None, bool]:
@@ -63,7 +65,7 @@ def _settings() -> tuple[str | None, bool]:
     return cache, offline
 
 
-def snapshot(text: str, repo: str, revision: str | None, allow_pickle: bool = False) -> Path:
+def snapshot(text: str, repo: str, revision: str | None, allow_pickle: bool = False, weights: bool = True) -> Path:
     """The snapshot folder of repo@revision, fetched into the cache when missing; every failure a UserError
     that names both readings of `text` (a folder here, a model on the Hub)."""
     try:
@@ -72,14 +74,16 @@ def snapshot(text: str, repo: str, revision: str | None, allow_pickle: bool = Fa
         raise UserError(f"no folder {text} here; to read it as a Hugging Face Hub name, install huggingface_hub: "
                         'pip install "glassformer[hf]"') from None
     cache, offline = _settings()
-    patterns = FILES + (PICKLE_FILES if allow_pickle else [])
+    patterns = (FILES + (PICKLE_FILES if allow_pickle else [])) if weights else CONFIG_FILES
     try:
         folder = snapshot_download(repo, revision=revision, allow_patterns=patterns, cache_dir=cache,
                                    local_files_only=offline)
     except Exception as e:  # huggingface_hub's own errors, its HTTP client's and OSError, across versions
         raise UserError(_failure(text, repo, revision, offline, e)) from None
     folder = Path(folder)
-    if not any(folder.glob("model*.safetensors")) and not (allow_pickle and any(folder.glob("pytorch_model*.bin"))):
+    found = [*folder.glob("model*.safetensors"), *folder.glob("adapter.safetensors"),
+             *(folder.glob("pytorch_model*.bin") if allow_pickle else [])]
+    if weights and not found:
         what = f"{repo}@{revision}" if revision else repo
         extra = "" if allow_pickle else "; if it holds pickled pytorch_model.bin files, convert it with --allow-pickle"
         raise UserError(f"{what} on the Hugging Face Hub has no weights glassformer reads (model.safetensors or "
@@ -94,6 +98,9 @@ def _failure(text: str, repo: str, revision: str | None, offline: bool, e: Excep
 
     here = f"no folder {text} here, and"
     what = f"{repo}@{revision}" if revision else repo
+    if type(e).__name__ == "IncompleteSnapshotError":  # newer huggingface_hub: the snapshot lacks some files
+        why = "offline: HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
+        return f"{here} {what} is only partly in the Hugging Face cache ({why}); fetch it again with the network"
     if isinstance(e, LocalEntryNotFoundError) and offline:
         return (f"{here} {what} is not in the Hugging Face cache (offline: HF_HUB_OFFLINE is set); "
                 "fetch it once with the network, or give a local folder")
