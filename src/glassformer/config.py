@@ -264,7 +264,7 @@ class TrainConfig:
     model: str = ""
     """Model overrides of the preset as comma-separated key=value pairs, e.g. 'dim=256,n_layers=6'."""
     init_from: str | None = None
-    """Start from the weights of this checkpoint (checkpoint, run or Hugging Face folder) instead of random ones."""
+    """Start from the weights of this checkpoint (checkpoint, run or Hugging Face folder, or a Hub name org/name[@revision]) instead of random ones."""
     resume: bool = False
     """Continue the run in --out exactly from its newest complete checkpoint (starts fresh if there is none)."""
     device: str = "auto"

@@ -17,7 +17,7 @@ COMMANDS = "/reset forgets the conversation, /system TEXT sets the system prompt
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint folder, training run folder or Hugging Face folder")
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder, training run folder, Hugging Face folder or Hub name org/name[@revision]")
     p.add_argument("--system", default=None, help="the system prompt")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--template", default=None, metavar="FILE",

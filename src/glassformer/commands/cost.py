@@ -9,7 +9,7 @@ def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="a named preset (see ModelConfig presets), e.g. llama3-8b")
     src.add_argument("--config", metavar="FILE", help="a JSON file of ModelConfig fields (or a checkpoint's config.json)")
-    src.add_argument("--checkpoint", metavar="CKPT", help="a checkpoint, run or Hugging Face folder (only its config is read)")
+    src.add_argument("--checkpoint", metavar="CKPT", help="a checkpoint, run or Hugging Face folder, or a Hub name org/name[@revision] (only its config is read)")
     p.add_argument("--batch", type=int, default=1, help="B: rows per batch")
     p.add_argument("--seq", type=int, default=None, help="T: tokens per row (default: the model's context)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,

@@ -9,7 +9,7 @@ HELP = "held-out loss, perplexity and bits per byte of a text file or a prepared
 
 def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True, metavar="CKPT",
-                   help="checkpoint folder, training run folder (its latest checkpoint) or Hugging Face folder")
+                   help="checkpoint folder, training run folder (its latest checkpoint), Hugging Face folder or Hub name org/name[@revision]")
     p.add_argument("--data", required=True, metavar="PATH",
                    help="a UTF-8 text file, or a prepared data folder (its val.bin is scored; in a conversation "
                         "folder, the tokens its mask trains, with \"scored\" in the result)")

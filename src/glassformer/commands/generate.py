@@ -11,7 +11,7 @@ HELP = "sample text from a checkpoint, streamed as tokens come (KV cache, batche
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint folder, training run folder or Hugging Face folder")
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder, training run folder, Hugging Face folder or Hub name org/name[@revision]")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the text to continue")
     src.add_argument("--prompts-file", help="a text file with one prompt per line, generated as one batch")

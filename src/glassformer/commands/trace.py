@@ -27,7 +27,7 @@ def _int_list(text: str) -> list[int]:
 
 def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", metavar="CKPT", help="checkpoint, training run or Hugging Face folder")
+    src.add_argument("--checkpoint", metavar="CKPT", help="checkpoint, training run or Hugging Face folder, or a Hub name org/name[@revision]")
     src.add_argument("--worked", action="store_true", help="the walkthrough's toy model (glassformer worked)")
     p.add_argument("--variant", default="one_head",
                    help="which toy model with --worked: one_head, two_blocks_pre, two_blocks_post, mha, gqa, mqa")

@@ -11,7 +11,7 @@ DEFAULT_TEXT = "the cat sat on the mat"
 
 def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="CKPT", help="checkpoint, training run or Hugging Face folder")
+    src.add_argument("--checkpoint", metavar="CKPT", help="checkpoint, training run or Hugging Face folder, or a Hub name org/name[@revision]")
     src.add_argument("--worked", action="store_true", help="the walkthrough's one-head toy model ('I like cats too')")
     p.add_argument("--variant", default="one_head",
                    help="with --worked: one_head, two_blocks_pre, two_blocks_post, mha, gqa or mqa")
