@@ -5,6 +5,7 @@ convert --merge-lora, and the bad inputs (clear errors, nothing written)."""
 
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,3 +157,84 @@ def test_merging_onto_an_int8_base_is_refused():
     assert torch.isfinite(out).all()
     with pytest.raises(UserError, match="quantized"):
         merge_lora(model)
+
+
+# ----------------------------------------------------------------------------- adapter checkpoints and load
+
+
+@pytest.fixture(scope="module")
+def base_ckpt(tmp_path_factory):
+    """A tiny checkpoint with a tokenizer: (folder, model)."""
+    from ..support import synthetic_text, tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("lora") / "base"
+    model, _ = tiny_checkpoint(folder, synthetic_text(200, 0))
+    return folder, model
+
+
+def _saved_adapter(base_folder, base_model, dst, r=4, seed=3):
+    from glassformer.checkpoint.adapters import save_adapter
+
+    import copy
+
+    model = _randomise_B(apply_lora(copy.deepcopy(base_model), LoraConfig(r=r)), seed=seed)
+    save_adapter(dst, model, base_folder, tokenizer=None)
+    return model
+
+
+def test_an_adapter_checkpoint_loads_onto_its_base(base_ckpt, tmp_path, monkeypatch):
+    import shutil
+
+    from glassformer.checkpoint.loading import load
+    from safetensors.torch import load_file
+
+    folder, base = base_ckpt
+    shutil.copytree(folder, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    want_model = _saved_adapter("base", base, Path("runs") / "adapter")
+    meta = json.loads((tmp_path / "runs" / "adapter" / "config.json").read_text())
+    assert meta["lora"]["r"] == 4 and meta["lora"]["alpha"] == 16.0 and meta["lora"]["targets"] == list(LORA_TARGETS)
+    assert meta["lora"]["base"] == {"path": "../base", "sha256": base_sha256(base)}  # relative to the run
+    monkeypatch.chdir(tmp_path / "runs")  # found from the adapter's folder, wherever the process is
+    tmp_path = tmp_path / "runs"
+    assert (tmp_path / "adapter" / "COMPLETE").is_file() and not (tmp_path / "adapter" / "model.safetensors").exists()
+    stored = load_file(str(tmp_path / "adapter" / "adapter.safetensors"))
+    assert set(stored) == set(adapter_state(want_model))
+    model, tok = load(tmp_path / "adapter")
+    assert tok is not None  # the base's tokenizer when the adapter has none
+    assert torch.equal(model(IDS)[0], want_model(IDS)[0])
+
+
+def test_the_adapter_file_grows_with_r_and_not_with_the_base(tmp_path):
+    from glassformer.checkpoint.adapters import save_adapter
+
+    sizes = {}
+    for dim_ffn in (64, 256):  # a larger base: only the base's feed-forward grows
+        for r in (2, 8):
+            m = apply_lora(tiny_model(0, ffn_dim=dim_ffn), LoraConfig(r=r, targets=("wq", "wv")))
+            save_adapter(tmp_path / f"a{dim_ffn}-{r}", m, tmp_path / "nowhere")
+            sizes[dim_ffn, r] = (tmp_path / f"a{dim_ffn}-{r}" / "adapter.safetensors").stat().st_size
+    assert sizes[64, 8] > 3 * sizes[64, 2]
+    assert abs(sizes[256, 8] - sizes[64, 8]) < 200  # the same tensors: only the header's text may differ
+
+
+def test_a_moved_base_is_found_with_base_and_a_different_base_is_refused(base_ckpt, tmp_path):
+    import shutil
+
+    from glassformer.checkpoint.folders import save_model
+    from glassformer.checkpoint.loading import load
+
+    folder, base = base_ckpt
+    moved = tmp_path / "base"
+    shutil.copytree(folder, moved)
+    want_model = _saved_adapter(moved, base, tmp_path / "run" / "adapter")
+    shutil.move(moved, tmp_path / "elsewhere")
+    with pytest.raises(UserError, match="pass --base"):
+        load(tmp_path / "run" / "adapter")
+    model, _ = load(tmp_path / "run" / "adapter", base=tmp_path / "elsewhere")
+    assert torch.equal(model(IDS)[0], want_model(IDS)[0])
+    other = tiny_model(5, vocab_size=base.config.vocab_size)
+    save_model(tmp_path / "other", other)
+    with pytest.raises(UserError) as e:
+        load(tmp_path / "run" / "adapter", base=tmp_path / "other")
+    assert base_sha256(base) in str(e.value) and base_sha256(other) in str(e.value) and "other" in str(e.value)

@@ -1,5 +1,6 @@
 """`load(CKPT) -> (model, tokenizer)`: a checkpoint folder, a training run folder (its `latest`
-checkpoint) or a Hugging Face folder (config.json with a `model_type`)."""
+checkpoint), a Hugging Face folder (config.json with a `model_type`) or an adapter checkpoint
+(its base loaded, then the adapter put on: adapters.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from ..config import ModelConfig
 from ..convert.hf import load_hf
 from ..errors import UserError
+from .adapters import attach, base_location, is_adapter
 from .builder import model_from_state
 from .folders import FORMAT, FORMAT_VERSION, read_config, resolve
 
@@ -21,10 +23,12 @@ def _check_native(folder: Path, meta: dict) -> None:
         raise UserError(f"checkpoint {folder} is incomplete (no COMPLETE marker): it was being written when a run stopped")
 
 
-def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+         base: str | Path | None = None):
     """(model, tokenizer) from a checkpoint, run or Hugging Face folder; tokenizer is None if absent.
     A native checkpoint loads in dtype, else float32 whatever it stores; a Hugging Face folder
-    keeps its stored dtype unless dtype is given."""
+    keeps its stored dtype unless dtype is given. An adapter checkpoint loads onto its base, or
+    onto `base` (--base) when that has moved."""
     from safetensors.torch import load_file
 
     folder = resolve(path)
@@ -34,13 +38,28 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
             return load_hf(folder, device=device, dtype=dtype)
         raise UserError(f"{folder / 'config.json'} is neither a glassformer nor a Hugging Face config")
     _check_native(folder, meta)
+    if is_adapter(meta):
+        return _load_adapted(folder, meta, device, dtype, base)
     cfg = ModelConfig.from_dict(meta["model"])
     state = load_file(str(folder / "model.safetensors"))
     model = model_from_state(cfg, state, device, dtype or torch.get_default_dtype(),
                              where=str(folder / "model.safetensors"))
-    tokenizer = None
-    if (folder / "tokenizer.json").is_file():
-        from ..text.tokenizer import Tokenizer
+    return model, _tokenizer(folder)
 
-        tokenizer = Tokenizer.from_folder(folder)  # with tokenizer_config.json and the chat template
-    return model, tokenizer
+
+def _tokenizer(folder: Path):
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    from ..text.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(folder)  # with tokenizer_config.json and the chat template
+
+
+def _load_adapted(folder: Path, meta: dict, device, dtype, base):
+    """The base in fp32 (its sha256 is over fp32 values), the adapter put on, then cast to dtype."""
+    where = base_location(folder, meta, base)
+    model, base_tok = load(where, device=device, dtype=torch.float32)
+    attach(model, folder, meta, where)
+    model = model.to(dtype or torch.get_default_dtype()).eval()
+    tok = _tokenizer(folder)
+    return model, base_tok if tok is None else tok
