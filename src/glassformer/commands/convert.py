@@ -16,6 +16,8 @@ def add_arguments(p) -> None:
                       help="pool the key/value heads of --checkpoint into K heads (K=1: MQA)")
     mode.add_argument("--quantize", metavar="TYPE",
                       help="store the weights of --checkpoint as TYPE (int8: per output channel; docs/quantize.md)")
+    p.add_argument("--peft", action="store_true",
+                   help="with --to-hf on a LoRA adapter run: write DIR/base/ and the adapter in PEFT's layout (docs/lora.md#peft)")
     p.add_argument("--checkpoint", metavar="SRC", help="the checkpoint that --kv-heads or --quantize converts")
     p.add_argument("--out", required=True, metavar="DST", help="folder to write (must not exist yet)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"], default=None,
@@ -101,6 +103,7 @@ def run(args) -> int:
     from ..convert.families import family_for
     from ..convert.heads import convert_kv_heads
     from ..convert.hf import load_hf, parse_dtype, save_hf
+    from ..convert.peft import save_peft
     from ..errors import UserError
 
     dtype = parse_dtype(args.dtype)
@@ -110,6 +113,8 @@ def run(args) -> int:
     src = args.from_hf or args.to_hf or args.checkpoint
     if on_checkpoint and src is None:
         raise UserError(f"{'--kv-heads K' if args.kv_heads is not None else '--quantize TYPE'} needs --checkpoint SRC")
+    if args.peft and args.to_hf is None:
+        raise UserError("--peft goes with --to-hf RUN (a LoRA adapter run)")
     if args.quantize is not None:
         return _quantize(args, src, dtype)
     _check_out(args.out, src)
@@ -124,8 +129,12 @@ def run(args) -> int:
         folder = resolve(src)
         model, tok = _float_model(folder, dtype=dtype or _stored_dtype(folder))
         family = family_for(model.config)  # refuses, by name, what no family can hold
-        save_hf(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=getattr(tok, "eot_id", None))
-        what = f"Hugging Face {family.name} folder"
+        if not args.peft and getattr(model, "lora_config", None) is not None:
+            raise UserError(f"{src} is a LoRA adapter run: add --peft to write its base and the adapter in PEFT's "
+                            "layout, or merge it first (convert --merge-lora RUN --out CKPT)")
+        write = save_peft if args.peft else save_hf  # save_peft refuses a model without an adapter
+        write(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=getattr(tok, "eot_id", None))
+        what = f"Hugging Face {family.name} folder" + (" and its LoRA adapter in PEFT's layout" if args.peft else "")
     else:
         folder = resolve(src)
         model, _ = _float_model(folder)  # float32: the means are taken at full precision
