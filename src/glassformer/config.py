@@ -321,6 +321,16 @@ class TrainConfig:
     """CPU threads for PyTorch (0 = PyTorch's default); 1 is fastest for tiny models on a busy machine."""
     keep_freed_memory: bool = True
     """On the CPU (Linux, glibc): keep the memory a step frees for the next one instead of faulting fresh pages in each step (what that costs a step: bench/cpu_memory.py, docs/benchmarks.md)."""
+    lora_r: int = 0
+    """LoRA rank: freeze the --init-from model and train only rank-R adapters on its products; checkpoints hold the adapter alone (0 = off: train every weight; docs/lora.md)."""
+    lora_alpha: float = 16.0
+    """LoRA alpha: the adapters' products are scaled by alpha / r."""
+    lora_dropout: float = 0.0
+    """LoRA dropout on the adapters' input while training."""
+    lora_targets: str = "wq,wk,wv,wo,w_gate,w_up,w_down"
+    """The block products that get a LoRA adapter, comma-separated."""
+    base: str | None = None
+    """The base checkpoint of an adapter run given to --init-from or resumed, when it has moved from where the adapter records it."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size",):
@@ -340,6 +350,8 @@ class TrainConfig:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0; got lr={self.lr}, min_lr={self.min_lr}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.lora_r < 0:
+            raise ValueError(f"lora_r must be at least 1 (or 0: no LoRA), got {self.lora_r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
