@@ -14,13 +14,13 @@ from .config import ModelConfig
 
 
 class LayerKV(nn.Module):
-    """One layer's cache: k and v of shape (B, K, S, H)."""
+    """One layer's cache: k and v of shape (B, K, S, H) (its own storage, or a view of a larger cache's)."""
 
-    def __init__(self, parent: "KVCache", shape: tuple[int, int, int, int], dtype, device):
+    def __init__(self, parent: "KVCache", k: torch.Tensor, v: torch.Tensor):
         super().__init__()
         self._parent = [parent]  # a list, so the parent is not registered as a submodule
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k", k, persistent=False)
+        self.register_buffer("v", v, persistent=False)
 
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, K, T, H) at positions pos (B, T); return the keys and values readable now."""
@@ -48,9 +48,36 @@ class KVCache(nn.Module):
             raise ValueError(f"cache length must be in 1..{config.max_seq_len} (the model's context), got {self.max_len}")
         shape = (batch_size, config.n_kv_heads, self.max_len, config.head_dim)  # (B, K, S, H)
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        self.layers = nn.ModuleList(LayerKV(self, shape, dtype, device) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(LayerKV(self, torch.zeros(shape, dtype=dtype, device=device),
+                                            torch.zeros(shape, dtype=dtype, device=device))
+                                    for _ in range(config.n_layers))
         self.start: int | None = 0
         self.end: int = 0
+
+    def view(self, lo: int, hi: int, length: int | None = None) -> "KVCache":
+        """Rows lo..hi-1 and slots 0..length-1 of this cache as a cache of their own, on the same
+        storage (what a forward writes lands here): a serving engine runs its active rows only, and
+        reads only the slots they have filled. Built without allocating; cheap, but not free."""
+        length = self.max_len if length is None else int(length)
+        if not (0 <= lo < hi <= self.batch_size and 1 <= length <= self.max_len):
+            raise ValueError(f"a view needs rows within 0..{self.batch_size} and 1..{self.max_len} slots, "
+                             f"got rows {lo}..{hi - 1} and {length} slots")
+        part = KVCache.__new__(KVCache)
+        nn.Module.__init__(part)
+        part.max_len, part.start, part.end = length, 0, 0
+        part.layers = nn.ModuleList(LayerKV(part, lay.k[lo:hi, :, :length], lay.v[lo:hi, :, :length])
+                                    for lay in self.layers)  # (hi - lo, K, length, H) views
+        return part
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy row src's first `length` slots of every layer into row dst (an engine moving a row)."""
+        for lay in self.layers:
+            lay.k[dst, :, :length].copy_(lay.k[src, :, :length])  # (K, length, H)
+            lay.v[dst, :, :length].copy_(lay.v[src, :, :length])
+
+    def row_bytes(self) -> int:
+        """Bytes of keys and values that one row of this cache holds, every layer and slot."""
+        return sum(2 * lay.k[0].numel() * lay.k.element_size() for lay in self.layers)
 
     @classmethod
     def for_model(cls, model: nn.Module, batch_size: int, max_len: int | None = None) -> "KVCache":

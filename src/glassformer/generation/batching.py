@@ -1,0 +1,515 @@
+"""Continuous batching: many requests share one KV cache and one batched forward per decode step.
+
+An `Engine` owns a cache of `max_batch` rows, sized to the model's context and allocated once. A
+request (`Request`) waits in a queue until a row is free, is prefilled in chunks of `prefill_chunk`
+tokens between the running rows' decode steps, then decodes with them: every decode step is one
+forward of the model's own modules over every decoding row, each at its own position. A request
+leaves the batch when it finishes or its ticket is cancelled; the last row moves into its place, so
+the decoding rows stay 0..n-1 and a forward runs over a view of the first n rows (KVCache.view).
+
+Each row samples with its own torch.Generator and its own parameters, one row at a time with the
+draws `sampling.sample` makes, so a seeded request gives the tokens in-process `generate` gives,
+alone or batched. docs/generation.md#continuous-batching.
+
+One step, in phases: release (cancelled rows out), prefill (admit queued requests into free rows,
+feed prompt chunks), decode (one forward), emit (sample, log-probabilities, events), release
+(finished rows out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator, Sequence
+
+import torch
+
+from ..errors import UserError
+from ..kv_cache import KVCache
+from ..probes import active as probes_active
+from .compiled import compile_step, step_key
+from .logprobs import TokenLogprob, logprobs_of, prompt_logprobs
+from .sampling import apply_repetition_penalty, check_sampling, sample
+from .session import _ends_with_stop, _stops
+
+__all__ = ["QueueFull", "ContextLengthExceeded", "EngineStopped", "Request", "Event", "Ticket", "Engine",
+           "BUCKETS", "bucket"]
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16)  # the batch sizes a compiled decode step is run at (rows padded up)
+LENGTH_STEP = 64  # a decode step reads the cache up to the furthest row's position, rounded up to this
+
+
+class QueueFull(UserError):
+    """The queue of waiting requests is full (a server answers 429)."""
+
+
+class ContextLengthExceeded(UserError):
+    """A prompt plus max_tokens is longer than the model's context (a server answers 400)."""
+
+
+class EngineStopped(UserError):
+    """The engine is stopping or stopped and takes no more requests (a server answers 503)."""
+
+
+@dataclass
+class Request:
+    """One completion to run: prompt ids and how to sample (each request its own parameters)."""
+
+    ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # the row's torch.Generator is seeded with it; None: a fresh random seed
+    stop_ids: Sequence = ()  # token ids and/or id sequences ending the request (yielded, finish "stop")
+    logprobs: int | None = None  # None: none; k >= 0: each new token's TokenLogprob with its top k
+    prompt_logprobs: int | None = None  # score the prompt (echo), top k each; max_tokens 0 then only scores it
+
+
+@dataclass
+class Event:
+    """What a ticket yields: a new token, or the end (finish set on the last event)."""
+
+    token: int | None
+    logprob: TokenLogprob | None = None
+    finish: str | None = None  # None while going; "stop" | "length" | "cancelled" | "error" on the last event
+    prompt: list[TokenLogprob] | None = None  # once, on the first event, when prompt_logprobs was asked
+
+
+def bucket(n: int, max_batch: int) -> int:
+    """The batch size a compiled step runs n rows at: the next of BUCKETS (past 16, the next
+    multiple of 16), at most max_batch.
+
+    >>> [bucket(n, 8) for n in (1, 2, 3, 5, 8)]
+    [1, 2, 4, 8, 8]
+    """
+    b = next((b for b in BUCKETS if b >= n), -(-n // BUCKETS[-1]) * BUCKETS[-1])
+    return min(b, max_batch)
+
+
+def round_up(n: int, step: int, limit: int) -> int:
+    """n rounded up to a multiple of step, at most limit.
+
+    >>> round_up(65, 64, 1000), round_up(65, 64, 100)
+    (128, 100)
+    """
+    return min(-(-n // step) * step, limit)
+
+
+class Ticket:
+    """One submitted request: its events as they come, blocking (`events`) or for asyncio (`aevents`).
+
+    Leaving either iterator before its last event cancels the request (its row is freed)."""
+
+    def __init__(self, request: Request, engine: "Engine", stops: list[tuple[int, ...]] = ()):
+        self.request = request
+        self.prompt_tokens = len(request.ids)
+        self.completion_tokens = 0
+        self.finish: str | None = None
+        self._engine, self._stops = engine, list(stops)
+        self._events: collections.deque[Event] = collections.deque()
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self.cancelled = False
+
+    def _push(self, event: Event) -> None:
+        """Called by the engine: hand one event to whoever waits."""
+        with self._cond:
+            if self.finish is not None:
+                return  # finished already (a cancel racing the last token)
+            if event.token is not None:
+                self.completion_tokens += 1
+            self.finish = event.finish
+            self._events.append(event)
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, ready in waiters:
+            loop.call_soon_threadsafe(ready.set)
+
+    def _pop(self) -> Event | None:
+        with self._cond:
+            return self._events.popleft() if self._events else None
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """The events, blocking for each (TimeoutError after `timeout` seconds without one)."""
+        done = False
+        try:
+            while not done:
+                with self._cond:
+                    if not self._cond.wait_for(lambda: self._events, timeout):
+                        raise TimeoutError(f"no event within {timeout} s")
+                    event = self._events.popleft()
+                done = event.finish is not None
+                yield event
+        finally:
+            if not done:
+                self.cancel()
+
+    async def aevents(self) -> AsyncIterator[Event]:
+        """The same events for asyncio code: waits without blocking the loop."""
+        loop, ready = asyncio.get_running_loop(), asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, ready))
+        done = False
+        try:
+            while not done:
+                with self._cond:
+                    event = self._events.popleft() if self._events else None
+                    if event is None:
+                        ready.clear()  # under the lock: an event pushed after this sets it again
+                if event is None:
+                    await ready.wait()
+                    continue
+                done = event.finish is not None
+                yield event
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, ready))
+            if not done:
+                self.cancel()
+
+    def cancel(self) -> None:
+        """The client went away: the request ends with finish "cancelled", its row freed before the next step."""
+        if self.finish is None:
+            self.cancelled = True
+            self._engine._cancel(self)
+
+
+@dataclass
+class _Row:
+    """A request in a cache row: its text so far, how much of it is in the cache, how it samples."""
+
+    ticket: Ticket
+    text: list[int]  # prompt, then every token made
+    fed: int  # tokens of text whose keys and values are cached (their slots are 0..fed-1)
+    generator: torch.Generator
+    stops: list[tuple[int, ...]]
+    seen: torch.Tensor | None  # (1, V) bool, the tokens in text, where a repetition penalty asks for it
+    made: int = 0
+    scores: list[TokenLogprob] | None = None  # the prompt's log-probabilities so far (prompt_logprobs)
+
+    @property
+    def request(self) -> Request:
+        return self.ticket.request
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.fed >= len(self.request.ids)
+
+
+class Engine:
+    """Continuous batching over one model and one KV cache of `max_batch` rows (module docstring)."""
+
+    def __init__(self, model, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256,
+                 compile: bool = False):
+        for name, v in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
+            if int(v) != v or v < 1:
+                raise UserError(f"{name} must be an integer >= 1, got {v}")
+        self.model, self.max_batch, self.max_queue, self.prefill_chunk = model, max_batch, max_queue, prefill_chunk
+        self.device = next(model.parameters()).device
+        self.context = model.config.max_seq_len
+        self.cache = KVCache.for_model(model, max_batch)  # (max_batch, K, S, H) per layer, allocated once
+        self.rows: list[_Row | None] = [None] * max_batch  # decoding rows 0..n_dec-1, then at most one prefilling
+        self.n_dec = 0
+        self.queue: collections.deque[Ticket] = collections.deque()
+        self._lock = threading.Condition()
+        self._cancels: set[Ticket] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = self.decode_steps = self.prefill_tokens = self.decode_tokens = 0
+        self._compiled, self._step_key, self.shapes = None, None, set()
+        if compile:
+            self._compiled = compile_step(self.device)
+            for lay in self.cache.layers:  # written in place at fixed addresses
+                torch._dynamo.mark_static_address(lay.k)
+                torch._dynamo.mark_static_address(lay.v)
+        elif self.device.type == "cpu":
+            model.hold_rows()  # eager one-row products from row-block copies (as a Session does)
+
+    # ---- the public side ---------------------------------------------------------------
+    @property
+    def stats(self) -> dict:
+        with self._lock:
+            prefilling = sum(r is not None for r in self.rows[self.n_dec:])
+            return {"active": self.n_dec + prefilling, "decoding": self.n_dec, "queued": len(self.queue),
+                    "steps": self.steps, "decode_steps": self.decode_steps, "prefill_tokens": self.prefill_tokens,
+                    "decode_tokens": self.decode_tokens, "max_batch": self.max_batch, "max_queue": self.max_queue,
+                    "kv_bytes_per_row": self.cache.row_bytes(), "compiled_batch_sizes": sorted(self.shapes)}
+
+    def submit(self, request: Request) -> Ticket:
+        """Check the request (UserError, ContextLengthExceeded, QueueFull, EngineStopped) and queue it."""
+        stops = self._check(request)
+        ticket = Ticket(request, self, stops)
+        if request.max_tokens == 0 and request.prompt_logprobs is None:
+            ticket._push(Event(None, finish="length"))  # nothing to compute
+            return ticket
+        with self._lock:
+            if self._stopping:
+                raise EngineStopped("the server is stopping: try again later")
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"{len(self.queue)} requests are waiting already (the queue's limit): try again later")
+            self.queue.append(ticket)
+            self._lock.notify_all()
+        return ticket
+
+    def start(self) -> "Engine":
+        """Run the steps on a background thread (daemon) until stop()."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="glassformer-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Take nothing new; end every waiting and running request with finish "cancelled"."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            tickets = list(self.queue) + [r.ticket for r in self.rows if r is not None]
+            self.queue.clear()
+            self.rows, self.n_dec = [None] * self.max_batch, 0
+        for t in tickets:
+            t._push(Event(None, finish="cancelled"))
+
+    def step(self) -> bool:
+        """One step (release, prefill, decode, emit, release) in the caller's thread, for an engine
+        that was not started (tests, benchmarks). Returns whether there was anything to do."""
+        with self._lock:
+            self._release_cancelled()
+            busy = bool(self.queue) or any(r is not None for r in self.rows)
+        if not busy:
+            return False
+        with torch.inference_mode():
+            self._prefill()
+            self._decode()
+        self.steps += 1
+        return True
+
+    # ---- checks ------------------------------------------------------------------------
+    def _check(self, r: Request) -> list[tuple[int, ...]]:
+        """The request's checks, as UserErrors saying what to change; its stop sequences."""
+        V = self.model.config.vocab_size
+        if not r.ids:
+            raise UserError("the prompt is empty: give at least one token")
+        bad = [t for t in r.ids if not (isinstance(t, int) and 0 <= t < V)]
+        if bad:
+            raise UserError(f"token id {bad[0]!r} is outside the vocabulary 0..{V - 1}")
+        if not isinstance(r.max_tokens, int) or r.max_tokens < 0:
+            raise UserError(f"max_tokens must be an integer >= 0, got {r.max_tokens!r}")
+        check_sampling(r.temperature, r.top_k, r.top_p, r.min_p, r.repetition_penalty)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(r, name)
+            if k is not None and (not isinstance(k, int) or k < 0):
+                raise UserError(f"{name} must be an integer >= 0 (or unset), got {k!r}")
+        if r.seed is not None and not isinstance(r.seed, int):
+            raise UserError(f"seed must be an integer, got {r.seed!r}")
+        if len(r.ids) + r.max_tokens > self.context:
+            raise ContextLengthExceeded(
+                f"the prompt ({len(r.ids)} tokens) plus max_tokens ({r.max_tokens}) is more than the model's "
+                f"context of {self.context} tokens: shorten the prompt or ask for fewer tokens")
+        stops = _stops(list(r.stop_ids))
+        if any(not s or not all(isinstance(t, int) and 0 <= t < V for t in s) for s in stops):
+            raise UserError(f"stop ids must be token ids (or sequences of them) in 0..{V - 1}")
+        return stops
+
+    # ---- the loop ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._stopping or self.queue or self._cancels
+                                    or any(r is not None for r in self.rows))
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug or out of memory: end every request rather than hang its client
+                log.exception("engine step failed; ending every request")
+                self._fail_all()
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            tickets = list(self.queue) + [r.ticket for r in self.rows if r is not None]
+            self.queue.clear()
+            self.rows, self.n_dec = [None] * self.max_batch, 0
+        for t in tickets:
+            t._push(Event(None, finish="error"))
+
+    def _cancel(self, ticket: Ticket) -> None:
+        with self._lock:
+            if ticket in self.queue:
+                self.queue.remove(ticket)
+                ticket._push(Event(None, finish="cancelled"))
+            else:
+                self._cancels.add(ticket)
+            self._lock.notify_all()
+
+    # ---- release -----------------------------------------------------------------------
+    def _release_cancelled(self) -> None:
+        """Free the rows of cancelled tickets (under the lock)."""
+        if not self._cancels:
+            return
+        for i in reversed(range(self.max_batch)):
+            r = self.rows[i]
+            if r is not None and r.ticket in self._cancels:
+                r.ticket._push(Event(None, finish="cancelled"))
+                self._release(i)
+        self._cancels.clear()
+
+    def _release(self, i: int) -> None:
+        """Free row i: the last decoding row moves into its place, and the prefilling row (if any)
+        into the last decoding row's, so the decoding rows stay 0..n_dec-1."""
+        if i >= self.n_dec:  # the prefilling row
+            self.rows[i] = None
+            return
+        last = self.n_dec - 1
+        if i != last:
+            self._move(last, i)
+        self.rows[last] = None
+        self.n_dec -= 1
+        if last + 1 < self.max_batch and self.rows[last + 1] is not None:
+            self._move(last + 1, last)
+
+    def _move(self, src: int, dst: int) -> None:
+        """Move row src's request and cached slots to row dst; src becomes free."""
+        r = self.rows[src]
+        self.cache.copy_row(src, dst, r.fed)
+        self.rows[dst], self.rows[src] = r, None
+
+    # ---- prefill -----------------------------------------------------------------------
+    def _prefilling(self) -> int | None:
+        """The row being prefilled (n_dec), admitting the next queued request there if it is free."""
+        i = self.n_dec
+        if i >= self.max_batch:
+            return None
+        if self.rows[i] is None:
+            with self._lock:
+                if not self.queue:
+                    return None
+                ticket = self.queue.popleft()
+            self.rows[i] = self._admit(ticket)
+        return i
+
+    def _admit(self, ticket: Ticket) -> _Row:
+        """A row for a queued ticket: its generator seeded, its penalty's seen tokens marked."""
+        r = ticket.request
+        g = torch.Generator(self.device)
+        g.manual_seed(int(r.seed)) if r.seed is not None else g.seed()
+        seen = None
+        if r.repetition_penalty != 1.0:
+            seen = torch.zeros(1, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+            seen[0, torch.tensor(r.ids, device=self.device)] = True
+        scores = [] if r.prompt_logprobs is not None else None
+        return _Row(ticket, list(r.ids), 0, g, ticket._stops, seen, scores=scores)
+
+    def _prefill(self) -> None:
+        """Feed prompt chunks, prefill_chunk tokens a step in all, one prompt at a time, oldest first;
+        a prompt fed whole gets its first token and joins the decoding rows."""
+        budget = self.prefill_chunk
+        while budget > 0:
+            i = self._prefilling()
+            if i is None:
+                return
+            r = self.rows[i]
+            n = min(len(r.request.ids) - r.fed, budget)
+            logits = self._prefill_forward(i, r, n)  # (n, V) or (1, V)
+            budget -= n
+            if r.prompt_done:
+                self.n_dec += 1
+                self._emit(i, logits[-1:])  # the first new token, from the prompt's last position
+
+    def _prefill_forward(self, i: int, r: _Row, n: int) -> torch.Tensor:
+        """Row i's next n prompt tokens in one forward: logits (n, V) where the prompt is scored,
+        else (1, V) of the last of them."""
+        a = r.fed
+        ids = torch.tensor([r.request.ids[a:a + n]], device=self.device)  # (1, n)
+        view = self.cache.view(i, i + 1, a + n)
+        at = None if r.scores is not None else torch.tensor([n - 1], device=self.device)
+        logits, _ = self.model(ids, cache=view, pos=a, logits_at=at)  # (1, n or 1, V)
+        r.fed += n
+        self.prefill_tokens += n
+        if r.scores is not None:
+            r.scores += prompt_logprobs(logits[0], r.request.ids[a:a + n + 1], r.request.prompt_logprobs)
+        return logits[0]
+
+    # ---- decode ------------------------------------------------------------------------
+    def _decode(self) -> None:
+        """One forward over every decoding row, each feeding its last token at its own position."""
+        n = self.n_dec
+        if n == 0:
+            return
+        rows = self.rows[:n]
+        compiled = self._compiled is not None and not self.model.training and not probes_active()
+        B = bucket(n, self.max_batch) if compiled else n
+        toks = [r.text[-1] for r in rows] + [0] * (B - n)
+        # Padding rows sit on free rows, or on the prefilling one at its next prompt slot, which its
+        # next chunk writes before anything reads it: no real row's keys are touched.
+        pos = [r.fed for r in rows] + [self._pad_position(j) for j in range(n, B)]
+        idx = torch.tensor(toks, device=self.device)[:, None]  # (B, 1)
+        if B == 1 and not compiled:  # one row: the plain cache path, as a one-row Session steps
+            logits, _ = self.model(idx, cache=self.cache.view(0, 1, pos[0] + 1), pos=pos[0])  # (1, 1, V)
+        else:  # every row at its own position, reading the slots up to the furthest one's
+            view = self.cache.view(0, B, round_up(max(pos) + 1, LENGTH_STEP, self.context))
+            fwd = self._compiled_step() if compiled else self.model
+            logits, _ = fwd(idx, cache=view, pos=torch.tensor(pos, device=self.device))  # (B, 1, V)
+        if compiled:
+            self.shapes.add(B)
+        self.decode_steps += 1
+        self.decode_tokens += n
+        for r in rows:
+            r.fed += 1
+        for i in reversed(range(n)):  # from the last row: a release moves only rows already emitted
+            self._emit(i, logits[i, -1:])
+
+    def _pad_position(self, j: int) -> int:
+        r = self.rows[j]
+        return 0 if r is None else r.fed
+
+    def _compiled_step(self):
+        """The compiled decode step, traced anew when the model's hooks, kernels, dtype or threads changed."""
+        key = step_key(self.model)
+        if self._step_key not in (None, key):
+            self._compiled = compile_step(self.device)
+        self._step_key = key
+        return functools.partial(self._compiled, self.model)
+
+    # ---- emit --------------------------------------------------------------------------
+    def _emit(self, i: int, logits: torch.Tensor) -> None:
+        """Row i's next token from its logits (1, V), sampled as `sample` samples one row; its event
+        pushed; the row released when the request finished (or was cancelled meanwhile)."""
+        r = self.rows[i]
+        req, ticket = r.request, r.ticket
+        prompt, r.scores = r.scores, None
+        if ticket.cancelled or req.max_tokens == 0:  # cancelled, or the prompt scored and nothing to make
+            ticket._push(Event(None, finish="cancelled" if ticket.cancelled else "length", prompt=prompt))
+            return self._finish(i)
+        scored = logits if r.seen is None else apply_repetition_penalty(logits, r.seen, req.repetition_penalty)
+        tok = sample(scored, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+                     generator=r.generator)  # (1,)
+        lp = None if req.logprobs is None else logprobs_of(logits, tok, req.logprobs)[0]
+        t = int(tok)
+        r.text.append(t)
+        r.made += 1
+        if r.seen is not None:
+            r.seen[0, t] = True
+        finish = "stop" if _ends_with_stop(r.text[len(req.ids):], r.stops) else None
+        if finish is None and r.made >= req.max_tokens:
+            finish = "length"
+        ticket._push(Event(t, lp, finish, prompt))
+        if finish is not None:
+            self._finish(i)
+
+    def _finish(self, i: int) -> None:
+        with self._lock:
+            self._cancels.discard(self.rows[i].ticket)
+            self._release(i)
