@@ -285,3 +285,169 @@ def test_a_cast_model_keeps_fp32_scales_and_runs_in_bfloat16():
     assert got.dtype == torch.bfloat16
     assert ((got.float() - want).norm() / want.norm()) < 0.05  # bf16 activations: about 3 digits
     assert ((step.float() - want[:, :1]).norm() / want[:, :1].norm()) < 0.05
+
+
+def test_num_params_counts_int8_weights():
+    for tie in (False, True):
+        fp32 = tiny_model(n_layers=2, tie_embeddings=tie)
+        n, n_body = fp32.num_params(), fp32.num_params(non_embedding=True)
+        q = quantize_int8(fp32)
+        assert not any(p.dtype == torch.int8 for p in q.parameters())  # they are buffers: the count must look there
+        assert (q.num_params(), q.num_params(non_embedding=True)) == (n, n_body)
+
+
+# ----------------------------------------------------------------------------- trace and explain
+
+
+EXPLAINED = ("blocks.0.attn.q", "blocks.1.attn.k", "blocks.0.attn.v", "blocks.1.attn.out", "blocks.0.ffn.up",
+             "blocks.1.ffn.gate", "blocks.0.ffn.down", "logits")
+
+
+@pytest.fixture(scope="module")
+def int8_model():
+    from ..support import reinit
+
+    return quantize_int8(reinit(tiny_model(n_layers=2, bias=True), std=0.3, seed=2))  # large weights, biases too
+
+
+def _scale_times_q(e, model) -> None:
+    """The last step is s[col]·(Σ x·q) (+ b): its first term the stored scale and the step of the int8 sum."""
+    last, dot = e.steps[-1], e.steps[-2]
+    scale, ref = last["terms"][0]
+    assert scale["source"] == "weight" and scale["name"].endswith(".weight_scale") and ref["source"] == "step"
+    q_name = scale["name"][: -len("_scale")]
+    col = scale["index"][0]
+    assert scale["value"] == float(model.state_dict()[scale["name"]][col])
+    for term in dot["terms"]:
+        q = term[1]
+        assert q["name"] == q_name and q["index"][1] == col
+        assert q["value"] == int(q["value"]) and -127 <= q["value"] <= 127  # the int8 value itself
+        assert q["value"] == float(model.state_dict()[q_name][col, q["index"][0]])  # stored (out, in)
+    bias = q_name[: -len("weight")] + "bias"  # the blocks' products have one (bias=True), the head none
+    assert "s ⊙ q" in dot["text"] and (" + b" in last["formula"]) == (bias in model.state_dict())
+
+
+def test_explain_shows_an_int8_weight_as_scale_times_q_and_its_numbers_add_up(int8_model):
+    from glassformer import explain
+    from glassformer.tracing.trace import trace
+
+    from ..explaining.test_explain import check
+
+    ids = [5, 9, 2, 44, 3, 17]
+    tr = trace(int8_model, ids, with_weights=True)
+    assert tr.config["quantization"] == INT8  # the trace says the model is quantized
+    bare, parsed = trace(int8_model, ids), json.loads(tr.to_json(digits=9))  # 9 digits: float32 exactly
+    assert parsed["config"]["quantization"] == INT8 and parsed["weights"]["lm_head.weight_scale"]["axes"] == ["out"]
+    for k, probe in enumerate(EXPLAINED):
+        shape = tr.probe(probe).data.shape
+        idx = [(k + 3 * a) % n for a, n in enumerate(shape)]
+        for e in (explain(tr, probe, idx), explain(bare, probe, idx, model=int8_model), explain(parsed, probe, idx)):
+            check(e, tr, int8_model)  # every operand is what it names, and the steps recompute the traced value
+            _scale_times_q(e, int8_model)
+
+
+def test_a_cut_trace_keeps_the_scales_of_the_kept_columns(int8_model):
+    from glassformer import explain
+    from glassformer.tracing.trace import trace
+
+    from ..explaining.test_explain import check
+
+    tr = trace(int8_model, [5, 9, 2, 44], with_weights=True, heads=[1], top_k=3)
+    H = int8_model.config.head_dim
+    assert tr.weights["blocks.0.attn.wq.weight_scale"].index == {"out": list(range(H, 2 * H))}
+    for probe, idx in (("blocks.0.attn.q", [2, 1, 3]), ("blocks.1.attn.v", [1, 0, 2]),
+                       ("logits", [3, tr.probe("logits").index["vocab"][3][0]])):
+        e = explain(tr, probe, idx)
+        check(e, tr, int8_model)
+        _scale_times_q(e, int8_model)
+
+
+def test_a_float_models_trace_and_explain_are_as_before():
+    from glassformer import explain
+    from glassformer.tracing.trace import trace
+
+    model = tiny_model(n_layers=1)
+    tr = trace(model, [1, 2, 3], with_weights=True)
+    assert tr.config["quantization"] is None and not any(n.endswith("_scale") for n in tr.weights)
+    e = explain(tr, "blocks.0.attn.q", [1, 0, 0])
+    assert len(e.steps) == 1 and e.steps[0]["formula"] == "Σ_i x[i]·W_Q[i,0]"
+
+
+# ----------------------------------------------------------------------------- --quantize on every verb
+
+
+@pytest.fixture(scope="module")
+def stored_int8(ckpt, tmp_path_factory):
+    path, _ = ckpt
+    out = tmp_path_factory.mktemp("q8s") / "q8"
+    assert main(["convert", "--quantize", "int8", "--checkpoint", str(path), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("verb", ["generate", "eval", "trace", "view", "chat"])
+def test_every_verb_refuses_an_unknown_type_before_reading_weights(verb, tmp_path, capsys):
+    # The checkpoint does not exist: the type must be refused before anything is read.
+    extra = {"generate": ["--prompt", "x"], "eval": ["--data", "x.txt"], "trace": ["--out", str(tmp_path / "t.json")],
+             "view": [], "chat": []}[verb]
+    assert main([verb, "--checkpoint", str(tmp_path / "none"), "--quantize", "int4", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "int4" in err and "int8" in err
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("verb", ["trace", "view"])
+def test_the_worked_toy_model_is_not_quantized(verb, tmp_path, capsys):
+    assert main([verb, "--worked", "--quantize", "int8", *(["--out", str(tmp_path / "t.json")] if verb == "trace" else [])]) == 2
+    assert "--checkpoint" in capsys.readouterr().err and not (tmp_path / "t.json").exists()
+
+
+def test_trace_quantize_writes_the_int8_models_trace(ckpt, stored_int8, tmp_path, capsys):
+    path, _ = ckpt
+    files = {}
+    for name, argv in (("fp32", ["--checkpoint", str(path)]), ("fly", ["--checkpoint", str(path), "--quantize", "int8"]),
+                       ("stored", ["--checkpoint", str(stored_int8)])):
+        files[name] = tmp_path / f"{name}.json"
+        assert main(["trace", *argv, "--text", "Now is the winter", "--out", str(files[name]), "--with-weights",
+                     "--no-analysis"]) == 0
+    capsys.readouterr()
+    fp32, fly, stored = (json.loads(files[k].read_text()) for k in ("fp32", "fly", "stored"))
+    assert fp32["config"]["quantization"] is None and fly["config"]["quantization"] == INT8
+    assert fly["probes"]["logits"] == stored["probes"]["logits"] != fp32["probes"]["logits"]
+    assert fly["weights"]["blocks.1.ffn.w_up.weight_scale"] == stored["weights"]["blocks.1.ffn.w_up.weight_scale"]
+
+
+def test_view_quantize_explores_the_int8_model(ckpt):
+    from glassformer.cli import build_parser
+    from glassformer.commands import view
+
+    path, _ = ckpt
+    ex = view.build_explorer(build_parser().parse_args(["view", "--checkpoint", str(path), "--quantize", "int8"]))
+    page = ex.payload("Now is the")
+    assert page["trace"]["config"]["quantization"] == INT8
+    calc = ex.calculation("Now is the", "blocks.0.ffn.down", [1, 3])
+    assert calc["steps"][-1]["terms"][0][0]["name"] == "blocks.0.ffn.w_down.weight_scale"
+    assert calc["result"] == pytest.approx(calc["value"], rel=1e-5, abs=1e-5)
+
+
+def test_chat_quantize_talks_with_the_int8_model(ckpt, stored_int8, tmp_path, capsys, monkeypatch):
+    import io
+    import sys
+
+    import glassformer.generation.chat as chat_mod
+
+    path, _ = ckpt
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                      "{% if add_generation_prompt %}assistant:{% endif %}")
+    seen, real = [], chat_mod.ChatSession
+    monkeypatch.setattr(chat_mod, "ChatSession", lambda model, *a, **k: seen.append(model) or real(model, *a, **k))
+
+    def replies(*argv) -> str:
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Now is\nthe winter\n"))
+        assert main(["chat", *argv, "--greedy", "--max-new-tokens", "8", "--template", str(tmp_path / "t.jinja")]) == 0
+        return capsys.readouterr().out
+
+    fly = replies("--checkpoint", str(path), "--quantize", "int8")
+    assert isinstance(seen[-1].blocks[0].ffn.w_up, Int8Linear) and isinstance(seen[-1].lm_head, Int8Linear)
+    assert replies("--checkpoint", str(stored_int8)) == fly
+    replies("--checkpoint", str(path))
+    assert not isinstance(seen[-1].blocks[0].ffn.w_up, Int8Linear)  # unset: as stored

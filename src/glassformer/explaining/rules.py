@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import UserError
 from ..probes import final_norm_reads, stream_probes
 from ..tracing.trace import weight_matrix
+from . import quantized
 from .steps import Steps, fmt, operand
 
 _SYMBOL = {"attn.out": "attn_out", "attn.scores": "s", "attn.weights": "w", "logits": "logit", "probs": "p",
@@ -108,12 +109,21 @@ def _layer(probe: str) -> int:
 # ----------------------------------------------------------------------------- rules
 
 
+def product(ctx: Context, label: str, xs: list[dict], wname: str, col: int, W: str, col_name=None, bias: str = "",
+            x: str = "x", i: str = "i") -> None:
+    """y[col] = Σ_i x[i]·W[i,col] (+ b) over the operands xs; an int8 weight as its scale times q
+    (quantized.py). col_name: how the column reads in labels (a vocabulary entry's text)."""
+    col_name = col if col_name is None else col_name
+    b = [[ctx.w(bias, [col], f"b[{col}]")]] if bias and ctx.has(bias) else []
+    if quantized.is_quantized(ctx, wname):
+        quantized.product(ctx, label, xs, wname, col, W, col_name, b, x, i)
+        return
+    terms = [[xk, ctx.w(wname, [k, col], f"{W}[{k},{col_name}]")] for k, xk in enumerate(xs)]
+    ctx.steps.sum(label, f"Σ_{i} {x}[{i}]·{W}[{i},{col_name}]" + (" + b" if b else ""), terms + b)
+
+
 def linear(ctx: Context, label: str, x_probe: str, t: int, width: int, wname: str, col: int, W: str, bias: str):
-    terms = [[ctx.p(x_probe, [t, i]), ctx.w(wname, [i, col], f"{W}[{i},{col}]")] for i in range(width)]
-    has_b = ctx.has(bias)
-    if has_b:
-        terms.append([ctx.w(bias, [col], f"b[{col}]")])
-    ctx.steps.sum(label, f"Σ_i x[i]·{W}[i,{col}]" + (" + b" if has_b else ""), terms)
+    product(ctx, label, [ctx.p(x_probe, [t, i]) for i in range(width)], wname, col, W, bias=bias)
 
 
 def rule_embed(ctx, probe, idx):
@@ -274,12 +284,9 @@ def rule_out(ctx, probe, idx):
     t, d = idx
     H, N = ctx.H, int(ctx.cfg["n_heads"])
     z = f"blocks.{i}.attn.z"
-    terms = [[ctx.p(z, [t, c // H, c % H]), ctx.w(f"blocks.{i}.attn.wo.weight", [c, d], f"W_O[{c},{d}]")]
-             for c in range(N * H)]
-    bias = f"blocks.{i}.attn.wo.bias"
-    if ctx.has(bias):
-        terms.append([ctx.w(bias, [d], f"b[{d}]")])
-    ctx.steps.sum(ctx.lab(probe, idx), f"Σ_c z[c]·W_O[c,{d}]", terms)
+    zs = [ctx.p(z, [t, c // H, c % H]) for c in range(N * H)]
+    product(ctx, ctx.lab(probe, idx), zs, f"blocks.{i}.attn.wo.weight", d, "W_O", bias=f"blocks.{i}.attn.wo.bias",
+            x="z", i="c")
 
 
 def rule_resid_mid(ctx, probe, idx):
@@ -325,9 +332,8 @@ def rule_down(ctx, probe, idx):
 
 def rule_logits(ctx, probe, idx):
     t, v = idx
-    terms = [[ctx.p("final_norm", [t, i]), ctx.w("lm_head.weight", [i, v], f"W_U[{i},{ctx.vocab(v)}]")]
-             for i in range(int(ctx.cfg["dim"]))]
-    ctx.steps.sum(ctx.lab(probe, idx), f"Σ_i f[i]·W_U[i,{ctx.vocab(v)}]", terms)
+    fs = [ctx.p("final_norm", [t, i]) for i in range(int(ctx.cfg["dim"]))]
+    product(ctx, ctx.lab(probe, idx), fs, "lm_head.weight", v, "W_U", ctx.vocab(v), x="f")
 
 
 def rule_probs(ctx, probe, idx):

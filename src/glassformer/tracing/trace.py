@@ -295,9 +295,11 @@ def _weights(model, layers, ids, positions, found, top_k, heads) -> dict[str, Pr
         kv_cols = _head_cols(sorted({h // cfg.n_rep for h in heads}), cfg.head_dim)
         sub = {"wq.weight": (1, q_cols), "wq.bias": (0, q_cols), "wk.weight": (1, kv_cols), "wk.bias": (0, kv_cols),
                "wv.weight": (1, kv_cols), "wv.bias": (0, kv_cols), "wo.weight": (0, q_cols)}
+        sub.update({f"{w}.weight_scale": sub[f"{w}.bias"] for w in ("wq", "wk", "wv")})  # int8: a scale per column
 
     def put(name, w, index=None):
-        axes = ["in", "out"] if w.dim() == 2 else (["out"] if name.endswith(".bias") and "norm" not in name else ["feature"])
+        per_out = name.endswith((".bias", ".weight_scale")) and "norm" not in name
+        axes = ["in", "out"] if w.dim() == 2 else (["out"] if per_out else ["feature"])
         out[name] = Probe(w, axes, dict(index or {}))
 
     for i in layers:
@@ -318,9 +320,14 @@ def _weights(model, layers, ids, positions, found, top_k, heads) -> dict[str, Pr
     if model.pos_embed is not None:
         put("pos_embed.weight", weight_matrix(model, "pos_embed.weight")[positions], {"in": list(positions)})
     head = weight_matrix(model, "lm_head.weight")  # (D, V)
+    scale = model.state_dict().get("lm_head.weight_scale")  # an int8 head's scales, (V,)
     if top_k is not None and "vocab" in found.get("logits", Probe(torch.zeros(0), [])).index:
         cols = sorted({v for row in found["logits"].index["vocab"] for v in row})
         put("lm_head.weight", head[:, cols], {"out": cols})
+        if scale is not None:
+            put("lm_head.weight_scale", scale.float().cpu()[cols], {"out": cols})
     else:
         put("lm_head.weight", head)
+        if scale is not None:
+            put("lm_head.weight_scale", scale.float().cpu())
     return out
