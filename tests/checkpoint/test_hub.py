@@ -106,6 +106,16 @@ def test_a_hub_name_loads_its_snapshot(offline, name, expect):
     assert torch.equal(logits_of(local), logits_of(model))
 
 
+def test_hf_hub_cache_comes_before_hf_home(offline, models, monkeypatch, tmp_path):
+    import glassformer
+
+    home, _ = models
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
+    model, _ = glassformer.load("org/name@v1")
+    assert_same(offline[COMMIT_B][1], logits_of(model))
+
+
 def test_an_existing_path_wins_over_a_hub_name(offline, tmp_path, monkeypatch):
     folder, ref = offline[COMMIT_B]
     (tmp_path / "org").mkdir()
