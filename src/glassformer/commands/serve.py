@@ -1,0 +1,141 @@
+"""`glassformer serve`: a checkpoint behind an OpenAI-compatible HTTP API, with continuous batching.
+
+The server listens first (GET /health answers 503 "loading"), then loads the model, starts the
+engine and prints one line, `serving MODEL_ID at http://HOST:PORT/v1`. Ctrl-C (or SIGTERM) stops
+it: running answers get a few seconds to finish. docs/serve.md.
+"""
+
+from __future__ import annotations
+
+from .options import add_quantize_argument
+
+HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"
+KEY_ENV = "GLASSFORMER_API_KEY"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", required=True, metavar="CKPT",
+                   help="checkpoint, training run or Hugging Face folder, or a Hub name org/name[@revision]")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; anything but loopback needs an API key (or --insecure-no-key)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port; the ready line names it)")
+    p.add_argument("--model-name", default=None, help="the model id clients name (default: the checkpoint folder's name)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together in one batched forward")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row; one more gets 429")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens fed per step, so running streams keep a bounded gap between tokens")
+    p.add_argument("--limit-concurrency", type=int, default=None, help="requests answered at once; one more gets 503")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (default: the {KEY_ENV} environment variable, if set)")
+    p.add_argument("--insecure-no-key", action="store_true",
+                   help="serve a non-loopback --host without an API key (anyone who can reach it may use it)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages from ORIGIN call the API (repeatable; default: none)")
+    p.add_argument("--explorer", action="store_true", help="serve the explorer page (glassformer view) in the same app")
+    p.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights' dtype (default: as stored)")
+    add_quantize_argument(p, "decode")
+
+
+def api_key(args) -> str | None:
+    """--api-key, else the environment's key; a non-loopback bind without one refuses to start."""
+    import os
+
+    from ..errors import UserError
+    from ..serve.http import is_loopback
+
+    key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise UserError("--api-key is empty: give a key, or leave the flag out")
+    if key is None and not is_loopback(args.host) and not args.insecure_no_key:
+        raise UserError(f"--host {args.host} lets other machines reach the server: give --api-key KEY (or set "
+                        f"{KEY_ENV}), or --insecure-no-key to serve without one")
+    return key
+
+
+def model_id(args) -> str:
+    """--model-name, else the checkpoint folder's name (a Hub name as given)."""
+    from pathlib import Path
+
+    if args.model_name:
+        return args.model_name
+    path = Path(args.checkpoint)
+    return path.resolve().name if path.exists() else str(args.checkpoint)
+
+
+def _check(args) -> None:
+    from ..errors import UserError
+    from .options import quantize_method
+
+    for flag in ("max_batch", "max_queue", "prefill_chunk"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.limit_concurrency is not None and args.limit_concurrency < 1:
+        raise UserError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    quantize_method(args)  # a bad --quantize fails before anything listens
+
+
+def build(args, backend, key):
+    """The app (serve.http's base, the OpenAI routes, the explorer with --explorer) and its server, bound."""
+    from ..serve.http import Limits, Server, make_app
+    from ..serve.openai import add_routes, openai_error
+
+    limits = Limits(limit_concurrency=args.limit_concurrency)
+    app = make_app(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin, limits=limits,
+                   error_body=openai_error)
+    add_routes(app, backend)
+    if args.explorer:
+        _add_explorer(app, args)
+    return Server(app, args.host, args.port, limits)
+
+
+def _add_explorer(app, args) -> None:
+    from ..errors import UserError
+
+    try:
+        from ..viewer.app import add_explorer  # the explorer on the same stack (glassformer view)
+    except ImportError:
+        raise UserError("--explorer: this build's explorer does not run on the serve app yet; "
+                        "run `glassformer view` beside it") from None
+    from .view import build_explorer
+
+    args.worked, args.text, args.variant = False, None, "one_head"
+    add_explorer(app, build_explorer(args))
+
+
+def run(args) -> int:
+    import signal
+    import threading
+
+    from ..generation.batching import Engine
+    from ..serve.backend import Backend
+    from .generate import _load_model
+
+    key = api_key(args)
+    _check(args)
+    args.attention = None
+    backend = Backend(model_id(args))
+    server = build(args, backend, key)
+    server.start_in_thread()  # /health says "loading" meanwhile
+    engine = None
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
+    try:
+        model, tok = _load_model(args)
+        engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                        compile=args.compile).start()
+        backend.ready(engine, model, tok)
+        print(f"serving {backend.model_id} at {server.url}/v1", flush=True)
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        backend.status = "stopping"
+        server.stop()
+        if engine is not None:
+            engine.stop()
+    return 0
