@@ -224,7 +224,7 @@ class Engine:
         self._cancels: set[Ticket] = set()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.steps = self.decode_steps = self.prefill_tokens = self.decode_tokens = 0
+        self.steps = self.decode_steps = self.prefill_tokens = self.decode_tokens = self.moves = 0
         self._compiled, self._step_key, self.shapes = None, None, set()
         if compile:
             self._compiled = compile_step(self.device)
@@ -241,7 +241,7 @@ class Engine:
             prefilling = sum(r is not None for r in self.rows[self.n_dec:])
             return {"active": self.n_dec + prefilling, "decoding": self.n_dec, "queued": len(self.queue),
                     "steps": self.steps, "decode_steps": self.decode_steps, "prefill_tokens": self.prefill_tokens,
-                    "decode_tokens": self.decode_tokens, "max_batch": self.max_batch, "max_queue": self.max_queue,
+                    "decode_tokens": self.decode_tokens, "moves": self.moves, "max_batch": self.max_batch, "max_queue": self.max_queue,
                     "kv_bytes_per_row": self.cache.row_bytes(), "compiled_batch_sizes": sorted(self.shapes)}
 
     def submit(self, request: Request) -> Ticket:
@@ -384,6 +384,7 @@ class Engine:
         """Move row src's request and cached slots to row dst; src becomes free."""
         r = self.rows[src]
         self.cache.copy_row(src, dst, r.fed)
+        self.moves += 1
         self.rows[dst], self.rows[src] = r, None
 
     # ---- prefill -----------------------------------------------------------------------
