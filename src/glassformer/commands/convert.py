@@ -14,14 +14,19 @@ def add_arguments(p) -> None:
                       help="glassformer checkpoint or run folder to write as a Hugging Face folder")
     mode.add_argument("--kv-heads", type=int, metavar="K",
                       help="pool the key/value heads of --checkpoint into K heads (K=1: MQA)")
+    mode.add_argument("--to-gguf", metavar="SRC",
+                      help="checkpoint or run folder to write as one GGUF file for llama.cpp and Ollama "
+                           "(--out FILE.gguf, with FILE.Modelfile beside it; --dtype f32/f16/bf16/q8_0)")
+    mode.add_argument("--from-gguf", metavar="FILE",
+                      help="GGUF file (f32, f16, bf16 or q8_0, as --to-gguf writes them) to convert into a glassformer checkpoint")
     mode.add_argument("--quantize", metavar="TYPE",
                       help="store the weights of --checkpoint as TYPE (int8: per output channel; docs/quantize.md)")
     p.add_argument("--peft", action="store_true",
                    help="with --to-hf on a LoRA adapter run: write DIR/base/ and the adapter in PEFT's layout (docs/lora.md#peft)")
     p.add_argument("--checkpoint", metavar="SRC", help="the checkpoint that --kv-heads or --quantize converts")
     p.add_argument("--out", required=True, metavar="DST", help="folder to write (must not exist yet)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"], default=None,
-                   help="cast the weights to this dtype; unset keeps the dtype the source stores")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "f32", "f16", "q8_0"],
+                   default=None, help="cast the weights to this dtype (q8_0: --to-gguf only); unset keeps the dtype the source stores")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read pickled pytorch_model.bin files (with torch.load(weights_only=True)); "
                         "with a Hub name, fetch them too")
@@ -95,6 +100,27 @@ def _quantize(args, src, dtype) -> int:
     return 0
 
 
+def _gguf(args) -> int:
+    """--to-gguf SRC --out FILE.gguf (+ FILE.Modelfile), or --from-gguf FILE --out CKPT (docs/convert.md#gguf)."""
+    from ..errors import UserError
+
+    if args.checkpoint is not None or args.peft or args.allow_pickle:
+        raise UserError("--to-gguf and --from-gguf take no --checkpoint, --peft or --allow-pickle")
+    if args.from_gguf is not None:
+        from ..convert.gguf_read import gguf_to_checkpoint
+
+        if args.dtype is not None:
+            raise UserError("--from-gguf keeps the file's dtype (q8_0 becomes float32): drop --dtype")
+        _check_out(args.out, args.from_gguf)
+        model, out = gguf_to_checkpoint(args.from_gguf, args.out)
+        print(f"wrote {out}: glassformer checkpoint, {model.num_params():,} weights, "
+              f"{str(next(model.parameters()).dtype).replace('torch.', '')}")
+        return 0
+    from ..convert.modelfile import export_with_modelfile
+
+    return export_with_modelfile(args.to_gguf, args.out, args.dtype)
+
+
 def run(args) -> int:
     import torch
 
@@ -106,7 +132,11 @@ def run(args) -> int:
     from ..convert.peft import save_peft
     from ..errors import UserError
 
-    dtype = parse_dtype(args.dtype)
+    if args.to_gguf is not None or args.from_gguf is not None:
+        return _gguf(args)
+    if args.dtype == "q8_0":
+        raise UserError("--dtype q8_0 is a GGUF type: use it with --to-gguf (or --quantize int8 for a checkpoint)")
+    dtype = parse_dtype({"f32": "float32", "f16": "float16"}.get(args.dtype, args.dtype))
     on_checkpoint = args.kv_heads is not None or args.quantize is not None
     if not on_checkpoint and args.checkpoint is not None:
         raise UserError("--checkpoint goes with --kv-heads or --quantize; use --from-hf SRC or --to-hf SRC on their own")

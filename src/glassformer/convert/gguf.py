@@ -1,0 +1,449 @@
+"""GGUF export for llama.cpp and Ollama: `glassformer convert --to-gguf CKPT --out FILE.gguf`.
+
+Written with the `gguf` package (llama.cpp's own writer) one tensor at a time: the tensor
+table first, from the shapes the config implies, then each tensor read, converted and written
+before the next is read. Three llama.cpp graphs hold glassformer models: `llama` (RMSNorm,
+RoPE on adjacent pairs, SwiGLU), `qwen2` (the same with Q/K/V biases, RoPE on half-split
+pairs) and `gpt2` (LayerNorm, learned positions, tanh GELU, biases). What none holds is
+refused by name. The tensor names, the pair permutation and the tokenizer keys:
+docs/convert.md#gguf. The way back: gguf_read.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UserError
+from .transforms import half_to_interleaved, interleaved_to_half
+
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
+# glassformer's own keys: the config (what llama.cpp's keys cannot say: rope_pairs, the scaling's
+# parameters) and the files beside tokenizer.json, so --from-gguf gives the checkpoint back.
+CONFIG_KEY, TOKENIZER_FILES_KEY = "glassformer.config", "glassformer.tokenizer_files"
+Q8_BLOCK = 32  # q8_0 quantizes blocks of 32 numbers along a row, each with one fp16 scale
+
+# ModelConfig fields the GGUF graphs express (or that do not change the computation). A field added
+# to ModelConfig later is refused by name when it leaves its default: llama.cpp would ignore it.
+KNOWN_FIELDS = {
+    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len", "rope_theta",
+    "rope_scaling", "rope_pairs", "norm_eps", "norm", "norm_placement", "ffn", "pos", "tie_embeddings", "bias",
+    "qkv_bias", "sliding_window", "dropout", "attention", "attention_tile", "init_std", "quantization",
+}
+
+
+# ----------------------------------------------------------------------------- which graph
+
+
+def _later_switches(cfg: ModelConfig) -> list[str]:
+    defaults = ModelConfig()
+    return [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+            if f.name not in KNOWN_FIELDS and getattr(cfg, f.name) != getattr(defaults, f.name)]
+
+
+def _gpt2_off(cfg: ModelConfig) -> list[str]:
+    """What keeps cfg off llama.cpp's gpt2 graph (empty: it fits)."""
+    wants = {"norm": "layer", "pos": "learned", "bias": True, "ffn": "gelu_tanh", "n_kv_heads": cfg.n_heads,
+             "head_dim": cfg.dim // cfg.n_heads}
+    return [f"{k}={getattr(cfg, k)!r} (gpt2 needs {v!r})" for k, v in wants.items() if getattr(cfg, k) != v]
+
+
+def _llama_off(cfg: ModelConfig) -> list[str]:
+    """What keeps cfg off llama.cpp's llama/qwen2 graphs, by name (empty: it fits)."""
+    off = []
+    if cfg.norm != "rms":
+        off.append("LayerNorm (the llama graph normalises with RMSNorm)")
+    if cfg.ffn != "swiglu":
+        off.append(f"a {cfg.ffn.upper().replace('_', ' ')} feed-forward (the llama graph has SwiGLU)")
+    if cfg.pos != "rope":
+        off.append(f"{'learned' if cfg.pos == 'learned' else 'no'} positions (the llama graph has RoPE)")
+    if cfg.bias:
+        off.append("biases outside q/k/v (the llama graph has biases on q, k and v at most)")
+    return off
+
+
+def gguf_arch(cfg: ModelConfig) -> str:
+    """'llama', 'qwen2' or 'gpt2': the llama.cpp graph that computes exactly what cfg does, or a
+    UserError naming every switch that none of them has."""
+    if cfg.norm_placement == "post":
+        raise UserError("post-norm models have no llama.cpp graph (llama.cpp's llama, qwen2 and gpt2 are pre-norm): export refused")
+    later = _later_switches(cfg)
+    if later:
+        raise UserError(f"llama.cpp has no equivalent of {', '.join(later)}: export refused")
+    if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_seq_len:
+        raise UserError(f"sliding_window={cfg.sliding_window} is below the context ({cfg.max_seq_len}); llama.cpp's "
+                        "llama and qwen2 graphs attend to the whole context: export refused")
+    llama_off = _llama_off(cfg)
+    if not llama_off:
+        if cfg.qkv_bias and (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type")) == "llama3":
+            raise UserError("llama3 rope scaling with Q/K/V biases: llama.cpp's qwen2 graph has no rope_freqs: export refused")
+        return "qwen2" if cfg.qkv_bias else "llama"
+    if not _gpt2_off(cfg):
+        return "gpt2"
+    raise UserError(f"llama.cpp's llama graph cannot run this model: it has {'; '.join(llama_off)}; "
+                    f"and the gpt2 graph does not fit either: {'; '.join(_gpt2_off(cfg))}")
+
+
+# ----------------------------------------------------------------------------- tensor rules
+
+
+def rope_to_graph(t: torch.Tensor, heads: int, cfg: ModelConfig, arch: str) -> torch.Tensor:
+    """Q or K rows (or biases) from our pair layout to the graph's: llama.cpp's llama rotates
+    adjacent pairs (2i, 2i+1), its qwen2 half-split pairs (i, i+H/2)."""
+    want = "interleaved" if arch == "llama" else "half"
+    if cfg.rope_pairs == want:
+        return t
+    return half_to_interleaved(t, heads, cfg.head_dim) if want == "interleaved" else interleaved_to_half(t, heads, cfg.head_dim)
+
+
+def rope_from_graph(t: torch.Tensor, heads: int, cfg: ModelConfig, arch: str) -> torch.Tensor:
+    """Inverse of rope_to_graph."""
+    have = "interleaved" if arch == "llama" else "half"
+    if cfg.rope_pairs == have:
+        return t
+    return interleaved_to_half(t, heads, cfg.head_dim) if have == "interleaved" else half_to_interleaved(t, heads, cfg.head_dim)
+
+
+@dataclass(frozen=True)
+class GRule:
+    """One GGUF tensor <-> one or more of ours; kind: copy, rope_q, rope_k or qkv (rows stacked)."""
+
+    gguf: str
+    ours: tuple[str, ...]
+    kind: str = "copy"
+
+    def to_gguf(self, ts: list[torch.Tensor], cfg: ModelConfig, arch: str) -> torch.Tensor:
+        if self.kind == "qkv":
+            return torch.cat(ts, dim=0)  # (N·H + 2·K·H, D) or its bias
+        if self.kind in ("rope_q", "rope_k"):
+            return rope_to_graph(ts[0], cfg.n_heads if self.kind == "rope_q" else cfg.n_kv_heads, cfg, arch)
+        return ts[0]
+
+    def to_ours(self, t: torch.Tensor, cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
+        if self.kind == "qkv":
+            return dict(zip(self.ours, t.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=0)))
+        if self.kind in ("rope_q", "rope_k"):
+            t = rope_from_graph(t, cfg.n_heads if self.kind == "rope_q" else cfg.n_kv_heads, cfg, arch)
+        return {self.ours[0]: t}
+
+
+def _layer_rules(cfg: ModelConfig, arch: str, i: int) -> list[GRule]:
+    b, o = f"blk.{i}.", f"blocks.{i}."
+    if arch == "gpt2":
+        qkv = [o + f"attn.w{x}" for x in "qkv"]
+        rules = [GRule(b + "attn_qkv.weight", tuple(k + ".weight" for k in qkv), "qkv"),
+                 GRule(b + "attn_qkv.bias", tuple(k + ".bias" for k in qkv), "qkv")]
+        pairs = [("attn_norm", "attn_norm"), ("attn_output", "attn.wo"), ("ffn_norm", "ffn_norm"),
+                 ("ffn_up", "ffn.w_up"), ("ffn_down", "ffn.w_down")]
+        rules += [GRule(f"{b}{g}.{p}", (f"{o}{ours}.{p}",)) for g, ours in pairs for p in ("weight", "bias")]
+        return rules
+    rules = [GRule(b + "attn_norm.weight", (o + "attn_norm.weight",)),
+             GRule(b + "attn_q.weight", (o + "attn.wq.weight",), "rope_q"),
+             GRule(b + "attn_k.weight", (o + "attn.wk.weight",), "rope_k"),
+             GRule(b + "attn_v.weight", (o + "attn.wv.weight",))]
+    if cfg.qkv_bias:
+        rules += [GRule(b + "attn_q.bias", (o + "attn.wq.bias",), "rope_q"),
+                  GRule(b + "attn_k.bias", (o + "attn.wk.bias",), "rope_k"),
+                  GRule(b + "attn_v.bias", (o + "attn.wv.bias",))]
+    return rules + [GRule(b + "attn_output.weight", (o + "attn.wo.weight",)),
+                    GRule(b + "ffn_norm.weight", (o + "ffn_norm.weight",)),
+                    GRule(b + "ffn_gate.weight", (o + "ffn.w_gate.weight",)),
+                    GRule(b + "ffn_up.weight", (o + "ffn.w_up.weight",)),
+                    GRule(b + "ffn_down.weight", (o + "ffn.w_down.weight",))]
+
+
+def gguf_rules(cfg: ModelConfig, arch: str) -> list[GRule]:
+    """Every GGUF tensor of the graph, in llama.cpp's order; a tied head has no output.weight."""
+    rules = [GRule("token_embd.weight", ("embed.weight",))]
+    if arch == "gpt2":
+        rules.append(GRule("position_embd.weight", ("pos_embed.weight",)))
+    for i in range(cfg.n_layers):
+        rules += _layer_rules(cfg, arch, i)
+    rules.append(GRule("output_norm.weight", ("final_norm.weight",)))
+    if arch == "gpt2":
+        rules.append(GRule("output_norm.bias", ("final_norm.bias",)))
+    if not cfg.tie_embeddings:
+        rules.append(GRule("output.weight", ("lm_head.weight",)))
+    return rules
+
+
+def rope_freqs(cfg: ModelConfig) -> torch.Tensor | None:
+    """Llama 3.1's scaling as llama.cpp takes it: per pair, what its frequency is divided by
+    (plain / scaled, from the model's own rope_inv_freq); None without llama3 scaling."""
+    from ..model import rope_inv_freq
+
+    sc = cfg.rope_scaling
+    if sc is None or sc.get("rope_type", sc.get("type")) != "llama3":
+        return None
+    return rope_inv_freq(cfg.replace(rope_scaling=None)) / rope_inv_freq(cfg)  # (H/2,)
+
+
+# ----------------------------------------------------------------------------- tensor types
+
+
+def tensor_type(name: str, shape: tuple[int, ...], dtype: str):
+    """The GGML type a tensor is stored as: 1-D tensors (norms, biases) stay f32, and under q8_0
+    a matrix whose rows are not a multiple of 32 long is stored f16."""
+    from gguf import GGMLQuantizationType as Q
+
+    if len(shape) == 1 or dtype == "f32" or name == "rope_freqs.weight":
+        return Q.F32
+    if dtype == "q8_0":
+        return Q.Q8_0 if shape[-1] % Q8_BLOCK == 0 else Q.F16
+    return {"f16": Q.F16, "bf16": Q.BF16}[dtype]
+
+
+def nbytes(shape: tuple[int, ...], qtype) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = 1
+    for s in shape:
+        n *= s
+    return n // block * size
+
+
+def encode_tensor(t: torch.Tensor, qtype):
+    """The bytes of t as GGML type qtype, as a numpy array in GGUF's (numpy) order."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    t = t.detach().to("cpu")
+    if qtype == Q.F32:
+        return t.float().contiguous().numpy()
+    if qtype == Q.F16:
+        return t.to(torch.float16).contiguous().numpy()
+    if qtype == Q.BF16:  # numpy has no bfloat16: torch rounds (to nearest even), the bits are written
+        return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+    return quants.quantize(t.float().contiguous().numpy().astype(np.float32, copy=False), qtype)
+
+
+def file_type(dtype: str) -> int:
+    from gguf import LlamaFileType as F
+
+    return {"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0}[dtype]
+
+
+# ----------------------------------------------------------------------------- the source checkpoint
+
+
+@dataclass
+class Source:
+    """A checkpoint to export: its config, a reader of our tensors by name (one at a time), its
+    tokenizer (and tokenizer.json's exact text) and the dtype it stores."""
+
+    config: ModelConfig
+    read: Callable[[str], torch.Tensor]
+    tokenizer: object | None
+    tokenizer_json: str | None
+    stored: str
+    name: str
+    notes: list[str]
+    side_files: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _native_reader(file: Path, cfg: ModelConfig) -> Callable[[str], torch.Tensor]:
+    from safetensors import safe_open
+
+    handle = safe_open(str(file), framework="pt")
+    keys = set(handle.keys())
+
+    def read(key: str) -> torch.Tensor:
+        if key == "lm_head.weight" and cfg.tie_embeddings:
+            key = "embed.weight"
+        scale = key[: -len("weight")] + "weight_scale"
+        if key.endswith(".weight") and scale in keys:  # int8: q · scale, per output channel
+            return handle.get_tensor(key).float() * handle.get_tensor(scale).float()[:, None]
+        return handle.get_tensor(key)
+
+    return read
+
+
+def _stored_name(file: Path) -> str:
+    from safetensors import safe_open
+
+    names = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+    with safe_open(str(file), framework="pt") as f:
+        kinds = {f.get_slice(k).get_dtype() for k in f.keys()} - {"I8"}
+    return names.get(kinds.pop(), "f32") if len(kinds) == 1 else "f32"
+
+
+def open_source(src: str | Path) -> Source:
+    """The checkpoint, run or Hugging Face folder `src`, ready to be read tensor by tensor."""
+    from ..checkpoint.folders import FORMAT, read_config, resolve
+
+    folder = resolve(src)
+    meta = read_config(folder)
+    name = Path(src).resolve().name if folder.name.startswith("step-") else folder.name
+    if "lora" in meta:
+        raise UserError(f"{src} is a LoRA run (its config.json has a 'lora' entry): merge the adapter into the weights "
+                        f"first with `glassformer convert --merge-lora {src} --out MERGED`, then export MERGED")
+    tok_json = (folder / "tokenizer.json").read_text(encoding="utf-8") if (folder / "tokenizer.json").is_file() else None
+    tok = _tokenizer(folder) if tok_json is not None else None
+    side = _side_files(folder) if tok_json is not None else {}
+    if meta.get("format") == FORMAT:
+        cfg = ModelConfig.from_dict(meta["model"])
+        file = folder / "model.safetensors"
+        notes = []
+        if cfg.quantization is not None:
+            notes.append(f"{folder} stores int8 weights: they are dequantized (q · scale) and written in the chosen type")
+        return Source(cfg, _native_reader(file, cfg), tok, tok_json, _stored_name(file), name, notes, side)
+    from ..checkpoint.loading import load
+
+    model, _ = load(folder)  # a Hugging Face folder: read whole (its tensors map through the family rules)
+    state = model.state_dict()
+    stored = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[next(model.parameters()).dtype]
+    return Source(model.config, state.__getitem__, tok, tok_json, stored, name, [], side)
+
+
+def _side_files(folder: Path) -> dict[str, str]:
+    """The files beside tokenizer.json (tokenizer_config.json, templates, generation_config.json) by
+    relative name, as text: --from-gguf writes them back as they were."""
+    from ..checkpoint.folders import TOKENIZER_SIDE_DIR, TOKENIZER_SIDE_FILES
+
+    files = [folder / n for n in TOKENIZER_SIDE_FILES] + sorted((folder / TOKENIZER_SIDE_DIR).glob("*.jinja"))
+    return {str(p.relative_to(folder)): p.read_text(encoding="utf-8") for p in files if p.is_file()}
+
+
+def _tokenizer(folder: Path):
+    from ..text.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(folder)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _hparams(w, cfg: ModelConfig, arch: str) -> None:
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.dim)
+    w.add_block_count(cfg.n_layers)
+    w.add_feed_forward_length(cfg.ffn_dim)
+    w.add_head_count(cfg.n_heads)
+    w.add_vocab_size(cfg.vocab_size)
+    if arch == "gpt2":
+        w.add_layer_norm_eps(cfg.norm_eps)
+        return
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    sc = cfg.rope_scaling
+    if sc is not None and sc.get("rope_type", sc.get("type")) == "linear":
+        from gguf import RopeScalingType
+
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(sc["factor"]))
+
+
+def _add_fields(w, fields: dict) -> None:
+    """Tokenizer keys by their Python type; ids and flags get llama.cpp's types."""
+    from gguf import GGUFValueType as V
+
+    for key, value in fields.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_key_value(key, value, V.STRING)
+        elif key.endswith("scores"):
+            w.add_key_value(key, value, V.ARRAY, sub_type=V.FLOAT32)
+        elif key.endswith("token_type"):
+            w.add_key_value(key, value, V.ARRAY, sub_type=V.INT32)
+        else:
+            w.add_key_value(key, value, V.ARRAY, sub_type=V.STRING)
+
+
+def _plan(source: Source, arch: str, dtype: str) -> list[tuple[str, Callable[[], torch.Tensor], tuple, object]]:
+    """(GGUF name, reader, numpy shape, GGML type) per tensor, from the config's shapes (nothing read)."""
+    from .hf import our_shapes
+
+    cfg = source.config
+    shapes = our_shapes(cfg)
+    shapes.setdefault("lm_head.weight", shapes["embed.weight"])
+    plan = []
+    for rule in gguf_rules(cfg, arch):
+        parts = [shapes[k] for k in rule.ours]
+        shape = (sum(p[0] for p in parts), *parts[0][1:]) if rule.kind == "qkv" else parts[0]
+        read = (lambda r=rule: r.to_gguf([source.read(k) for k in r.ours], cfg, arch))
+        plan.append((rule.gguf, read, tuple(shape), tensor_type(rule.gguf, tuple(shape), dtype)))
+    freqs = rope_freqs(cfg) if arch == "llama" else None
+    if freqs is not None:
+        plan.append(("rope_freqs.weight", lambda: freqs, tuple(freqs.shape), tensor_type("rope_freqs.weight", (1,), "f32")))
+    return plan
+
+
+def _write(path: Path, source: Source, arch: str, dtype: str, progress: bool) -> None:
+    import gguf
+    from tqdm import tqdm
+
+    cfg = source.config
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(source.name)
+    w.add_file_type(file_type(dtype))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _hparams(w, cfg, arch)
+    if source.tokenizer is not None:
+        from .gguf_tokenizer import tokenizer_fields
+
+        _add_fields(w, tokenizer_fields(source.tokenizer, source.tokenizer_json, cfg.vocab_size))
+    w.add_string(CONFIG_KEY, json.dumps({**cfg.to_dict(), "quantization": None}))
+    if source.side_files:
+        w.add_string(TOKENIZER_FILES_KEY, json.dumps(source.side_files, ensure_ascii=False))
+    plan = _plan(source, arch, dtype)
+    for name, _, shape, qtype in plan:
+        w.add_tensor_info(name, shape, torch.float32, nbytes(shape, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    try:
+        for name, read, shape, qtype in tqdm(plan, desc="gguf", unit="tensor", disable=not progress):
+            data = encode_tensor(read(), qtype)
+            w.write_tensor_data(data)
+            del data
+        w.flush()
+    finally:
+        w.close()
+
+
+def check_gguf_dtype(dtype: str | None) -> str | None:
+    if dtype is not None and dtype not in GGUF_DTYPES:
+        raise UserError(f"--dtype {dtype!r} cannot be written to GGUF: choose one of {', '.join(GGUF_DTYPES)}")
+    return dtype
+
+
+def export_gguf(src: str | Path, out: str | Path, dtype: str | None = None, progress: bool = True) -> tuple[Source, str, str]:
+    """Write checkpoint `src` as the GGUF file `out` (which must not exist): (source, arch, dtype).
+    dtype: f32, f16, bf16 or q8_0 (None: the stored dtype). Written to a temporary name and renamed,
+    so an error leaves nothing at `out`."""
+    import os
+
+    out = Path(out)
+    check_gguf_dtype(dtype)
+    if out.exists():
+        raise UserError(f"--out {out} already exists; choose a new file name or remove it first")
+    if out.suffix != ".gguf":
+        raise UserError(f"--out {out} should end in .gguf (llama.cpp and Ollama look for that name)")
+    source = open_source(src)
+    arch = gguf_arch(source.config)
+    dtype = dtype or source.stored
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        _write(tmp, source, arch, dtype, progress)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return source, arch, dtype
