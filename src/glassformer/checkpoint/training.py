@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -42,11 +42,13 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict]) -
 
 
 def save_training(run: str | Path, step: int, config: ModelConfig, model_state_: dict, tokenizer: Any,
-                  optim_state: dict, state: dict, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+                  optim_state: dict, state: dict, tensors: dict[str, torch.Tensor] | None = None,
+                  write_model: Callable[[Path], None] | None = None) -> Path:
     """Write run/step-NNNNNN atomically (COMPLETE last), then move `latest` to it.
 
-    state: JSON-able training state; tensors: extra tensors (RNG states). If any write fails
-    the temporary folder is removed, `latest` is unchanged, and the error is raised.
+    state: JSON-able training state; tensors: extra tensors (RNG states); write_model: writes the
+    model's files into the folder instead of config.json + model.safetensors (a LoRA run's adapter).
+    If any write fails the temporary folder is removed, `latest` is unchanged, and the error is raised.
     """
     from safetensors.torch import save_file
 
@@ -54,7 +56,10 @@ def save_training(run: str | Path, step: int, config: ModelConfig, model_state_:
     opt_tensors, groups = _flatten_optimizer(optim_state)
 
     def write(tmp: Path) -> None:
-        write_state_files(tmp, config, model_state_, tokenizer)
+        if write_model is None:
+            write_state_files(tmp, config, model_state_, tokenizer)
+        else:
+            write_model(tmp)
         save_file({**opt_tensors, **(tensors or {})}, str(tmp / "train_state.safetensors"))
         (tmp / "train_state.json").write_text(json.dumps({**state, "param_groups": groups}, indent=2) + "\n")
 
@@ -74,5 +79,6 @@ def load_training(folder: str | Path) -> tuple[dict, dict, dict, dict]:
     tensors = load_file(str(folder / "train_state.safetensors"))
     optim = _unflatten_optimizer(tensors, state.pop("param_groups"))
     extra = {k: v for k, v in tensors.items() if not k.startswith("optim/")}
-    model_sd = load_file(str(folder / "model.safetensors"))
+    weights = folder / "model.safetensors"
+    model_sd = load_file(str(weights if weights.is_file() else folder / "adapter.safetensors"))  # a LoRA run's adapter
     return model_sd, optim, state, extra

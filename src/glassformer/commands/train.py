@@ -81,6 +81,8 @@ def run(args) -> int:
     from ..errors import UserError
     from ..train.loop import train
 
+    if getattr(args, "lora_r", 1) < 1:  # 0, the default, means no LoRA; given, it must be a rank
+        raise UserError(f"--lora-r {args.lora_r}: a LoRA rank is at least 1 (leave --lora-r out to train every weight)")
     cfg = resolve_config(args)
     if not cfg.data:
         raise UserError("--data is required: a folder made by `glassformer prepare --out DIR`")

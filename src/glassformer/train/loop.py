@@ -23,6 +23,7 @@ from ..text.data import get_batch
 from .cpu_memory import keep_freed_memory
 from .evaluate import score, summary
 from .metrics import load_plotting, plot_losses
+from .lora import adapter_writer
 from .optim import lr_at
 from .runstate import RunState, StopFlag, plan_steps, rng_state
 from .setup import say, start_run, uses_cuda
@@ -65,7 +66,7 @@ def train(cfg: TrainConfig) -> dict:
 def one_step(run: RunState) -> None:
     """This rank's rows of step `run.step`'s global batch through `train_step`, at the schedule's rate."""
     cfg, d = run.cfg, run.d
-    if cfg.dropout > 0:  # the dropout masks are a function of (seed, step, rank)
+    if cfg.dropout > 0 or cfg.lora_dropout > 0:  # the dropout masks are a function of (seed, step, rank)
         torch.manual_seed(cfg.seed * 1_000_003 + run.step * d.world_size + d.rank)
     run.lr = lr_at(run.step, cfg.lr, cfg.min_lr, cfg.warmup_steps, run.total_steps or 10**9)
     xs, ys = get_batch(run.train_tokens, cfg.batch_size, run.seq_len, cfg.seed, run.step, d.rank, d.world_size,
@@ -221,7 +222,7 @@ def save_checkpoint(run: RunState, val: dict | None, reason: str) -> str | None:
             state["vocab_growth"] = run.grown
         try:
             folder = save_training(out, step, run.model.config, model_sd, run.data / "tokenizer.json", optim_sd,
-                                   state, tensors)
+                                   state, tensors, adapter_writer(run.model, model_sd, run.data / "tokenizer.json"))
             name = folder.name
         except OSError as e:
             prev = read_pointer(out, "latest")

@@ -20,6 +20,7 @@ from ..config import ModelConfig, TrainConfig
 from ..errors import UserError
 from ..text.data import TokenFile, read_meta
 from .metrics import MetricsLog, flops_per_token, machine_peak, pick_threads
+from .lora import check_flags, describe, prepare_model, resumed_adapter
 from .optim import make_optimizer
 from .runstate import RunState, set_rng_state
 
@@ -77,7 +78,7 @@ def build_model(cfg: TrainConfig, meta: dict):
     if cfg.init_from:
         from ..checkpoint.loading import load
 
-        model, _ = load(cfg.init_from)
+        model, _ = load(cfg.init_from, base=cfg.base)
         if model.config.vocab_size > meta["vocab_size"]:
             raise UserError(
                 f"--init-from {cfg.init_from} has a vocabulary of {model.config.vocab_size} tokens but the data's "
@@ -91,6 +92,7 @@ def build_model(cfg: TrainConfig, meta: dict):
     else:
         overrides = {"vocab_size": meta["vocab_size"], **cfg.model_overrides()}
         model = Transformer(ModelConfig.from_preset(cfg.preset, **overrides))
+    model = prepare_model(cfg, model, grown)  # --lora-r: the base frozen, adapters to train (train/lora.py)
     set_dropout(model, cfg.dropout)
     return model, grown
 
@@ -111,10 +113,13 @@ def start_run(cfg: TrainConfig, d: Dist) -> RunState:
     device = resolve_device(cfg.device, d)
     data, out = Path(cfg.data), Path(cfg.out)
     meta = read_prepared(data)
+    check_flags(cfg)
     open_run_folder(out, d)
     resume_from, saved = find_checkpoint(cfg, out, d)
     torch.manual_seed(cfg.seed)
     model, grown = (resumed_model(cfg, resume_from, saved[0]), None) if saved else build_model(cfg, meta)
+    if describe(model):
+        say(d, describe(model))
     if grown:
         say(d, f"vocabulary grown from {grown['from']} to {grown['to']} ids for the data's tokenizer: "
                f"new rows of {', '.join(grown['matrices'])} are the mean of the old rows")
@@ -190,11 +195,15 @@ def find_checkpoint(cfg: TrainConfig, out: Path, d: Dist) -> tuple[Path | None, 
 
 
 def resumed_model(cfg: TrainConfig, folder: Path, state_dict: dict):
-    """The checkpoint's model, with the run's dropout."""
+    """The checkpoint's model, with the run's dropout; an adapter checkpoint's on its base (--base)."""
     from ..checkpoint.builder import model_from_state
 
-    mcfg = ModelConfig.from_dict(json.loads((folder / "config.json").read_text())["model"])
-    model = model_from_state(mcfg, state_dict, dtype=torch.get_default_dtype(), where=str(folder)).train()
+    meta = json.loads((folder / "config.json").read_text())
+    if "lora" in meta:
+        model = resumed_adapter(cfg, folder)
+    else:
+        mcfg = ModelConfig.from_dict(meta["model"])
+        model = model_from_state(mcfg, state_dict, dtype=torch.get_default_dtype(), where=str(folder)).train()
     set_dropout(model, cfg.dropout)
     return model
 
