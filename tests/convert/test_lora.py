@@ -238,3 +238,42 @@ def test_a_moved_base_is_found_with_base_and_a_different_base_is_refused(base_ck
     with pytest.raises(UserError) as e:
         load(tmp_path / "run" / "adapter", base=tmp_path / "other")
     assert base_sha256(base) in str(e.value) and base_sha256(other) in str(e.value) and "other" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- convert --merge-lora
+
+
+def test_convert_merge_lora_writes_a_plain_checkpoint(base_ckpt, tmp_path, capsys):
+    from glassformer.checkpoint.loading import load
+    from glassformer.cli import main
+
+    folder, base = base_ckpt
+    want_model = _saved_adapter(folder, base, tmp_path / "adapter")
+    assert main(["convert", "--merge-lora", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")]) == 0
+    meta = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "lora" not in meta and (tmp_path / "merged" / "model.safetensors").is_file()
+    merged, tok = load(tmp_path / "merged")
+    assert tok is not None and not L.lora_modules(merged)
+    torch.testing.assert_close(merged(IDS)[0], want_model(IDS)[0], rtol=0, atol=1e-6)
+    # a plain checkpoint has nothing to merge; --base goes with an adapter run only
+    assert main(["convert", "--merge-lora", str(folder), "--out", str(tmp_path / "m2")]) == 2
+    assert "no LoRA adapter" in capsys.readouterr().err and not (tmp_path / "m2").exists()
+    assert main(["convert", "--kv-heads", "1", "--checkpoint", str(folder), "--base", str(folder),
+                 "--out", str(tmp_path / "m3")]) == 2
+    assert "--base goes with" in capsys.readouterr().err and not (tmp_path / "m3").exists()
+
+
+def test_merging_onto_a_quantized_base_is_refused_and_nothing_is_written(base_ckpt, tmp_path, capsys):
+    from glassformer.checkpoint.adapters import save_adapter
+    from glassformer.checkpoint.loading import load
+    from glassformer.cli import main
+
+    folder, _ = base_ckpt
+    assert main(["convert", "--quantize", "int8", "--checkpoint", str(folder), "--out", str(tmp_path / "q")]) == 0
+    qmodel, _ = load(tmp_path / "q")
+    save_adapter(tmp_path / "adapter", apply_lora(qmodel, LoraConfig(r=2)), tmp_path / "q")
+    capsys.readouterr()
+    assert main(["convert", "--merge-lora", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "quantized" in err
+    assert not (tmp_path / "merged").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -19,10 +19,15 @@ def add_arguments(p) -> None:
                            "(--out FILE.gguf, with FILE.Modelfile beside it; --dtype f32/f16/bf16/q8_0)")
     mode.add_argument("--from-gguf", metavar="FILE",
                       help="GGUF file (f32, f16, bf16 or q8_0, as --to-gguf writes them) to convert into a glassformer checkpoint")
+    mode.add_argument("--merge-lora", metavar="RUN",
+                      help="LoRA adapter run or checkpoint to fold into its base: a plain checkpoint, W + (alpha/r)·B·A "
+                           "(docs/lora.md)")
     mode.add_argument("--quantize", metavar="TYPE",
                       help="store the weights of --checkpoint as TYPE (int8: per output channel; docs/quantize.md)")
     p.add_argument("--peft", action="store_true",
                    help="with --to-hf on a LoRA adapter run: write DIR/base/ and the adapter in PEFT's layout (docs/lora.md#peft)")
+    p.add_argument("--base", metavar="CKPT",
+                   help="with --merge-lora or --to-hf on an adapter run: its base checkpoint, when it has moved")
     p.add_argument("--checkpoint", metavar="SRC", help="the checkpoint that --kv-heads or --quantize converts")
     p.add_argument("--out", required=True, metavar="DST", help="folder to write (must not exist yet)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "f32", "f16", "q8_0"],
@@ -68,12 +73,12 @@ def _stored_dtype(folder):
     return names.get(kinds.pop()) if len(kinds) == 1 else None
 
 
-def _float_model(folder, dtype=None):
+def _float_model(folder, dtype=None, base=None):
     """load(folder), refusing int8 weights: HF export and head pooling need the float weights."""
     from ..checkpoint.loading import load
     from ..errors import UserError
 
-    model, tok = load(folder, dtype=dtype)
+    model, tok = load(folder, dtype=dtype, base=base)
     if model.config.quantization is not None:
         raise UserError(f"{folder} stores quantized weights ({model.config.quantization['method']}); "
                         "convert its float checkpoint instead")
@@ -97,6 +102,28 @@ def _quantize(args, src, dtype) -> int:
     save_model(args.out, model, _tokenizer_file(folder))
     print(f"wrote {args.out}: glassformer checkpoint with {args.quantize} weights "
           f"({model.config.quantization['method']}, {model.config.quantization['granularity']})")
+    return 0
+
+
+def _merge_lora(args, dtype) -> int:
+    """--merge-lora RUN --out CKPT [--base CKPT]: the adapter folded into its base, a plain checkpoint
+    (convert.lora.merge_lora; an int8 base is refused before anything is written)."""
+    import torch
+
+    from ..checkpoint.folders import save_model
+    from ..checkpoint.loading import load
+    from ..convert.lora import lora_modules, merge_lora
+    from ..errors import UserError
+
+    if args.checkpoint is not None or args.peft:
+        raise UserError("--merge-lora RUN takes no --checkpoint or --peft")
+    _check_out(args.out, args.merge_lora)
+    model, tok = load(args.merge_lora, base=args.base)  # fp32; an int8 base stays int8, and merge_lora refuses it
+    if not lora_modules(model):
+        raise UserError(f"{args.merge_lora} has no LoRA adapter to merge: give a run trained with --lora-r")
+    model = merge_lora(model).to(dtype or torch.float32)
+    save_model(args.out, model, tok)
+    print(f"wrote {args.out}: glassformer checkpoint, the LoRA adapter merged ({model.num_params():,} weights)")
     return 0
 
 
@@ -134,9 +161,13 @@ def run(args) -> int:
 
     if args.to_gguf is not None or args.from_gguf is not None:
         return _gguf(args)
+    if args.base is not None and args.merge_lora is None and args.to_hf is None:
+        raise UserError("--base goes with --merge-lora RUN or --to-hf RUN (an adapter run whose base has moved)")
     if args.dtype == "q8_0":
         raise UserError("--dtype q8_0 is a GGUF type: use it with --to-gguf (or --quantize int8 for a checkpoint)")
     dtype = parse_dtype({"f32": "float32", "f16": "float16"}.get(args.dtype, args.dtype))
+    if args.merge_lora is not None:
+        return _merge_lora(args, dtype)
     on_checkpoint = args.kv_heads is not None or args.quantize is not None
     if not on_checkpoint and args.checkpoint is not None:
         raise UserError("--checkpoint goes with --kv-heads or --quantize; use --from-hf SRC or --to-hf SRC on their own")
@@ -157,7 +188,7 @@ def run(args) -> int:
         what = "glassformer checkpoint"
     elif args.to_hf is not None:
         folder = resolve(src)
-        model, tok = _float_model(folder, dtype=dtype or _stored_dtype(folder))
+        model, tok = _float_model(folder, dtype=dtype or _stored_dtype(folder), base=args.base)
         family = family_for(model.config)  # refuses, by name, what no family can hold
         if not args.peft and getattr(model, "lora_config", None) is not None:
             raise UserError(f"{src} is a LoRA adapter run: add --peft to write its base and the adapter in PEFT's "
