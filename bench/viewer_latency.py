@@ -26,7 +26,7 @@ import torch
 
 from glassformer import ModelConfig, Transformer
 from glassformer.viewer import source
-from glassformer.viewer.server import make_server, serve_in_thread
+from glassformer.viewer.server import make_server
 
 
 class NumberTokenizer:
@@ -83,11 +83,11 @@ def main() -> None:
         ex.payload(texts[args.repeats + r])
 
     server = make_server(ex, port=0)
-    serve_in_thread(server)
+    server.start_in_thread()
     sizes = []
 
     def http_post(r):
-        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
         body = json.dumps({"text": texts[2 * args.repeats + r]})
         conn.request("POST", "/api/trace", body=body, headers={"Content-Type": "application/json"})
         res = conn.getresponse()
@@ -100,8 +100,7 @@ def main() -> None:
     rows = {}
     for name, fn in (("forward", forward), ("trace", trace), ("payload", payload), ("http", http_post)):
         rows[name] = median_time(fn, args.repeats)
-    server.shutdown()
-    server.server_close()
+    server.stop()
 
     base = rows["forward"][0]
     print(f"explorer recompute, preset {args.preset} ({model.num_params():,} weights), {args.tokens} tokens, "

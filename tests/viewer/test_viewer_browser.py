@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from glassformer.viewer import render, source
-from glassformer.viewer.server import make_server, serve_in_thread
+from glassformer.viewer.server import make_server
 
 from ..support import tiny_model, REPO, WORKED_FIGURES
 from ..support import fixture_trace
@@ -59,10 +59,9 @@ def browser():
 @pytest.fixture(scope="module")
 def worked_server():
     server = make_server(source.worked_explorer(), port=0)
-    serve_in_thread(server)
+    server.start_in_thread()
     yield server
-    server.shutdown()
-    server.server_close()
+    server.stop()
 
 
 def open_page(browser, url, bypass_csp=True):
@@ -291,7 +290,7 @@ def test_saved_pages_offline_and_hostile_tokens_are_text(browser, tmp_path):
 
 def test_one_heatmap_per_head_gqa(browser):
     server = make_server(source.worked_explorer("gqa"), port=0)
-    serve_in_thread(server)
+    server.start_in_thread()
     try:
         page = open_page(browser, server.url)
         cards = heatmap_cells(page)
@@ -306,5 +305,4 @@ def test_one_heatmap_per_head_gqa(browser):
         assert page.events["errors"] == []
         page.close()
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,7 +15,8 @@ import torch
 from glassformer.cli import build_parser
 from glassformer.errors import UserError
 from glassformer.viewer import render
-from glassformer.viewer.server import MAX_BODY, MAX_TEXT, Explorer, make_server, serve_in_thread
+from glassformer.serve.http import Limits, Server
+from glassformer.viewer.server import MAX_BODY, MAX_TEXT, Explorer, make_explorer_app, make_server
 
 from ..support import tiny_model, WORKED_FIGURES
 from ..support import fixture_trace
@@ -38,19 +42,17 @@ def word_explorer() -> Explorer:
 @pytest.fixture(scope="module")
 def served():
     server = make_server(word_explorer(), port=0)
-    serve_in_thread(server)
+    server.start_in_thread()
     yield server
-    server.shutdown()
-    server.server_close()
+    server.stop()
 
 
 def request(server, method, path, body=None, headers=None):
-    host, port = server.server_address[:2]
-    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
     try:
         conn.request(method, path, body=body, headers=headers or {})
         res = conn.getresponse()
-        return res.status, dict(res.getheaders()), res.read()
+        return res.status, res.headers, res.read()  # header names in any case
     finally:
         conn.close()
 
@@ -62,9 +64,9 @@ def post_json(server, path, obj):
 def test_default_bind_is_loopback():
     server = make_server(word_explorer(), port=0)
     try:
-        assert server.server_address[0] == "127.0.0.1"
+        assert server.sock.getsockname()[0] == "127.0.0.1" and server.url.startswith("http://127.0.0.1:")
     finally:
-        server.server_close()
+        server.stop()
     args = build_parser().parse_args(["view", "--worked"])
     assert args.host == "127.0.0.1"
 
@@ -103,6 +105,68 @@ def test_oversize_body_is_413(served):
     # A claimed length over the limit is refused before any body is read.
     status, _, _ = request(served, "POST", "/api/trace", b"{}", {"Content-Length": str(MAX_BODY + 1)})
     assert status == 413
+
+
+def raw(server, data: bytes):
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    sock.sendall(data)
+    return sock
+
+
+def read_all(sock) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    finally:
+        sock.close()
+    return out
+
+
+def test_a_body_without_a_length_is_411(served):
+    for head in (b"POST /api/trace HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+                 b"POST /api/trace HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"):
+        answer = read_all(raw(served, head))  # answered, then closed: no body is taken for a next request
+        assert answer.startswith(b"HTTP/1.1 411 ") and b"Content-Length" in answer
+    status, headers, body = request(served, "HEAD", "/")
+    assert status == 200 and body == b"" and headers["Content-Type"].startswith("text/html")
+
+
+def test_traces_are_answered_while_clients_hold_half_sent_requests():
+    """The hand-written server lost requests (connection reset by peer) when 40 traces came at
+    once while 20 clients held half-sent requests: its listen queue was 5 deep (http.server's
+    default), so connections arriving together were reset, stalled clients or not. Now the
+    queue is uvicorn's, and the stalled clients hold only their sockets, until the deadline."""
+    limits = Limits(max_body=MAX_BODY, header_timeout=2.0, body_timeout=2.0)
+    app = make_explorer_app(word_explorer(), "127.0.0.1", 0)
+    server = Server(app, "127.0.0.1", 0, limits)
+    server.start_in_thread()
+    try:
+        stalled = [raw(server, b"POST /api/trace HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le") for _ in range(10)]
+        stalled += [raw(server, b"POST /api/trace HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 40\r\n\r\n{\"te")
+                    for _ in range(10)]
+        texts = ["the cat sat", "the mat", "cat on the mat", "sat on mat"]
+        together = threading.Barrier(40)
+
+        def one(i):
+            conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+            together.wait()  # all 40 connect at once (the old server reset about half of them)
+            try:
+                conn.request("POST", "/api/trace", json.dumps({"text": texts[i % len(texts)]}).encode())
+                res = conn.getresponse()
+                return res.status, res.read()
+            finally:
+                conn.close()
+
+        with ThreadPoolExecutor(40) as pool:
+            answers = list(pool.map(one, range(40)))
+        for i, (status, body) in enumerate(answers):
+            assert status == 200 and json.loads(body)["trace"]["tokens"] == texts[i % len(texts)].split()
+        for sock in stalled:  # closed by the server at the deadline (recv gives b"")
+            assert read_all(sock) == b""
+    finally:
+        server.stop()
 
 
 def test_foreign_host_header_refused(served):
@@ -177,7 +241,7 @@ def test_worked_server_explains_and_refuses_unknown_words():
     from glassformer.commands.view import build_explorer
 
     server = make_server(build_explorer(build_parser().parse_args(["view", "--worked"])), port=0)
-    serve_in_thread(server)
+    server.start_in_thread()
     try:
         status, _, body = request(server, "GET", "/")
         assert status == 200 and "I like cats too" in body.decode()
@@ -190,8 +254,7 @@ def test_worked_server_explains_and_refuses_unknown_words():
         status, _, body = post_json(server, "/api/trace", {"text": "I like birds"})
         assert status == 400 and "birds" in json.loads(body)["error"]
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
 
 
 def test_html_options_write_self_contained_pages(tmp_path):

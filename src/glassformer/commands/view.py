@@ -43,20 +43,17 @@ def build_explorer(args):
 def run(args) -> int:
     import sys
 
-    from ..viewer.server import _is_loopback, make_server
+    from ..serve.http import is_loopback
+    from ..viewer.server import make_server
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
     explorer = build_explorer(args)
     explorer.payload(explorer.default_text)  # fail now, with a clear message, if the opening sentence cannot be read
-    server = make_server(explorer, args.host, args.port, quiet=False)
-    if not _is_loopback(args.host):
+    server = make_server(explorer, args.host, args.port,
+                         on_ready=lambda url: print(f"explorer at {url}/  (Ctrl-C to stop)", flush=True))
+    if not is_loopback(args.host):
         print(f"warning: listening on {args.host}: other machines can reach this page", file=sys.stderr)
-    print(f"explorer at {server.url}  (Ctrl-C to stop)", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print("stopped", file=sys.stderr)
-    finally:
-        server.server_close()
+    server.run()  # until Ctrl-C, which stops it cleanly
+    print("stopped", file=sys.stderr)
     return 0

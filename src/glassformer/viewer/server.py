@@ -1,30 +1,32 @@
-"""`glassformer view`: a small local server for the explorer page.
+"""`glassformer view`: the explorer's routes, served on the HTTP base of serve/http.py.
 
 It serves GET / (the page), GET /static/NAME (its own CSS and JavaScript, a fixed list),
 POST /api/trace and POST /api/explain (docs/viewer.md#the-servers-endpoints), nothing else.
-Loopback by default, size limits (413), 404 for any other path, loopback Host names only,
-JSON with nosniff: docs/viewer.md#safety.
+Loopback by default, size limits (413, 411), 404 for any other path, loopback Host names only,
+JSON with nosniff: docs/viewer.md#safety. `explorer_router` puts the same routes on another
+app (`glassformer serve --explorer`); `make_server` is `glassformer view`'s own server.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
-from urllib.parse import urlsplit
+
+from fastapi import APIRouter, FastAPI, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
 
 from ..errors import UserError
+from ..serve.http import Limits, Server, json_bytes, make_app, plain_error
 from .render import _finite, build_payload, render_html, static_file, to_plain
 
 MAX_BODY = 64 * 1024  # bytes of one request body
 MAX_TEXT = 2000  # characters of one sentence
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LIMITS = Limits(max_body=MAX_BODY)  # the base's deadlines; the explorer's body limit
 STATIC_FILES = {"glass.css": "text/css; charset=utf-8", "glass.js": "text/javascript; charset=utf-8"}
 
 
@@ -90,173 +92,132 @@ class Explorer:
             return to_plain(self.explain(tr, probe, index))
 
 
-def _is_loopback(host: str) -> bool:
-    return host in LOOPBACK or host.startswith("127.")
-
-
-def _host_name(header: str) -> str:
-    """The name part of a Host header: 'localhost:8000' -> 'localhost', '[::1]:80' -> '::1'."""
-    header = header.strip()
-    if header.startswith("["):
-        return header[1:].split("]", 1)[0]
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
-
-
-class Handler(BaseHTTPRequestHandler):
-    server_version = "glassformer-view"
-    sys_version = ""
-    timeout = 30  # seconds a client may take to send its request
-    explorer: Explorer  # set on the subclass that make_server builds
-    quiet = True
-
-    # ---- plumbing -----------------------------------------------------------------
-    def log_message(self, fmt: str, *args: Any) -> None:
-        if not self.quiet:
-            sys.stderr.write("view: " + (fmt % args) + "\n")
-
-    def _send(self, status: int, body: bytes, ctype: str, extra: dict | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Referrer-Policy", "no-referrer")
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Frame-Options", "DENY")
-        for k, v in (extra or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _json(self, status: int, obj: Any) -> None:
-        try:
-            text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
-        except ValueError:  # a NaN somewhere: JSON has no spelling for it
-            text = json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False)
-        body = text.encode("utf-8")
-        self._send(status, body, "application/json; charset=utf-8")
-
-    def _error(self, status: int, message: str) -> None:
-        if status in (HTTPStatus.REQUEST_ENTITY_TOO_LARGE, HTTPStatus.LENGTH_REQUIRED):
-            self.close_connection = True  # the unread body must not be taken for a next request
-        self._json(status, {"error": message})
-
-    def _host_ok(self) -> bool:
-        bound = self.server.server_address[0]
-        if not _is_loopback(bound):
-            return True  # the user asked for another address: any name may reach it
-        return _is_loopback(_host_name(self.headers.get("Host", "127.0.0.1")))
-
-    # ---- GET ------------------------------------------------------------------------
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        if not self._host_ok():
-            return self._error(HTTPStatus.FORBIDDEN, "unexpected Host header")
-        path = urlsplit(self.path).path
-        if path in ("/", "/index.html"):
-            try:
-                payload = self.explorer.payload(self.explorer.default_text)
-            except (UserError, ValueError, TooLarge) as e:
-                return self._error(HTTPStatus.BAD_REQUEST, str(e))
-            except Exception as e:  # report, keep serving
-                traceback.print_exc()
-                return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(e).__name__}")
-            page = render_html(payload, inline=False).encode("utf-8")
-            return self._send(HTTPStatus.OK, page, "text/html; charset=utf-8")
-        if path.startswith("/static/"):
-            name = path[len("/static/"):]
-            # A fixed list: a name is looked up, never joined to a folder, so `..`,
-            # %2e%2e, absolute paths and symlinks cannot reach any other file.
-            if name in STATIC_FILES:
-                return self._send(HTTPStatus.OK, static_file(name).encode("utf-8"), STATIC_FILES[name])
-        if path == "/favicon.ico":
-            return self._send(HTTPStatus.NO_CONTENT, b"", "image/x-icon")
-        return self._error(HTTPStatus.NOT_FOUND, "not found")
-
-    do_HEAD = do_GET
-
-    # ---- POST -----------------------------------------------------------------------
-    def _read_json(self) -> dict:
-        length = self.headers.get("Content-Length")
-        if length is None:
-            raise _HTTPError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
-        try:
-            n = int(length)
-        except ValueError:
-            raise _HTTPError(HTTPStatus.BAD_REQUEST, "bad Content-Length") from None
-        if n < 0:
-            raise _HTTPError(HTTPStatus.BAD_REQUEST, "bad Content-Length")
-        if n > MAX_BODY:
-            raise _HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body over {MAX_BODY} bytes")
-        try:
-            obj = json.loads(self.rfile.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise _HTTPError(HTTPStatus.BAD_REQUEST, "the body must be JSON") from None
-        if not isinstance(obj, dict):
-            raise _HTTPError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-        return obj
-
-    def do_POST(self) -> None:  # noqa: N802
-        if not self._host_ok():
-            return self._error(HTTPStatus.FORBIDDEN, "unexpected Host header")
-        path = urlsplit(self.path).path
-        if path not in ("/api/trace", "/api/explain"):
-            return self._error(HTTPStatus.NOT_FOUND, "not found")
-        try:
-            req = self._read_json()
-            text = req.get("text", self.explorer.default_text)
-            if not isinstance(text, str):
-                raise UserError("text must be a string")
-            if path == "/api/trace":
-                return self._json(HTTPStatus.OK, self.explorer.payload(text))
-            probe, index = req.get("probe"), req.get("index")
-            if not isinstance(probe, str) or not isinstance(index, list) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) for i in index):
-                raise UserError("explain needs a probe name and an index (a list of integers)")
-            return self._json(HTTPStatus.OK, self.explorer.calculation(text, probe, index))
-        except _HTTPError as e:
-            return self._error(e.status, e.message)
-        except TooLarge as e:
-            return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(e))
-        except (UserError, ValueError, KeyError, IndexError) as e:
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return self._error(HTTPStatus.BAD_REQUEST, msg)
-        except Exception as e:  # report, keep serving
-            traceback.print_exc()
-            return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(e).__name__}")
-
-
 class _HTTPError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status, self.message = status, message
 
 
-class ExplorerServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{port}/"
+def _send(status: int, body: bytes, ctype: str, extra: dict | None = None) -> Response:
+    return Response(body, status_code=status, media_type=ctype, headers=extra)
 
 
-def make_server(explorer: Explorer, host: str = "127.0.0.1", port: int = 8000, quiet: bool = True) -> ExplorerServer:
-    """A server for `explorer` bound to (host, port); port 0 picks a free one. Not yet serving."""
-    handler = type("ExplorerHandler", (Handler,), {"explorer": explorer, "quiet": quiet})
-    if ":" in host:
-        cls = type("ExplorerServer6", (ExplorerServer,), {"address_family": __import__("socket").AF_INET6})
-    else:
-        cls = ExplorerServer
+def _json(status: int, obj: Any) -> Response:
     try:
-        return cls((host, port), handler)
-    except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host") from None
+        body = json_bytes(obj)
+    except ValueError:  # a NaN somewhere: JSON has no spelling for it
+        body = json_bytes(_finite(obj))
+    # The unread rest of a refused body must not be taken for a next request: close after it.
+    extra = {"Connection": "close"} if status in (411, 413) else None
+    return _send(status, body, "application/json; charset=utf-8", extra)
 
 
-def serve_in_thread(server: ExplorerServer) -> threading.Thread:
-    """Serve in a daemon thread (tests, notebooks); stop with server.shutdown()."""
-    t = threading.Thread(target=server.serve_forever, name="glassformer-view", daemon=True)
-    t.start()
-    return t
+def _error_for(e: Exception) -> Response:
+    """The answer to what a computation raised: the user's mistakes 400/411/413, ours 500."""
+    if isinstance(e, _HTTPError):
+        return _json(e.status, {"error": e.message})
+    if isinstance(e, TooLarge):
+        return _json(413, {"error": str(e)})
+    if isinstance(e, (UserError, ValueError, KeyError, IndexError)):
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return _json(400, {"error": msg})
+    traceback.print_exception(e)  # report, keep serving
+    return _json(500, {"error": f"internal error: {type(e).__name__}"})
+
+
+async def _read_json(request: Request) -> dict:
+    """The request's JSON object: a length is required (411) and at most MAX_BODY (413)."""
+    length = request.headers.get("content-length")
+    if length is None:
+        raise _HTTPError(411, "a Content-Length header is required")
+    if not length.isdigit():
+        raise _HTTPError(400, "bad Content-Length")
+    if int(length) > MAX_BODY:  # refused before any of it is read
+        raise _HTTPError(413, f"request body over {MAX_BODY} bytes")
+    try:
+        obj = json.loads((await request.body()).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _HTTPError(400, "the body must be JSON") from None
+    if not isinstance(obj, dict):
+        raise _HTTPError(400, "the body must be a JSON object")
+    return obj
+
+
+def _text_of(req: dict, explorer: Explorer) -> str:
+    text = req.get("text", explorer.default_text)
+    if not isinstance(text, str):
+        raise UserError("text must be a string")
+    return text
+
+
+def _probe_of(req: dict) -> tuple[str, list[int]]:
+    probe, index = req.get("probe"), req.get("index")
+    if not isinstance(probe, str) or not isinstance(index, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in index):
+        raise UserError("explain needs a probe name and an index (a list of integers)")
+    return probe, index
+
+
+def explorer_router(explorer: Explorer) -> APIRouter:
+    """The explorer's routes, to include in any app from serve.http.make_app.
+
+    The model runs in the thread pool (the explorer's lock makes the computations take
+    turns), so a slow trace never holds up the event loop that reads other requests.
+    """
+    router = APIRouter()
+
+    @router.api_route("/", methods=["GET", "HEAD"])
+    @router.api_route("/index.html", methods=["GET", "HEAD"])
+    async def page() -> Response:
+        try:
+            payload = await run_in_threadpool(explorer.payload, explorer.default_text)
+        except Exception as e:
+            return _error_for(e)
+        return _send(200, render_html(payload, inline=False).encode("utf-8"), "text/html; charset=utf-8")
+
+    @router.api_route("/static/{name}", methods=["GET", "HEAD"])
+    async def static(name: str) -> Response:
+        # A fixed list: a name is looked up, never joined to a folder, so `..`,
+        # %2e%2e, absolute paths and symlinks cannot reach any other file.
+        if name not in STATIC_FILES:
+            return _json(404, {"error": "not found"})
+        return _send(200, static_file(name).encode("utf-8"), STATIC_FILES[name])
+
+    @router.get("/favicon.ico")
+    async def favicon() -> Response:
+        return _send(204, b"", "image/x-icon")
+
+    @router.post("/api/trace")
+    async def trace(request: Request) -> Response:
+        try:
+            text = _text_of(await _read_json(request), explorer)
+            return _json(200, await run_in_threadpool(explorer.payload, text))
+        except Exception as e:
+            return _error_for(e)
+
+    @router.post("/api/explain")
+    async def explain(request: Request) -> Response:
+        try:
+            req = await _read_json(request)
+            text, (probe, index) = _text_of(req, explorer), _probe_of(req)
+            return _json(200, await run_in_threadpool(explorer.calculation, text, probe, index))
+        except Exception as e:
+            return _error_for(e)
+
+    return router
+
+
+def make_explorer_app(explorer: Explorer, host: str = "127.0.0.1", port: int = 8000) -> FastAPI:
+    """The explorer alone on the HTTP base: its Host check, its body limit, `{"error"}` bodies."""
+    app = make_app(host=host, port=port, limits=LIMITS, error_body=plain_error)
+    app.include_router(explorer_router(explorer))
+    return app
+
+
+def make_server(explorer: Explorer, host: str = "127.0.0.1", port: int = 8000,
+                on_ready: Callable[[str], None] | None = None) -> Server:
+    """A server for `explorer` bound to (host, port) now; port 0 picks a free one.
+
+    Serve with `.run()` (until Ctrl-C) or `.start_in_thread()` (tests, notebooks; `.stop()`).
+    """
+    return Server(make_explorer_app(explorer, host, port), host, port, LIMITS, on_ready=on_ready)
