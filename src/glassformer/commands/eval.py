@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .options import add_quantize_argument
+from .options import add_base_argument, add_quantize_argument
 
 HELP = "held-out loss, perplexity and bits per byte of a text file or a prepared folder's validation split"
 
@@ -19,6 +19,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json to encode a text file with (default: the checkpoint's)")
     add_quantize_argument(p, "score")
+    add_base_argument(p)
 
 
 def run(args) -> int:
@@ -42,7 +43,7 @@ def run(args) -> int:
         from ..train.metrics import pick_threads
 
         pick_threads(torch.get_num_threads())
-    model, tokenizer = load(args.checkpoint, device=device)
+    model, tokenizer = load(args.checkpoint, device=device, base=args.base)
     model = apply_quantize(model.float().eval(), args)
     data, chat = Path(args.data), {}  # chat: how a conversation folder is scored
     if data.is_dir():

@@ -31,3 +31,11 @@ def apply_quantize(model, args):
     from ..convert.quantize import quantize
 
     return quantize(model, quantize_method(args))
+
+
+def add_base_argument(p) -> None:
+    """`--base CKPT`: the base of an adapter run given as --checkpoint, when it has moved from where
+    the adapter records it (docs/lora.md); load(..., base=args.base) reads it."""
+    p.add_argument("--base", metavar="CKPT", default=None,
+                   help="with a LoRA adapter run as --checkpoint: its base checkpoint, when it has moved "
+                        "from where the adapter records it (docs/lora.md)")

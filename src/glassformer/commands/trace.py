@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .options import add_quantize_argument
+from .options import add_base_argument, add_quantize_argument
 
 HELP = "run one text through the model and write every probe to a trace file (JSON) or page"
 
@@ -48,6 +48,7 @@ def add_arguments(p) -> None:
                    help="leave out the 'analysis' key (norm RMS, head summary, logit lens, decode step)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     add_quantize_argument(p, "trace")
+    add_base_argument(p)
 
 
 def _load(args):
@@ -64,7 +65,7 @@ def _load(args):
         raise UserError("say which model to trace: --checkpoint CKPT or --worked")
     from ..checkpoint.loading import load
 
-    model, tok = load(args.checkpoint, device=args.device)
+    model, tok = load(args.checkpoint, device=args.device, base=args.base)
     return apply_quantize(model, args), tok, None
 
 
