@@ -1,0 +1,63 @@
+"""`glassformer serve` as a user runs it: the one ready line (port 0 named), a request answered,
+a clean stop on Ctrl-C; a non-loopback bind without a key refuses to start; /health says 503
+while the model loads."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from glassformer.cli import main
+from glassformer.serve.backend import Backend
+from glassformer.serve.http import make_app
+from glassformer.serve.openai import add_routes, openai_error
+
+from ..support import REPO, synthetic_text, tiny_checkpoint
+
+
+@pytest.mark.parametrize("argv", [["--host", "0.0.0.0"], ["--host", "192.168.1.2", "--api-key", ""]])
+def test_a_non_loopback_bind_without_a_key_refuses_to_start(argv, capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("GLASSFORMER_API_KEY", raising=False)
+    assert main(["serve", "--checkpoint", str(tmp_path / "none"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and ("--api-key" in err) and "Traceback" not in err
+
+
+def test_bad_flags_are_refused_before_anything_listens(capsys, tmp_path):
+    assert main(["serve", "--checkpoint", str(tmp_path), "--max-batch", "0"]) == 2
+    assert "--max-batch must be >= 1" in capsys.readouterr().err
+
+
+def test_health_is_503_while_loading():
+    backend = Backend("m")
+    app = add_routes(make_app(host="127.0.0.1", port=0, error_body=openai_error), backend)
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        assert (client.get("/health").status_code, client.get("/health").json()) == (503, {"status": "loading"})
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+def test_serve_prints_one_ready_line_answers_and_stops_on_ctrl_c(tmp_path):
+    tiny_checkpoint(tmp_path / "ckpt", synthetic_text(200, 1))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GLASSFORMER_API_KEY": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "glassformer", "serve", "--checkpoint", str(tmp_path / "ckpt"),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        found = re.fullmatch(r"serving ckpt at (http://127\.0\.0\.1:(\d+)/v1)\n", line)
+        assert found and int(found[2]) > 0, line + proc.stderr.read() if not found else ""
+        client = openai.OpenAI(base_url=found[1], api_key="unused", max_retries=0)
+        assert client.completions.create(model="ckpt", prompt="The king", max_tokens=3).usage.completion_tokens >= 1
+        assert httpx.get(found[1].removesuffix("/v1") + "/health").json() == {"status": "ok"}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out == "" and "Traceback" not in err
