@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from .generate import add_sampling_arguments
-from .options import add_quantize_argument
+from .options import add_base_argument, add_quantize_argument
 
 HELP = "talk with a checkpoint: each reply streams, the conversation stays in one KV cache"
 COMMANDS = "/reset forgets the conversation, /system TEXT sets the system prompt, /exit ends"
@@ -31,6 +31,7 @@ def add_arguments(p) -> None:
                    help="attention kernel (default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     add_quantize_argument(p, "chat")
+    add_base_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..generation.streaming import TextStream
-from .options import add_quantize_argument
+from .options import add_base_argument, add_quantize_argument
 
 HELP = "sample text from a checkpoint, streamed as tokens come (KV cache, batched prompts)"
 
@@ -26,6 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     add_quantize_argument(p, "decode")
+    add_base_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
 
@@ -86,10 +87,11 @@ def _load_model(args):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but PyTorch sees no CUDA GPU here; use --device cpu")
     folder = resolve(args.checkpoint)
-    if read_config(folder).get("format") == "glassformer" and not (folder / "model.safetensors").is_file():
+    meta = read_config(folder)
+    if meta.get("format") == "glassformer" and "lora" not in meta and not (folder / "model.safetensors").is_file():
         raise UserError(f"checkpoint {folder} is incomplete: it has no model.safetensors")
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    model, tok = load(folder, device=args.device, dtype=dtype)
+    model, tok = load(folder, device=args.device, dtype=dtype, base=getattr(args, "base", None))
     if tok is None:
         raise UserError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
     model = apply_quantize(model, args)

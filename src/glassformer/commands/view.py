@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .options import add_quantize_argument
+from .options import add_base_argument, add_quantize_argument
 
 HELP = "the explorer: a local page that traces a sentence and shows every number of its computation"
 
@@ -21,6 +21,7 @@ def add_arguments(p) -> None:
     p.add_argument("--text", default=None, help="the sentence the page opens with")
     p.add_argument("--device", default="cpu", help="device to run the model on")
     add_quantize_argument(p, "explore")
+    add_base_argument(p)
 
 
 def build_explorer(args):
@@ -35,7 +36,7 @@ def build_explorer(args):
         return ex
     from ..checkpoint.loading import load
 
-    model, tokenizer = load(args.checkpoint)
+    model, tokenizer = load(args.checkpoint, base=args.base)
     model = apply_quantize(model, args).to(args.device).eval()
     return source.explorer(model, tokenizer, args.text or DEFAULT_TEXT, model_name=str(args.checkpoint))
 
