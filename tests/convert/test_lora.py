@@ -277,3 +277,26 @@ def test_merging_onto_a_quantized_base_is_refused_and_nothing_is_written(base_ck
     err = capsys.readouterr().err
     assert err.startswith("error:") and "quantized" in err
     assert not (tmp_path / "merged").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_generate_eval_and_trace_take_an_adapter_run(base_ckpt, tmp_path, capsys):
+    """Each verb reads the adapter through load: generate's greedy text equals the merged
+    checkpoint's, eval's line too (to rounding), and trace runs the adapted model."""
+    from glassformer.cli import main
+
+    folder, base = base_ckpt
+    _saved_adapter(folder, base, tmp_path / "adapter", seed=4)
+    assert main(["convert", "--merge-lora", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")]) == 0
+    (tmp_path / "held.txt").write_text("The king walks to the castle. The old man sings of the sea.\n")
+    outs = {}
+    for name in ("adapter", "merged"):
+        capsys.readouterr()
+        assert main(["generate", "--checkpoint", str(tmp_path / name), "--prompt", "The king", "--greedy",
+                     "--max-new-tokens", "8"]) == 0
+        text = capsys.readouterr().out
+        assert main(["eval", "--checkpoint", str(tmp_path / name), "--data", str(tmp_path / "held.txt")]) == 0
+        outs[name] = (text, json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert outs["adapter"][0] == outs["merged"][0]
+    assert outs["adapter"][1]["loss"] == pytest.approx(outs["merged"][1]["loss"], abs=1e-5)
+    assert main(["trace", "--checkpoint", str(tmp_path / "adapter"), "--text", "The king",
+                 "--out", str(tmp_path / "t.json")]) == 0
