@@ -81,7 +81,7 @@ def _check(args) -> None:
 
 
 def build(args, backend, key):
-    """The app (serve.http's base, the OpenAI routes, the explorer with --explorer) and its server, bound."""
+    """The app (serve.http's base with the OpenAI routes) and its server, bound now."""
     from ..serve.http import Limits, Server, make_app
     from ..serve.openai import add_routes, openai_error
 
@@ -89,30 +89,32 @@ def build(args, backend, key):
     app = make_app(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin, limits=limits,
                    error_body=openai_error)
     add_routes(app, backend)
-    if args.explorer:
-        _add_explorer(app, args)
-    return Server(app, args.host, args.port, limits)
+    return app, Server(app, args.host, args.port, limits)
 
 
-def _add_explorer(app, args) -> None:
-    from ..errors import UserError
+def _engine(args, app, model, tok, name: str):
+    """The engine; with --explorer its steps and the explorer's traces take turns on the one model
+    (probes record process-wide, so a trace must not see a decode step's tensors)."""
+    from ..generation.batching import Engine
+    from ..serve.backend import TurnTakingEngine
 
-    try:
-        from ..viewer.app import add_explorer  # the explorer on the same stack (glassformer view)
-    except ImportError:
-        raise UserError("--explorer: this build's explorer does not run on the serve app yet; "
-                        "run `glassformer view` beside it") from None
-    from .view import build_explorer
+    sizes = dict(max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                 compile=args.compile)
+    if not args.explorer:
+        return Engine(model, **sizes).start()
+    from ..viewer.server import explorer_router
+    from ..viewer.source import explorer
+    from .view import DEFAULT_TEXT
 
-    args.worked, args.text, args.variant = False, None, "one_head"
-    add_explorer(app, build_explorer(args))
+    ex = explorer(model, tok, DEFAULT_TEXT, model_name=name)
+    app.include_router(explorer_router(ex))
+    return TurnTakingEngine(model, ex._lock, **sizes).start()
 
 
 def run(args) -> int:
     import signal
     import threading
 
-    from ..generation.batching import Engine
     from ..serve.backend import Backend
     from .generate import _load_model
 
@@ -120,15 +122,14 @@ def run(args) -> int:
     _check(args)
     args.attention = None
     backend = Backend(model_id(args))
-    server = build(args, backend, key)
+    app, server = build(args, backend, key)
     server.start_in_thread()  # /health says "loading" meanwhile
     engine = None
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
     try:
         model, tok = _load_model(args)
-        engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                        compile=args.compile).start()
+        engine = _engine(args, app, model, tok, backend.model_id)
         backend.ready(engine, model, tok)
         print(f"serving {backend.model_id} at {server.url}/v1", flush=True)
         threading.Event().wait()

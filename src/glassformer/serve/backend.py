@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import UserError
+from ..generation.batching import Engine
 from ..text.chat_template import check_messages
 from . import schemas
 from .schemas import ApiError, bad
@@ -21,6 +22,19 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 def openai_error(status: int, message: str) -> dict:
     """The app's error body (serve.http's error_body): OpenAI's error object for a status."""
     return schemas.error_body(message, ERROR_TYPES.get(status, "invalid_request_error"))
+
+
+class TurnTakingEngine(Engine):
+    """An Engine whose every step holds `turns`, a lock another user of the same model holds while
+    it runs it (the explorer: its traces record probes process-wide, so no step may run meanwhile)."""
+
+    def __init__(self, model, turns, **sizes):
+        super().__init__(model, **sizes)
+        self.turns = turns
+
+    def step(self) -> bool:
+        with self.turns:
+            return super().step()
 
 
 @dataclass
