@@ -14,6 +14,9 @@ from glassformer.generation.batching import ContextLengthExceeded, Engine, Engin
 from ..support import tiny_model
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest on a busy machine
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()

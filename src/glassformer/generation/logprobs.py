@@ -7,12 +7,15 @@ then says what the model thinks, whatever the sampling did with it. docs/generat
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-__all__ = ["TokenLogprob", "logprobs_of", "prompt_logprobs", "raw_logprobs"]
+from .. import probes
+
+__all__ = ["TokenLogprob", "logprobs_of", "prompt_logprobs", "raw_logprobs", "LogitsTap"]
 
 
 @dataclass
@@ -72,3 +75,36 @@ def prompt_logprobs(logits: torch.Tensor, ids: Sequence[int], k: int) -> list[To
         raise ValueError(f"{len(ids)} ids need logits at {n} positions, got {logits.shape[0]}")
     chosen = torch.tensor(ids[1:], device=logits.device)  # (n,)
     return _entries(raw_logprobs(logits[:n]), chosen, k)  # (n, V) -> n entries
+
+
+class LogitsTap:
+    """A probe recorder that keeps the logits of each forward's last position (the "logits" probe),
+    so the tokens a Session yields can be scored without touching its loop: one entry a forward, in
+    order, each (B, V) float32. While it listens a Session runs the model eagerly (probes).
+
+    >>> from glassformer import ModelConfig, Transformer, generate
+    >>> model = Transformer(ModelConfig.from_preset("tiny"))
+    >>> with LogitsTap() as tap:
+    ...     ids = list(generate(model, [1, 2, 3], max_new_tokens=4, greedy=True))
+    >>> len(tap.logits), tuple(tap.logits[0].shape)
+    (4, (1, 512))
+    """
+
+    def __init__(self):
+        self.logits: collections.deque[torch.Tensor] = collections.deque()
+        self._before = None
+
+    def wants(self, name: str) -> bool:
+        return name == "logits"
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if name == "logits":
+            self.logits.append(x[:, -1].detach().float())  # (B, T, V) -> (B, V)
+        return x
+
+    def __enter__(self) -> "LogitsTap":
+        self._before = probes.set_recorder(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        probes.set_recorder(self._before)
