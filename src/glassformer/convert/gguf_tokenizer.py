@@ -140,6 +140,10 @@ def _specials(tok, spec: dict, pieces: list[str]) -> dict[str, Any]:
     if bos is None:  # as GPT-2: the end-of-text token also begins a text
         bos = tok.eot_id
     eos = tok.eos_ids
+    wrong = [i for i in [bos, *eos] if i is not None and not 0 <= i < len(pieces)]
+    if wrong:
+        raise UserError(f"the tokenizer's bos/eos ids {wrong} (tokenizer_config.json, generation_config.json) are not in "
+                        f"its vocabulary of {len(pieces)}: correct them before exporting")
     if bos is not None:
         out["tokenizer.ggml.bos_token_id"] = bos
     if eos:
