@@ -320,3 +320,18 @@ def test_transport_errors_are_openai_errors_too(served):
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.NotFoundError):
         served.client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+
+
+def test_ids_past_the_tokenizers_vocabulary_have_no_text():
+    """A model's vocabulary padded past its tokenizer's: such an id streams nothing and has no bytes."""
+    from glassformer.generation.streaming import TextStream
+    from glassformer.serve.results import CompletionLogprobs, KnownIds, piece, token_bytes
+
+    tok = Tokenizer.train([synthetic_text(50, 1)], vocab_size=280)
+    ids, past = tok.encode("the king"), tok.vocab_size + 3
+    stream = TextStream(KnownIds(tok))
+    assert "".join(stream.push(t) for t in [ids[0], past, *ids[1:]]) + stream.flush() == "the king"
+    assert (piece(tok, past), token_bytes(tok, past)) == ("", b"")
+    lp = CompletionLogprobs(tok)
+    lp.add(past, -1.0, [(past, -1.0)])
+    assert lp.take()["tokens"] == [""]

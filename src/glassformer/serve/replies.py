@@ -15,6 +15,7 @@ from ..generation import batching
 from ..generation.streaming import TextStream
 from . import schemas
 from .backend import check_context
+from .results import KnownIds
 from .schemas import ApiError, bad
 
 
@@ -34,7 +35,7 @@ class Reply:
 
     def __init__(self, ticket, tokenizer, stops=(), eos=()):
         self.ticket, self.eos = ticket, set(eos)
-        self.stream = TextStream(tokenizer, stops)
+        self.stream = TextStream(KnownIds(tokenizer) if hasattr(tokenizer, "id_to_bytes") else tokenizer, stops)
         self.tokens, self.finish, self.prompt = 0, None, None
         self.ids: list[int] = []
 

@@ -2,7 +2,8 @@
 usage, and the envelope every completion and chunk shares (docs/serve.md#responses).
 
 A token's text here is `Tokenizer.id_to_piece`: its bytes as UTF-8, with a byte that is only part
-of a character written as \\xNN; chat's `bytes` field gives the exact bytes.
+of a character written as \\xNN; chat's `bytes` field gives the exact bytes. An id past the
+tokenizer's vocabulary (a padded model vocabulary) has no bytes and the empty text.
 """
 
 from __future__ import annotations
@@ -10,6 +11,35 @@ from __future__ import annotations
 import codecs
 import time
 import uuid
+
+from ..errors import UserError
+
+
+def token_bytes(tok, i: int) -> bytes:
+    """Token i's bytes; none for an id past the tokenizer's vocabulary (a model's vocabulary is often
+    padded past its tokenizer's, and a sampled or top-k id may land there)."""
+    try:
+        return tok.id_to_bytes(i)
+    except UserError:
+        return b""
+
+
+def piece(tok, i: int) -> str:
+    """Token i's text as sent: Tokenizer.id_to_piece's form, '' for an id the tokenizer lacks."""
+    return token_bytes(tok, i).decode("utf-8", errors="backslashreplace")
+
+
+class KnownIds:
+    """The tokenizer as TextStream reads it, with ids past its vocabulary giving no bytes."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def id_to_bytes(self, i: int) -> bytes:
+        return token_bytes(self.tok, i)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids)
 
 
 def new_id(prefix: str) -> str:
@@ -36,7 +66,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def _chat_entry(tok, token_id: int, logprob: float) -> dict:
-    return {"token": tok.id_to_piece(token_id), "logprob": logprob, "bytes": list(tok.id_to_bytes(token_id))}
+    return {"token": piece(tok, token_id), "logprob": logprob, "bytes": list(token_bytes(tok, token_id))}
 
 
 def chat_logprobs(tok, entries) -> list[dict]:
@@ -60,11 +90,11 @@ class CompletionLogprobs:
 
     def add(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         """One token: its logprob and top alternatives (None for a prompt's first token, as OpenAI)."""
-        self.tokens.append(self.tok.id_to_piece(token_id))
+        self.tokens.append(piece(self.tok, token_id))
         self.token_logprobs.append(logprob)
-        self.top_logprobs.append(None if top is None else {self.tok.id_to_piece(i): lp for i, lp in top})
+        self.top_logprobs.append(None if top is None else {piece(self.tok, i): lp for i, lp in top})
         self.text_offset.append(self.offset)
-        self.offset += len(self.utf8.decode(self.tok.id_to_bytes(token_id)))
+        self.offset += len(self.utf8.decode(token_bytes(self.tok, token_id)))
 
     def add_prompt(self, ids: list[int], entries) -> None:
         """The echoed prompt: its first token unscored, each later one by the entry that predicts it."""
