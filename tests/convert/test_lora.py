@@ -300,3 +300,37 @@ def test_generate_eval_and_trace_take_an_adapter_run(base_ckpt, tmp_path, capsys
     assert outs["adapter"][1]["loss"] == pytest.approx(outs["merged"][1]["loss"], abs=1e-5)
     assert main(["trace", "--checkpoint", str(tmp_path / "adapter"), "--text", "The king",
                  "--out", str(tmp_path / "t.json")]) == 0
+
+
+# ----------------------------------------------------------------------------- cost --lora-r
+
+
+@pytest.mark.parametrize("overrides, targets", [({}, None), ({"ffn": "gelu", "n_kv_heads": 1}, ("wq", "wo", "w_down"))])
+def test_cost_lora_counts_equal_the_real_models_trainable_weights(overrides, targets, capsys):
+    from glassformer import ModelConfig, Transformer
+    from glassformer.cli import main
+    from glassformer.cost import estimate
+    from glassformer.cost.lora import TARGETS
+
+    assert TARGETS == LORA_TARGETS
+    cfg = ModelConfig.from_preset("tiny", **overrides)
+    want_targets = targets or tuple(t for t in LORA_TARGETS if not (t == "w_gate" and cfg.ffn != "swiglu"))
+    model = apply_lora(Transformer(cfg), LoraConfig(r=6, targets=want_targets))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    report = estimate(cfg, batch=2, seq=16, dtype="fp32", hardware="h100", lora_r=6, lora_targets=want_targets)
+    lo = report["lora"]
+    assert lo["trainable_weights"] == sum(p.numel() for p in trainable)
+    opt = torch.optim.AdamW(trainable)  # the optimizer state a LoRA run holds, measured
+    model(IDS, targets=IDS)[1].backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0)
+    assert lo["optimizer_bytes"] == held
+    assert lo["train_memory_by_part"]["grads"] == sum(p.grad.numel() * 4 for p in trainable)
+    assert lo["train_memory_by_part"]["base_weights"] == 4 * model.num_params() - 4 * lo["trainable_weights"]
+    if targets:  # the command line once, on the preset
+        return
+    assert main(["cost", "--preset", "tiny", "--lora-r", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["lora"]["trainable_weights"] == lo["trainable_weights"] and out["lora"]["r"] == 6
+    assert main(["cost", "--preset", "tiny", "--lora-r", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err

@@ -25,6 +25,10 @@ def add_arguments(p) -> None:
     p.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw", help="optimizer state to hold")
     p.add_argument("--no-master-weights", action="store_true",
                    help="bf16/fp16: train in the dtype alone (no fp32 master copy; moments in the dtype)")
+    p.add_argument("--lora-r", type=int, default=None, metavar="R",
+                   help="also price LoRA fine-tuning at rank R: trainable weights, optimizer state, memory (docs/cost.md#lora)")
+    p.add_argument("--lora-targets", default=None, metavar="LIST",
+                   help="with --lora-r: the adapted products, comma-separated (default: wq,wk,wv,wo,w_gate,w_up,w_down)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="also draw FLOPs and memory against T to this PNG")
 
@@ -77,11 +81,14 @@ def run(args) -> int:
         raise UserError(f"--seq must be in 1..{cfg.max_seq_len} (the model's context), got {args.seq}")
     if (args.tokens is not None and args.tokens < 1) or (args.steps is not None and args.steps < 1):
         raise UserError("--tokens and --steps must be at least 1")
+    if args.lora_targets is not None and args.lora_r is None:
+        raise UserError("--lora-targets goes with --lora-r R")
+    targets = None if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     report = estimate(
         cfg, batch=args.batch, seq=args.seq, dtype=args.dtype, hardware=args.hardware, mfu=args.mfu,
         tokens=None if args.tokens is None else int(args.tokens), steps=args.steps, memory=args.memory,
         attention=args.attention, optimizer=args.optimizer,
-        master_weights=False if args.no_master_weights else None,
+        master_weights=False if args.no_master_weights else None, lora_r=args.lora_r, lora_targets=targets,
     )
     if args.plot:
         try:

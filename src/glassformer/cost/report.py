@@ -17,6 +17,7 @@ from .memory import (
     max_train_batch,
     train_memory,
 )
+from .lora import lora_keys
 from .params import weights
 
 CHINCHILLA_TOKENS_PER_WEIGHT = 20  # Hoffmann et al., 2022: compute-optimal training data
@@ -105,11 +106,14 @@ def estimate(
     attention: str | None = None,
     optimizer: str = "adamw",
     master_weights: bool | None = None,
+    lora_r: int | None = None,
+    lora_targets: tuple[str, ...] | None = None,
 ) -> dict:
     """Every cost of `cfg` for a batch of `batch` rows of `seq` tokens; see docs/cost.md for each key.
 
     seq defaults to the model's context, dtype to bf16 on a GPU and fp32 on the CPU,
     memory to the hardware's, attention to the config's kernel, tokens to 20 per weight.
+    lora_r: also price LoRA fine-tuning at that rank (on lora_targets, default all): key "lora".
     """
     B, T = int(batch), cfg.max_seq_len if seq is None else int(seq)
     kernel = cfg.attention if attention is None else attention
@@ -137,6 +141,8 @@ def estimate(
         "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "memory_bytes": hw.memory_bytes,
                      "bandwidth": hw.bandwidth, "source": hw.source},
     })
+    if lora_r is not None:
+        r["lora"] = lora_keys(cfg, B, T, lora_r, lora_targets, dtype, kernel, optimizer, master_weights)
     return r
 
 
@@ -199,5 +205,18 @@ def format_table(r: dict) -> str:
     d = r["decode"]
     add(f"decode at context {d['context']:,}", f"≤ {d['tokens_per_second_bound']:.3g} tokens/s per row "
         f"({human(d['bytes_per_token'], 'B', 1024)} read per token at {human(d['bandwidth'], 'B/s')})")
+    if "lora" in r:
+        _lora_rows(r, add)
     width = max(len(a) for a, _ in rows)
     return "\n".join(f"{a.ljust(width)}  {b}" for a, b in rows)
+
+
+def _lora_rows(r: dict, add) -> None:
+    lo, i = r["lora"], r["inputs"]
+    add(f"LoRA r={lo['r']} ({','.join(lo['targets'])})",
+        f"{lo['trainable_weights']:,} trainable weights ({lo['trainable_fraction']:.2%}); "
+        f"adapter file {human(lo['adapter_file_bytes'], 'B', 1024)} (fp32)")
+    add(f"  optimizer state ({i['optimizer']})", f"{human(lo['optimizer_bytes'], 'B', 1024)} "
+        f"(full fine-tuning: {human(r['train_memory_by_part']['optimizer'], 'B', 1024)})")
+    add(f"  training memory ({i['dtype']})", f"{human(lo['train_memory_bytes'], 'B', 1024)} "
+        f"(full fine-tuning: {human(r['train_memory_bytes'], 'B', 1024)})")
