@@ -217,6 +217,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.context = model.config.max_seq_len
         self.cache = KVCache.for_model(model, max_batch)  # (max_batch, K, S, H) per layer, allocated once
+        self._views: dict[tuple[int, int, int], KVCache] = {}  # (lo, hi, length) -> a view of the cache
         self.rows: list[_Row | None] = [None] * max_batch  # decoding rows 0..n_dec-1, then at most one prefilling
         self.n_dec = 0
         self.queue: collections.deque[Ticket] = collections.deque()
@@ -434,7 +435,7 @@ class Engine:
         else (1, V) of the last of them."""
         a = r.fed
         ids = torch.tensor([r.request.ids[a:a + n]], device=self.device)  # (1, n)
-        view = self.cache.view(i, i + 1, a + n)
+        view = self._view(i, i + 1, self.context)  # an int position: the cache reads slots 0..a+n-1 only
         at = None if r.scores is not None else torch.tensor([n - 1], device=self.device)
         logits, _ = self.model(ids, cache=view, pos=a, logits_at=at)  # (1, n or 1, V)
         r.fed += n
@@ -458,9 +459,9 @@ class Engine:
         pos = [r.fed for r in rows] + [self._pad_position(j) for j in range(n, B)]
         idx = torch.tensor(toks, device=self.device)[:, None]  # (B, 1)
         if B == 1 and not compiled:  # one row: the plain cache path, as a one-row Session steps
-            logits, _ = self.model(idx, cache=self.cache.view(0, 1, pos[0] + 1), pos=pos[0])  # (1, 1, V)
+            logits, _ = self.model(idx, cache=self._view(0, 1, self.context), pos=pos[0])  # (1, 1, V)
         else:  # every row at its own position, reading the slots up to the furthest one's
-            view = self.cache.view(0, B, round_up(max(pos) + 1, LENGTH_STEP, self.context))
+            view = self._view(0, B, round_up(max(pos) + 1, LENGTH_STEP, self.context))
             fwd = self._compiled_step() if compiled else self.model
             logits, _ = fwd(idx, cache=view, pos=torch.tensor(pos, device=self.device))  # (B, 1, V)
         if compiled:
@@ -471,6 +472,16 @@ class Engine:
             r.fed += 1
         for i in reversed(range(n)):  # from the last row: a release moves only rows already emitted
             self._emit(i, logits[i, -1:])
+
+    def _view(self, lo: int, hi: int, length: int) -> KVCache:
+        """The cache's rows lo..hi-1 and slots 0..length-1, built once (a view costs module set-ups)."""
+        key = (lo, hi, length)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 4096:
+                self._views.clear()
+            view = self._views[key] = self.cache.view(lo, hi, length)
+        return view
 
     def _pad_position(self, j: int) -> int:
         r = self.rows[j]
