@@ -334,3 +334,31 @@ def test_cost_lora_counts_equal_the_real_models_trainable_weights(overrides, tar
     assert out["lora"]["trainable_weights"] == lo["trainable_weights"] and out["lora"]["r"] == 6
     assert main(["cost", "--preset", "tiny", "--lora-r", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- explain
+
+
+@pytest.mark.parametrize("with_weights", [True, False])
+def test_explain_shows_the_base_and_the_adapter_term_and_they_sum_to_the_product(with_weights):
+    """At layer 0 the base term is the base model's own q (the same x), independently traced; the
+    scaled adapter term is the rest of the adapted q; together the traced value."""
+    from glassformer import explain, trace
+
+    ids = IDS[0].tolist()
+    base_tr = trace(tiny_model(0), ids)
+    model = adapted(0, LoraConfig(r=3, alpha=6.0, targets=("wq", "w_down")))
+    tr = trace(model, ids, with_weights=with_weights)
+    assert tr.config["lora"]["r"] == 3
+    for probe, idx in (("blocks.0.attn.q", [2, 1, 5]), ("blocks.1.ffn.down", [4, 7])):
+        e = explain(tr, probe, idx, model=None if with_weights else model)
+        last = e.steps[-1]
+        assert "(α/r)" in last["formula"] and e.text.count("(the adapter term)") == 1
+        base_step, adapter_step = (e.steps[t[-1]["index"][0]] for t in last["terms"][:2])
+        assert last["terms"][1][0]["value"] == 2.0  # alpha / r
+        assert "the base term" in base_step["formula"] and "the adapter term" in adapter_step["formula"]
+        assert base_step["value"] + 2.0 * adapter_step["value"] == pytest.approx(e.result, abs=1e-12)
+        assert e.result == pytest.approx(e.value, abs=1e-4)
+        if probe == "blocks.0.attn.q":
+            assert base_step["value"] == pytest.approx(base_tr.value(probe, idx), abs=1e-4)
+            assert abs(adapter_step["value"]) > 1e-3  # the adapter does add something here

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import UserError
 from ..probes import final_norm_reads, stream_probes
 from ..tracing.trace import weight_matrix
-from . import quantized
+from . import lora, quantized
 from .steps import Steps, fmt, operand
 
 _SYMBOL = {"attn.out": "attn_out", "attn.scores": "s", "attn.weights": "w", "logits": "logit", "probs": "p",
@@ -114,6 +114,9 @@ def product(ctx: Context, label: str, xs: list[dict], wname: str, col: int, W: s
     """y[col] = Σ_i x[i]·W[i,col] (+ b) over the operands xs; an int8 weight as its scale times q
     (quantized.py). col_name: how the column reads in labels (a vocabulary entry's text)."""
     col_name = col if col_name is None else col_name
+    if lora.is_adapted(ctx, wname):  # base term + (α/r)·adapter term (lora.py)
+        lora.product(ctx, label, xs, wname, col, W, col_name, x, i)
+        return
     b = [[ctx.w(bias, [col], f"b[{col}]")]] if bias and ctx.has(bias) else []
     if quantized.is_quantized(ctx, wname):
         quantized.product(ctx, label, xs, wname, col, W, col_name, b, x, i)

@@ -192,6 +192,8 @@ def trace(
 
     config = cfg.to_dict()
     config["attention"] = kernel
+    if getattr(model, "lora_config", None) is not None:  # an adapted model: its adapters' r, alpha, targets
+        config["lora"] = model.lora_config.to_dict()
     if kernel == "tiled":
         config["attention_tile"] = tile
     tiles = {i: row_walk(log, query, heads, cfg.n_heads, pos + query, tile) for i, log in (tile_logs or {}).items()}
