@@ -83,6 +83,30 @@ def gpt2_tokenizer():
     return tk.to_str(), {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
 
 
+def smollm_tokenizer():
+    from tokenizers import models, pre_tokenizers
+
+    pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                   pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return _train_tokenizer(models.BPE(), pre, ["<|endoftext|>", *CHAT_TOKENS]).to_str(), {}
+
+
+def sentencepiece_tokenizer():
+    """Llama 2 / Mistral / TinyLlama's layout: '▁' for spaces, byte fallback through <0xNN> pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>", "<s>", "</s>", *bytes_], show_progress=False)
+    tk.train_from_iterator([synthetic_text(300, 1), " ".join(TEXTS[:30])], trainer=trainer)
+    spec = json.loads(tk.to_str())
+    spec["added_tokens"] = [a for a in spec["added_tokens"] if a["content"] not in bytes_]  # vocabulary pieces, as Llama 2's
+    return json.dumps(spec, ensure_ascii=False), {"bos_token": "<s>", "eos_token": "</s>"}
+
+
 # As Meta's Llama 3 Instruct and Qwen2 Instruct templates render (trimmed of their tool-calling parts).
 LLAMA3_CHAT = (
     "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"

@@ -15,7 +15,7 @@ from glassformer.checkpoint.loading import load
 from glassformer.cli import main
 
 from ..support import greedy_cached
-from .gguf_fixtures import PROMPT, TEXTS, hf_fixture, nfc, trained_checkpoint
+from .gguf_fixtures import PROMPT, TEXTS, hf_fixture, nfc, sentencepiece_tokenizer, smollm_tokenizer, trained_checkpoint
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llamacpp
@@ -91,6 +91,25 @@ def test_same_token_ids_for_50_texts(name, exported, ours):
     assert mismatched == []
 
 
+@pytest.mark.parametrize("layout", ["smollm", "sentencepiece"])
+def test_same_token_ids_for_other_tokenizer_layouts(layout, root):
+    """SmolLM's pre-tokenizer, and a SentencePiece-style vocabulary as llama.cpp's 'llama' model with scores."""
+    from glassformer.checkpoint.folders import save_model
+    from glassformer.text.tokenizer import Tokenizer
+
+    from ..support import tiny_model
+
+    text, _ = {"smollm": smollm_tokenizer, "sentencepiece": sentencepiece_tokenizer}[layout]()
+    tok = Tokenizer.from_str(text)
+    save_model(root / layout, tiny_model(vocab_size=tok.vocab_size))
+    (root / layout / "tokenizer.json").write_text(text, encoding="utf-8")
+    path = root / f"{layout}.gguf"
+    assert main(["convert", "--to-gguf", str(root / layout), "--out", str(path)]) == 0
+    llm = _llama(path, vocab_only=True)
+    assert [t for t in TEXTS if llm.tokenize(t.encode(), add_bos=False, special=True) != tok.encode(t)] == []
+    llm.close()
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_f32_logits_and_greedy_tokens(name, exported, ours):
     _, _, ids, logits, greedy = ours[name]
@@ -112,6 +131,40 @@ def test_q8_0_greedy_tokens_of_the_trained_model(exported, ours):
     _, _, ids, _, greedy = ours["trained"]
     _, tokens = _llama_greedy(_llama(exported["trained"]["q8_0"]), ids, STEPS)
     assert sum(a == b for a, b in zip(tokens, greedy)) >= 18
+
+
+VARIANTS = {  # switches whose weights or keys the export changes, each checked at every position
+    "interleaved": dict(rope_pairs="interleaved"),
+    "llama3_scaling": dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "linear_scaling": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "head_dim": dict(head_dim=32),
+    "tied": dict(tie_embeddings=True),
+    "mqa": dict(n_kv_heads=1),
+    "qkv_bias_interleaved": dict(qkv_bias=True, rope_pairs="interleaved"),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variants_every_position(variant, root, ours):
+    from glassformer.checkpoint.folders import save_model
+
+    from ..support import tiny_model
+
+    tok = ours["trained"][1]
+    model = tiny_model(vocab_size=tok.vocab_size, **VARIANTS[variant])
+    save_model(root / variant, model, tok)
+    path = root / f"{variant}.gguf"
+    assert main(["convert", "--to-gguf", str(root / variant), "--out", str(path), "--dtype", "f32"]) == 0
+    ids = tok.encode(PROMPT * 4)[:100]
+    llm = _llama(path)
+    llm.eval(ids)
+    got = np.array(llm.scores[: len(ids)], dtype=np.float64)
+    llm.close()
+    with torch.no_grad():
+        want = model(torch.tensor([ids]))[0][0].double().numpy()
+    err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
+    assert err <= 1e-4 * scale, (err, scale)
 
 
 def test_chat_template_travels(exported, ours):

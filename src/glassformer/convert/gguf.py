@@ -43,9 +43,8 @@ KNOWN_FIELDS = {
 
 
 def _later_switches(cfg: ModelConfig) -> list[str]:
-    defaults = ModelConfig()
     return [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
-            if f.name not in KNOWN_FIELDS and getattr(cfg, f.name) != getattr(defaults, f.name)]
+            if f.name not in KNOWN_FIELDS and getattr(cfg, f.name) != f.default]
 
 
 def _gpt2_off(cfg: ModelConfig) -> list[str]:

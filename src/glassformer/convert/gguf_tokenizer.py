@@ -83,7 +83,7 @@ def bpe_pre_name(spec: dict) -> str:
 def is_sentencepiece(spec: dict) -> bool:
     """A BPE with byte fallback whose spaces are '▁' (Llama 2, Mistral, TinyLlama): llama.cpp's 'llama' model."""
     model = spec.get("model") or {}
-    text = json.dumps([spec.get("pre_tokenizer"), spec.get("normalizer")])
+    text = json.dumps([spec.get("pre_tokenizer"), spec.get("normalizer")], ensure_ascii=False)
     return model.get("type") == "BPE" and bool(model.get("byte_fallback")) and "\u2581" in text
 
 
