@@ -362,3 +362,16 @@ def test_explain_shows_the_base_and_the_adapter_term_and_they_sum_to_the_product
         if probe == "blocks.0.attn.q":
             assert base_step["value"] == pytest.approx(base_tr.value(probe, idx), abs=1e-4)
             assert abs(adapter_step["value"]) > 1e-3  # the adapter does add something here
+
+
+def test_quantizing_an_adapted_model_quantizes_the_bases_and_keeps_the_adapters():
+    from glassformer.convert.quantize import Int8Linear
+
+    model = adapted(0, LoraConfig(r=2, targets=("wq", "w_up")))
+    want, _ = model(IDS)
+    quantize_int8(model)
+    wq = model.blocks[0].attn.wq
+    assert isinstance(wq, LoRALinear) and isinstance(wq.base, Int8Linear) and wq.lora_A.dtype == torch.float32
+    assert isinstance(model.blocks[0].attn.wk, Int8Linear)
+    got, _ = model(IDS)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()  # int8 rounding, not another model

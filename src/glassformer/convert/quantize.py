@@ -101,6 +101,8 @@ def _replace(parent: nn.Module, name: str) -> None:
     lin = getattr(parent, name, None)
     if isinstance(lin, nn.Linear):
         setattr(parent, name, Int8Linear.from_linear(lin))
+    elif hasattr(lin, "lora_A"):  # a LoRA adapter (convert/lora.py): its base turns int8, the adapter stays float
+        _replace(lin, "base")
 
 
 @torch.no_grad()
