@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
+import os
+import signal
 import socket
 import threading
 
@@ -34,6 +37,7 @@ class Probe:
         self.release = threading.Event()
         self.next_chunk = threading.Event()
         self.disconnected = threading.Event()
+        self.entered = threading.Semaphore(0)  # one release per request inside /v1/hold
 
 
 def build_app(probe: Probe, limits: Limits = LIMITS, **kw):
@@ -53,6 +57,7 @@ def build_app(probe: Probe, limits: Limits = LIMITS, **kw):
 
     @app.get("/v1/hold")
     async def hold():
+        probe.entered.release()
         await asyncio.to_thread(probe.release.wait, 30)
         return {"held": True}
 
@@ -70,9 +75,9 @@ def build_app(probe: Probe, limits: Limits = LIMITS, **kw):
                 probe.disconnected.set()
         return StreamingResponse(pieces(), media_type="text/plain")
 
-    @app.get("/v1/boom")
-    def boom():
-        raise RuntimeError("secret prompt text")
+    @app.post("/v1/boom")
+    async def boom(request: Request):
+        raise RuntimeError((await request.body()).decode())  # a message quoting the prompt
 
     return app
 
@@ -181,12 +186,15 @@ def test_body_limit_by_length_and_by_stream(server):
     assert answer.startswith(b"HTTP/1.1 413 ") and b"over 1000 bytes" in answer
 
 
-def test_errors_take_the_callers_shape_and_hide_tracebacks(server):
+def test_errors_take_the_callers_shape_and_hide_tracebacks(server, caplog):
     status, _, body = request(server, "GET", "/nowhere")
     assert status == 404 and json.loads(body) == {"error": {"message": "not found", "code": 404}}
-    status, _, body = request(server, "GET", "/v1/boom", headers=AUTH)
+    with caplog.at_level(logging.INFO):
+        status, _, body = request(server, "POST", "/v1/boom", b"secret prompt text", AUTH)
     assert status == 500 and json.loads(body) == {"error": {"message": "internal error: RuntimeError", "code": 500}}
     assert b"secret" not in body and b"Traceback" not in body
+    # The log says where it broke, and not the message (which may quote a prompt).
+    assert "RuntimeError" in caplog.text and "in boom" in caplog.text and "secret" not in caplog.text
     status, _, body = request(server, "GET", "/docs")  # no docs pages or schema of the API
     assert status == 404 and request(server, "GET", "/openapi.json")[0] == 404
 
@@ -227,12 +235,9 @@ def test_concurrency_cap_answers_503():
     for t in holders:
         t.start()
     try:
-        # The two holders fill the cap; one more is refused at once (polled: they take a moment to arrive).
-        for _ in range(1000):
-            status, headers, body = request(srv, "GET", "/health")
-            if status == 503:
-                break
-            threading.Event().wait(0.01)
+        assert probe.entered.acquire(timeout=30) and probe.entered.acquire(timeout=30)
+        # The two holders fill the cap; one more is refused at once.
+        status, headers, body = request(srv, "GET", "/health")
         assert status == 503 and headers["retry-after"] == "1" and json.loads(body)["error"]["code"] == 503
     finally:
         probe.release.set()
@@ -254,3 +259,19 @@ def test_cors_only_when_origins_are_given(probe):
     assert pre.status_code == 200 and "POST" in pre.headers["access-control-allow-methods"]
     other = cors.get("/health", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in other.headers
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread only")
+def test_run_serves_until_ctrl_c_and_stops_cleanly(probe):
+    seen = []
+
+    def client(url):
+        seen.append(request(srv, "GET", "/health")[0])
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+
+    srv = Server(build_app(probe), "127.0.0.1", 0, LIMITS,
+                 on_ready=lambda url: threading.Thread(target=client, args=(url,)).start())
+    srv.run()  # returns, rather than raising KeyboardInterrupt
+    assert seen == [200]
+    with pytest.raises(OSError):  # nobody listens any more
+        socket.create_connection(("127.0.0.1", srv.port), timeout=5)

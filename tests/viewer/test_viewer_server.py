@@ -205,6 +205,18 @@ def test_bad_input_is_a_message(served):
     assert status == 400
 
 
+def test_a_bug_is_500_without_its_message():
+    from starlette.testclient import TestClient
+
+    def broken(ids, toks):
+        raise RuntimeError("the sentence was: the cat")
+
+    ex = Explorer(encode=lambda t: ([0], [t]), trace=broken, default_text="the cat")
+    client = TestClient(make_explorer_app(ex), base_url="http://127.0.0.1", raise_server_exceptions=False)
+    res = client.post("/api/trace", json={"text": "the cat"})
+    assert res.status_code == 500 and res.json() == {"error": "internal error: RuntimeError"}
+
+
 def test_hostile_text_never_reaches_html_unescaped():
     ex = word_explorer()
     hostile = "<img src=x onerror=alert(1)>"

@@ -32,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import socket
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -61,6 +63,7 @@ SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy"
 NO_TELEMETRY = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False, "auto_configure": False}
 
 ErrorBody = Callable[[int, str], Any]
+_log = logging.getLogger("glassformer.serve")
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,13 @@ class BodyTooLarge(HTTPException):
 # ----------------------------------------------------------------------------- the guards
 
 
+def _log_internal(scope, e: Exception) -> None:
+    """The kind of error and where it was raised, without its message: a message may quote a
+    prompt, and the log never holds one."""
+    where = "".join(traceback.format_tb(e.__traceback__))
+    _log.error("internal error answering %s %s: %s\n%s", scope["method"], scope["path"], type(e).__name__, where)
+
+
 class HostCheck:
     """Refuses (403) a foreign Host header on a loopback bind; adds SECURITY_HEADERS to every answer."""
 
@@ -168,10 +178,21 @@ class Gate:
             status, message, headers = refusal
             return await json_response(status, self.error_body(status, message), headers)(scope, receive, send)
         self.active += 1
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, self._capped(receive), send)
+            await self.app(scope, self._capped(receive), tracked_send)
         except ClientDisconnect:
             pass  # the client left half-way through its body: nobody to answer
+        except Exception as e:  # a bug in a route: answered here, so nothing logs its message
+            _log_internal(scope, e)
+            if not started:  # else uvicorn closes the connection of the unfinished answer
+                await json_response(500, self.error_body(500, f"internal error: {type(e).__name__}"))(scope, receive, send)
         finally:
             self.active -= 1
 
@@ -247,13 +268,8 @@ def _add_error_handlers(app: FastAPI, error_body: ErrorBody) -> None:
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return json_response(400, error_body(400, f"{where}: {first.get('msg', 'invalid request')}".lstrip(": ")))
 
-    async def internal(request: Request, exc: Exception):
-        # The traceback goes to the server's log (uvicorn's); the client learns only the kind.
-        return json_response(500, error_body(500, f"internal error: {type(exc).__name__}"))
-
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, invalid)
-    app.add_exception_handler(Exception, internal)
+    app.add_exception_handler(RequestValidationError, invalid)  # (500s are the Gate's: no message logged)
 
 
 # ----------------------------------------------------------------------------- deadlines

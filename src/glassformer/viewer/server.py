@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -113,7 +112,8 @@ def _json(status: int, obj: Any) -> Response:
 
 
 def _error_for(e: Exception) -> Response:
-    """The answer to what a computation raised: the user's mistakes 400/411/413, ours 500."""
+    """The answer to the user's mistakes (400, 411, 413). Anything else is a bug: raised on,
+    for the HTTP base to answer 500 and log where it happened."""
     if isinstance(e, _HTTPError):
         return _json(e.status, {"error": e.message})
     if isinstance(e, TooLarge):
@@ -121,8 +121,7 @@ def _error_for(e: Exception) -> Response:
     if isinstance(e, (UserError, ValueError, KeyError, IndexError)):
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return _json(400, {"error": msg})
-    traceback.print_exception(e)  # report, keep serving
-    return _json(500, {"error": f"internal error: {type(e).__name__}"})
+    raise e
 
 
 async def _read_json(request: Request) -> dict:
