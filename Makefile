@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # Where no NVIDIA GPU is present, take PyTorch's CPU wheels instead of a multi-GB CUDA build.
 TORCH_INDEX ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || echo https://download.pytorch.org/whl/cpu)
 
-.PHONY: demo chat-demo test venv clean bench
+.PHONY: demo chat-demo test test-llamacpp venv clean bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,13 @@ chat-demo: venv
 test: venv
 	sh scripts/ensure_browser.sh
 	$(PY) -m pytest
+
+# llama.cpp itself on what `convert --to-gguf` writes (docs/convert.md#gguf): installs the pinned
+# llama-cpp-python (it compiles llama.cpp, about 6 minutes on 2 cores, once per machine with pip's
+# cache), then runs the llamacpp-marked tests.
+test-llamacpp: venv
+	$(PIP) install -q "llama-cpp-python==0.3.36"
+	$(PY) -m pytest -m llamacpp
 
 bench: venv
 	$(PY) bench/run_all.py
