@@ -209,3 +209,27 @@ def test_many_random_arrivals(model):
     engine = Engine(model, max_batch=4, prefill_chunk=9)
     tickets = _run_arrivals(engine, requests, sorted(rng.randint(0, 15) for _ in range(n)))
     assert [_tokens(t) for t in tickets] == alone
+
+
+def test_padding_rows_touch_no_real_row(model):
+    """Decode steps padded up to the batch buckets (what compile=True does), here eagerly: padding rows
+    sit on free rows and on the row being prefilled, whose tokens stay the unpadded ones."""
+    prompts = _prompts((4, 9, 2, 30, 6), seed=8)
+    lengths = (9, 3, 12, 6, 8)
+    alone = [list(generate(model, p, max_new_tokens=n, greedy=True)) for p, n in zip(prompts, lengths)]
+    engine = Engine(model, max_batch=8, prefill_chunk=5)
+    engine.pad_rows = True
+    tickets = _run_arrivals(engine, [Request(p, n, temperature=0) for p, n in zip(prompts, lengths)], [0, 1, 1, 2, 4])
+    assert [_tokens(t) for t in tickets] == alone
+
+
+@pytest.mark.slow
+def test_compiled_steps_equal_generate(model):
+    """compile=True: three rows padded to the bucket of 4 (one compiled shape: they start and end together)."""
+    prompts = _prompts((4, 9, 2), seed=9)
+    alone = [list(generate(model, p, max_new_tokens=6, greedy=True)) for p in prompts]
+    engine = Engine(model, max_batch=4, compile=True)
+    tickets = [engine.submit(Request(p, 6, temperature=0)) for p in prompts]
+    while engine.step():
+        pass
+    assert [_tokens(t) for t in tickets] == alone and engine.stats["compiled_batch_sizes"] == [4]

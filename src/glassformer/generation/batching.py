@@ -227,6 +227,9 @@ class Engine:
         self._stopping = False
         self.steps = self.decode_steps = self.prefill_tokens = self.decode_tokens = self.moves = 0
         self._compiled, self._step_key, self.shapes = None, None, set()
+        # Decode steps at the batch sizes of BUCKETS, padded with rows that touch no real row's keys:
+        # what a compiled step needs (few shapes); settable on an eager engine (tests).
+        self.pad_rows = bool(compile)
         if compile:
             self._compiled = compile_step(self.device)
             for lay in self.cache.layers:  # written in place at fixed addresses
@@ -452,7 +455,7 @@ class Engine:
             return
         rows = self.rows[:n]
         compiled = self._compiled is not None and not self.model.training and not probes_active()
-        B = bucket(n, self.max_batch) if compiled else n
+        B = bucket(n, self.max_batch) if self.pad_rows else n
         toks = [r.text[-1] for r in rows] + [0] * (B - n)
         # Padding rows sit on free rows, or on the prefilling one at its next prompt slot, which its
         # next chunk writes before anything reads it: no real row's keys are touched.
@@ -461,7 +464,9 @@ class Engine:
         if B == 1 and not compiled:  # one row: the plain cache path, as a one-row Session steps
             logits, _ = self.model(idx, cache=self._view(0, 1, self.context), pos=pos[0])  # (1, 1, V)
         else:  # every row at its own position, reading the slots up to the furthest one's
-            view = self._view(0, B, round_up(max(pos) + 1, LENGTH_STEP, self.context))
+            # (a compiled step on a GPU reads them all: one shape, one CUDA graph per batch size)
+            whole = compiled and self.device.type == "cuda"
+            view = self._view(0, B, self.context if whole else round_up(max(pos) + 1, LENGTH_STEP, self.context))
             fwd = self._compiled_step() if compiled else self.model
             logits, _ = fwd(idx, cache=view, pos=torch.tensor(pos, device=self.device))  # (B, 1, V)
         if compiled:
@@ -481,6 +486,10 @@ class Engine:
             if len(self._views) >= 4096:
                 self._views.clear()
             view = self._views[key] = self.cache.view(lo, hi, length)
+            if self._compiled is not None:
+                for lay in view.layers:  # fixed addresses, as the cache's own (CUDA graphs may keep them)
+                    torch._dynamo.mark_static_address(lay.k)
+                    torch._dynamo.mark_static_address(lay.v)
         return view
 
     def _pad_position(self, j: int) -> int:
