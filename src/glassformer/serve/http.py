@@ -304,6 +304,8 @@ class _DeadlineProtocol(H11Protocol):
         """Arm the timer of the phase the request is in (waiting for headers, or for body)."""
         state = self.conn.their_state
         phase = "headers" if state is h11.IDLE else "body" if state is h11.SEND_BODY else None
+        if self.transport.is_closing():
+            phase = None
         if phase != self._phase:
             self._phase = phase
             self._set_timer({"headers": self.header_timeout, "body": self.body_timeout}.get(phase))
