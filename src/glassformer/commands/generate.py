@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from ..generation.streaming import TextStream
+from .logprob_lines import Scores
 from .options import add_base_argument, add_quantize_argument
 
 HELP = "sample text from a checkpoint, streamed as tokens come (KV cache, batched prompts)"
@@ -29,6 +31,12 @@ def add_arguments(p) -> None:
     add_base_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="show each new token's log-probability (of the raw distribution, before temperature and "
+                        "filters) and its K most likely alternatives; decode steps then run eagerly")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per new token instead of the text: row, id, token, bytes, logprob, "
+                        "top (K from --logprobs, default 0)")
 
 
 def add_sampling_arguments(p, max_new_tokens: int = 200) -> None:
@@ -72,6 +80,8 @@ def _check_args(args) -> None:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.logprobs is not None and args.logprobs < 0:
+        raise UserError(f"--logprobs must be >= 0 (how many alternatives to show), got {args.logprobs}")
 
 
 def _load_model(args):
@@ -100,12 +110,15 @@ def _load_model(args):
     return model, tok
 
 
-def _stream(session, steps, streams, eot, out, clock) -> tuple[int, list[tuple[float, int]]]:
-    """Run the steps, feeding each row's tokens to its TextStream; one row is written as it comes.
-    Returns (tokens made, [(seconds, tokens)] after the prefill and after the first decode step)."""
-    single, made, marks = len(streams) == 1, 0, []
+def _stream(session, steps, streams, eot, out, clock, scores=None) -> tuple[int, list[tuple[float, int]]]:
+    """Run the steps, feeding each row's tokens to its TextStream; one row is written as it comes
+    (unless `scores`, a logprob_lines.Scores, writes JSON lines instead). Returns (tokens made,
+    [(seconds, tokens)] after the prefill and after the first decode step)."""
+    single, made, marks = len(streams) == 1 and not (scores and scores.json), 0, []
     for step in steps:
-        step = [step] if single else step
+        step = [step] if len(streams) == 1 else step
+        if scores is not None:
+            scores.step(step)
         for b, t in enumerate(step):
             if t is None or t == eot:
                 continue
@@ -118,7 +131,7 @@ def _stream(session, steps, streams, eot, out, clock) -> tuple[int, list[tuple[f
                 out.flush()
         if len(marks) < 2:
             marks.append((clock(), made))
-        if single and streams[0].done:
+        if len(streams) == 1 and streams[0].done:
             break
     return made, marks
 
@@ -162,14 +175,20 @@ def run(args) -> int:
         print("compile: the first decode step compiles it once (tens of seconds on a CPU)", file=sys.stderr, flush=True)
     streams = [TextStream(tok, args.stop) for _ in rows]
     out, t0 = sys.stdout, time.perf_counter()
-    if len(rows) == 1:
+    scores = None if args.logprobs is None and not args.json else Scores(tok, args.logprobs or 0, args.json, out)
+    if len(rows) == 1 and not args.json:
         out.write(prompts[0])
         out.flush()
-    made, marks = _stream(session, steps, streams, eot, out, lambda: time.perf_counter() - t0)
-    if len(rows) == 1:
+    with scores.listening() if scores else contextlib.nullcontext():
+        made, marks = _stream(session, steps, streams, eot, out, lambda: time.perf_counter() - t0, scores)
+    if args.json:
+        pass  # the JSON lines were the output
+    elif len(rows) == 1:
         out.write(streams[0].flush() + "\n")
     else:
         _write_batch(out, prompts, streams, args.num_samples)
+    if scores is not None and not args.json:
+        scores.write_table()
     out.flush()
     print(_summary(made, time.perf_counter() - t0, marks, args.compile), file=sys.stderr)
     return 0
