@@ -181,3 +181,89 @@ def test_a_gpt2_base_is_refused_by_name(peft_saved, tmp_path):
     with pytest.raises(UserError, match="gpt2"):
         read_peft(folder)
 
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+@pytest.fixture(scope="module")
+def adapter_run(tmp_path_factory):
+    """A base checkpoint (interleaved RoPE pairs, a tokenizer) and an adapter checkpoint on it with nonzero B."""
+    from glassformer.checkpoint.adapters import save_adapter
+    from glassformer.checkpoint.folders import save_model
+    from glassformer.text.tokenizer import Tokenizer
+
+    from ..support import make_prepared
+
+    root = tmp_path_factory.mktemp("cli")
+    tok = Tokenizer.from_file(make_prepared(root / "data", n_train=400, n_val=100) / "tokenizer.json")
+    base = tiny_model(vocab_size=tok.vocab_size, rope_pairs="interleaved")
+    save_model(root / "base", base, tok)
+    model, _ = load(root / "base")
+    apply_lora(model, LoraConfig(r=2, alpha=4.0, targets=("wq", "wk", "w_down")))
+    randomize_adapters(model, seed=5)
+    save_adapter(root / "adapter", model, root / "base", tok)
+    return root, model.eval()
+
+
+def test_convert_to_hf_peft(adapter_run):
+    from glassformer.cli import main
+
+    root, model = adapter_run
+    out = root / "peft"
+    assert main(["convert", "--to-hf", str(root / "adapter"), "--peft", "--out", str(out)]) == 0
+    assert (out / "base" / "tokenizer.json").is_file()
+    config = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert sorted(config["target_modules"]) == ["down_proj", "k_proj", "q_proj"]
+    hf = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(out / "base"), str(out))
+    x = ids(model.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(input_ids=x).logits, model(x)[0], atol=1e-5, rtol=0)
+
+
+def test_convert_refusals(adapter_run, tmp_path):
+    from glassformer.cli import main
+
+    root, _ = adapter_run
+    # an adapter run without --peft, --peft on a plain checkpoint, --peft without --to-hf: nothing written
+    for argv in (["--to-hf", str(root / "adapter")], ["--to-hf", str(root / "base"), "--peft"],
+                 ["--quantize", "int8", "--checkpoint", str(root / "base"), "--peft"]):
+        assert main(["convert", *argv, "--out", str(tmp_path / "x")]) == 2
+        assert not (tmp_path / "x").exists()
+
+
+def test_a_peft_folder_is_taken_where_an_adapter_run_is(adapter_run, capsys):
+    """--checkpoint (generate: the same greedy text as the adapter run's) and --init-from (train
+    goes on training the adapter; its checkpoints name the PEFT folder's base)."""
+    from glassformer.checkpoint.folders import resolve
+    from glassformer.cli import main
+
+    root, _ = adapter_run
+    peft_dir = root / "peft"  # test_convert_to_hf_peft's, written again when run alone
+    if not peft_dir.exists():
+        assert main(["convert", "--to-hf", str(root / "adapter"), "--peft", "--out", str(peft_dir)]) == 0
+    texts = []
+    for ckpt in (root / "adapter", peft_dir):
+        capsys.readouterr()
+        assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "The king", "--greedy",
+                     "--max-new-tokens", "8"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
+    run = root / "run"
+    assert main(["train", "--data", str(root / "data"), "--out", str(run), "--init-from", str(peft_dir),
+                 "--lora-r", "2", "--lora-alpha", "4", "--lora-targets", "wq,wk,w_down", "--max-steps", "2",
+                 "--batch-size", "2", "--seq-len", "16", "--eval-every", "0", "--eval-tokens", "64",
+                 "--no-progress", "--threads", "1"]) == 0
+    meta = json.loads((resolve(run) / "config.json").read_text())
+    assert meta["lora"]["r"] == 2 and (run / meta["lora"]["base"]["path"]).resolve() == (peft_dir / "base").resolve()
+    model, _ = load(run)
+    assert model.lora_config.targets == ("wq", "wk", "w_down")
+
+
+def test_a_bad_peft_folder_writes_nothing(peft_saved, tmp_path, capsys):
+    from glassformer.cli import main
+
+    folder = _bad_copy(peft_saved[0], tmp_path, use_dora=True)
+    assert main(["convert", "--merge-lora", str(folder), "--out", str(tmp_path / "merged")]) == 2
+    assert "use_dora" in capsys.readouterr().err
+    assert not (tmp_path / "merged").exists()

@@ -24,6 +24,7 @@ from .hub import find
 FORMAT = "glassformer"
 FORMAT_VERSION = 1
 STEP_PREFIX = "step-"
+PEFT_CONFIG = "adapter_config.json"  # a PEFT LoRA folder, which load reads (convert/peft.py)
 
 
 # ----------------------------------------------------------------------------- one checkpoint folder
@@ -104,13 +105,16 @@ def resolve(path: str | Path, weights: bool = True) -> Path:
         if not is_complete(ckpt):
             raise UserError(f"run {path}: its latest checkpoint {ckpt.name} is missing or incomplete")
         return ckpt
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() and not (path / PEFT_CONFIG).is_file():
         raise UserError(f"{path} has no config.json: it is not a checkpoint, run or Hugging Face folder")
     return path
 
 
 def read_config(folder: str | Path) -> dict:
+    """config.json of the folder `folder` names (resolve); a PEFT adapter folder's adapter_config.json."""
     folder = resolve(folder, weights=False)  # a Hub name: its config.json alone
+    if not (folder / "config.json").is_file():
+        return read_json(folder / PEFT_CONFIG)
     return read_json(folder / "config.json")
 
 

@@ -1,6 +1,6 @@
 """`load(CKPT) -> (model, tokenizer)`: a checkpoint folder, a training run folder (its `latest`
 checkpoint), a Hugging Face folder (config.json with a `model_type`) or an adapter checkpoint
-(its base loaded, then the adapter put on: adapters.py)."""
+(its base loaded, then the adapter put on: adapters.py; a PEFT LoRA folder: convert/peft.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from ..config import ModelConfig
 from ..convert.hf import load_hf
+from ..convert.peft import is_peft_folder, load_peft
 from ..errors import UserError
 from .adapters import attach, base_location, is_adapter
 from .builder import model_from_state
@@ -32,6 +33,8 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     from safetensors.torch import load_file
 
     folder = resolve(path)
+    if is_peft_folder(folder):  # its base loaded by this function, then the adapter put on
+        return load_peft(folder, load, base=base, device=device, dtype=dtype)
     meta = read_config(folder)
     if meta.get("format") != FORMAT:
         if "model_type" in meta:
