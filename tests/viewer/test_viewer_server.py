@@ -383,3 +383,34 @@ def test_rms_calculations_of_the_comparison():
     o = calc["steps"][-1]["terms"][0][0]
     assert o["name"] == ref["points"][1] and o["index"][0] == 2
     assert explain(tr, o["name"], o["index"], model=model).value == pytest.approx(o["value"], abs=1e-6)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread only")
+def test_view_verb_serves_until_ctrl_c(capsys):
+    import os
+    import signal
+
+    from glassformer.cli import main
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # a free port to name on the command line
+    seen = []
+
+    def client():
+        for _ in range(600):
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                conn.request("GET", "/")
+                seen.append(conn.getresponse().status)
+                break
+            except ConnectionRefusedError:
+                threading.Event().wait(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+
+    threading.Thread(target=client, daemon=True).start()
+    assert main(["view", "--worked", "--port", str(port)]) == 0
+    out, err = capsys.readouterr()
+    assert seen == [200]
+    assert out.strip() == f"explorer at http://127.0.0.1:{port}/  (Ctrl-C to stop)" and err.strip() == "stopped"
