@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glassformer.checkpoint.folders import read_pointer
+from glassformer.checkpoint.folders import read_pointer, resolve
 from glassformer.checkpoint.loading import load
 from glassformer.cli import main
 from glassformer.convert.lora import LORA_TARGETS, base_sha256, lora_modules
@@ -147,3 +147,19 @@ def test_lora_needs_init_from(setup, tmp_path, capsys):
     assert main(["train", "--data", str(new), "--out", str(tmp_path / "r"), "--preset", "tiny", "--lora-r", "4",
                  *COMMON]) == 2
     assert "--init-from" in capsys.readouterr().err
+
+
+def test_init_from_an_adapter_run_trains_it_further_or_merged(setup, tmp_path):
+    root, base, new, run = setup
+    short = ["--data", str(new), "--init-from", str(run), *COMMON, "--max-steps", "2", "--eval-every", "0",
+             "--warmup-steps", "1"]
+    assert main(["train", "--out", str(tmp_path / "more"), *short, "--lora-r", "4"]) == 0
+    ckpt = tmp_path / "more" / "step-000002"
+    meta = json.loads((ckpt / "config.json").read_text())
+    first = json.loads((run / read_pointer(run, "latest") / "config.json").read_text())
+    assert meta["lora"]["base"]["sha256"] == first["lora"]["base"]["sha256"]  # the same base, found again
+    assert Path(meta["lora"]["base"]["path"]).resolve() == resolve(base).resolve()  # the base run's checkpoint
+    assert main(["train", "--out", str(tmp_path / "more2"), *short, "--lora-r", "8"]) == 2  # not its rank
+    assert main(["train", "--out", str(tmp_path / "full"), *short]) == 0  # no --lora-r: its merged weights train
+    full = tmp_path / "full" / "step-000002"
+    assert (full / "model.safetensors").is_file() and "lora" not in json.loads((full / "config.json").read_text())
