@@ -70,6 +70,7 @@ def test_seeded_sampling_equals_generate_alone_and_batched(model):
     requests = [Request(p, 12, seed=10 + j, **kw) for j, (p, kw) in enumerate(zip(prompts, params))]
     engine = Engine(model, max_batch=4)
     batched = [_tokens(t) for t in _run_arrivals(engine, requests, [0, 1, 1, 5])]
+    assert engine.stats["prefill_forwards"] == 3  # the two arriving at step 1 were prefilled together
     one = Engine(model, max_batch=1)
     queued = [_tokens(t) for t in _run_arrivals(one, requests, [0, 0, 0, 0])]  # one row: each alone in turn
     assert batched == alone and queued == alone

@@ -226,6 +226,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = self.decode_steps = self.prefill_tokens = self.decode_tokens = self.moves = 0
+        self.prefill_forwards = 0
         self._compiled, self._step_key, self.shapes = None, None, set()
         # Decode steps at the batch sizes of BUCKETS, padded with rows that touch no real row's keys:
         # what a compiled step needs (few shapes); settable on an eager engine (tests).
@@ -244,7 +245,7 @@ class Engine:
         with self._lock:
             prefilling = sum(r is not None for r in self.rows[self.n_dec:])
             return {"active": self.n_dec + prefilling, "decoding": self.n_dec, "queued": len(self.queue),
-                    "steps": self.steps, "decode_steps": self.decode_steps, "prefill_tokens": self.prefill_tokens,
+                    "steps": self.steps, "decode_steps": self.decode_steps, "prefill_tokens": self.prefill_tokens, "prefill_forwards": self.prefill_forwards,
                     "decode_tokens": self.decode_tokens, "moves": self.moves, "max_batch": self.max_batch, "max_queue": self.max_queue,
                     "kv_bytes_per_row": self.cache.row_bytes(), "compiled_batch_sizes": sorted(self.shapes)}
 
@@ -392,19 +393,6 @@ class Engine:
         self.rows[dst], self.rows[src] = r, None
 
     # ---- prefill -----------------------------------------------------------------------
-    def _prefilling(self) -> int | None:
-        """The row being prefilled (n_dec), admitting the next queued request there if it is free."""
-        i = self.n_dec
-        if i >= self.max_batch:
-            return None
-        if self.rows[i] is None:
-            with self._lock:
-                if not self.queue:
-                    return None
-                ticket = self.queue.popleft()
-            self.rows[i] = self._admit(ticket)
-        return i
-
     def _admit(self, ticket: Ticket) -> _Row:
         """A row for a queued ticket: its generator seeded, its penalty's seen tokens marked."""
         r = ticket.request
@@ -417,21 +405,74 @@ class Engine:
         scores = [] if r.prompt_logprobs is not None else None
         return _Row(ticket, list(r.ids), 0, g, ticket._stops, seen, scores=scores)
 
+    def _take(self, budget: int, whole: bool) -> list[Ticket]:
+        """Queued tickets to admit now, oldest first, into the free rows: those whose prompts fit the
+        budget whole and need no scoring (whole=True; one forward prefills them together), else the
+        oldest alone."""
+        free = self.max_batch - self.n_dec
+        with self._lock:
+            if not whole:
+                return [self.queue.popleft()] if self.queue and free > 0 else []
+            taken, T = [], 0
+            while self.queue and len(taken) < free:
+                r = self.queue[0].request
+                if r.prompt_logprobs is not None or max(T, len(r.ids)) * (len(taken) + 1) > budget:
+                    break  # (the budget bounds the padded batch's tokens)
+                T = max(T, len(r.ids))
+                taken.append(self.queue.popleft())
+            return taken
+
     def _prefill(self) -> None:
-        """Feed prompt chunks, prefill_chunk tokens a step in all, one prompt at a time, oldest first;
-        a prompt fed whole gets its first token and joins the decoding rows."""
+        """Feed prompts, prefill_chunk tokens a step in all: first the prompt part-way in (row n_dec),
+        then the queued prompts that fit whole, in one forward, then the next one, chunked. A prompt
+        fed whole gets its first token and joins the decoding rows."""
         budget = self.prefill_chunk
         while budget > 0:
-            i = self._prefilling()
-            if i is None:
+            i = self.n_dec
+            if i < self.max_batch and self.rows[i] is not None:  # part-way in: its next chunk
+                budget -= self._feed(i, budget)
+                continue
+            group = self._take(budget, whole=True)
+            if group:
+                budget -= self._prefill_group(group)
+                continue
+            alone = self._take(budget, whole=False)
+            if not alone:
                 return
-            r = self.rows[i]
-            n = min(len(r.request.ids) - r.fed, budget)
-            logits = self._prefill_forward(i, r, n)  # (n, V) or (1, V)
-            budget -= n
-            if r.prompt_done:
-                self.n_dec += 1
-                self._emit(i, logits[-1:])  # the first new token, from the prompt's last position
+            self.rows[i] = self._admit(alone[0])
+
+    def _feed(self, i: int, budget: int) -> int:
+        """Row i's next chunk of at most `budget` tokens; the row decodes once its prompt is in.
+        Returns the tokens fed."""
+        r = self.rows[i]
+        n = min(len(r.request.ids) - r.fed, budget)
+        logits = self._prefill_forward(i, r, n)  # (n, V) or (1, V)
+        if r.prompt_done:
+            self.n_dec += 1
+            self._emit(i, logits[-1:])  # the first new token, from the prompt's last position
+        return n
+
+    def _prefill_group(self, tickets: list[Ticket]) -> int:
+        """Whole prompts of several new requests in one right-padded forward at rows n_dec...; each gets
+        its first token. Padding writes junk past a row's prompt, in slots its own decode steps write
+        before any query reads them (docs/generation.md#the-cache-batches-and-sessions). Returns the
+        tokens fed, padding included."""
+        lo, m = self.n_dec, len(tickets)
+        rows = [self._admit(t) for t in tickets]
+        n = [len(r.text) for r in rows]
+        T = max(n)
+        ids = torch.tensor([r.text + [0] * (T - len(r.text)) for r in rows], device=self.device)  # (m, T)
+        last = torch.tensor(n, device=self.device) - 1  # (m,)
+        logits, _ = self.model(ids, cache=self._view(lo, lo + m, self.context), pos=0, logits_at=last)  # (m, 1, V)
+        for j, r in enumerate(rows):
+            r.fed = n[j]
+            self.rows[lo + j] = r
+        self.n_dec += m
+        self.prefill_tokens += sum(n)
+        self.prefill_forwards += 1
+        for j in reversed(range(m)):  # from the last row: a release moves only rows already emitted
+            self._emit(lo + j, logits[j])
+        return m * T
 
     def _prefill_forward(self, i: int, r: _Row, n: int) -> torch.Tensor:
         """Row i's next n prompt tokens in one forward: logits (n, V) where the prompt is scored,
@@ -443,6 +484,7 @@ class Engine:
         logits, _ = self.model(ids, cache=view, pos=a, logits_at=at)  # (1, n or 1, V)
         r.fed += n
         self.prefill_tokens += n
+        self.prefill_forwards += 1
         if r.scores is not None:
             r.scores += prompt_logprobs(logits[0], r.request.ids[a:a + n + 1], r.request.prompt_logprobs)
         return logits[0]
