@@ -23,6 +23,7 @@ from ..convert.lora import LoraConfig, adapter_part, adapter_state, apply_lora, 
 from ..errors import UserError
 from ..files import atomic_folder
 from .folders import FORMAT, FORMAT_VERSION, resolve, write_tokenizer
+from .hub import parse_name
 
 ADAPTER_FILE = "adapter.safetensors"
 
@@ -70,7 +71,7 @@ def base_location(folder: Path, meta: dict, override: str | Path | None = None) 
     path = str(override) if override is not None else meta["lora"]["base"]["path"]
     local = Path(path) if override is not None or Path(path).is_absolute() else folder.parent / path
     try:
-        return resolve(local if local.exists() else path)  # a path that is not there may be a Hub name
+        return resolve(path if not local.exists() and parse_name(path) else local)  # or a Hub name
     except UserError as e:
         said = f"--base {path}" if override is not None else f"its base {path} (looked for {local})"
         raise UserError(f"adapter {folder} needs {said}, which cannot be read ({e}): "
