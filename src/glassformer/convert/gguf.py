@@ -249,29 +249,46 @@ class Source:
     side_files: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _native_reader(file: Path, cfg: ModelConfig) -> Callable[[str], torch.Tensor]:
-    from safetensors import safe_open
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8}
 
-    handle = safe_open(str(file), framework="pt")
-    keys = set(handle.keys())
+
+def safetensors_index(file: Path) -> tuple[int, dict]:
+    """(where the data starts, name -> {dtype, shape, data_offsets}) from a safetensors file's header."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def _native_reader(file: Path, cfg: ModelConfig) -> Callable[[str], torch.Tensor]:
+    """Our tensors by name, each read from the file when asked (no memory map, whose pages would stay
+    resident: the export holds one tensor, and what it becomes, at a time)."""
+    start, index = safetensors_index(file)
+
+    def raw(key: str) -> torch.Tensor:
+        entry = index[key]
+        a, b = entry["data_offsets"]
+        with open(file, "rb") as f:
+            f.seek(start + a)
+            buf = bytearray(b - a)
+            f.readinto(buf)  # straight into the tensor's storage: no second copy
+        return torch.frombuffer(buf, dtype=_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
     def read(key: str) -> torch.Tensor:
         if key == "lm_head.weight" and cfg.tie_embeddings:
             key = "embed.weight"
         scale = key[: -len("weight")] + "weight_scale"
-        if key.endswith(".weight") and scale in keys:  # int8: q · scale, per output channel
-            return handle.get_tensor(key).float() * handle.get_tensor(scale).float()[:, None]
-        return handle.get_tensor(key)
+        if key.endswith(".weight") and scale in index:  # int8: q · scale, per output channel
+            return raw(key).float() * raw(scale).float()[:, None]
+        return raw(key)
 
     return read
 
 
 def _stored_name(file: Path) -> str:
-    from safetensors import safe_open
-
     names = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
-    with safe_open(str(file), framework="pt") as f:
-        kinds = {f.get_slice(k).get_dtype() for k in f.keys()} - {"I8"}
+    kinds = {e["dtype"] for e in safetensors_index(file)[1].values()} - {"I8"}
     return names.get(kinds.pop(), "f32") if len(kinds) == 1 else "f32"
 
 
