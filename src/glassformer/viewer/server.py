@@ -80,6 +80,12 @@ class Explorer:
                 self._cache.popitem(last=False)
             return tr, payload
 
+    @property
+    def lock(self) -> threading.Lock:
+        """What the model's computations take turns on: the probe recorder is process-wide, so
+        anything else that runs the same model in this process (serve --explorer's engine) holds it too."""
+        return self._lock
+
     def payload(self, text: str) -> dict:
         return self._traced(text)[1]
 
