@@ -298,7 +298,7 @@ def open_source(src: str | Path) -> Source:
 
     folder = resolve(src)
     meta = read_config(folder)
-    name = Path(src).resolve().name if folder.name.startswith("step-") else folder.name
+    name = folder.parent.name if folder.name.startswith("step-") else folder.name  # a run's checkpoint: the run
     if "lora" in meta:
         raise UserError(f"{src} is a LoRA run (its config.json has a 'lora' entry): merge the adapter into the weights "
                         f"first with `glassformer convert --merge-lora {src} --out MERGED`, then export MERGED")
@@ -308,7 +308,8 @@ def open_source(src: str | Path) -> Source:
     if meta.get("format") == FORMAT:
         cfg = ModelConfig.from_dict(meta["model"])
         file = folder / "model.safetensors"
-        notes = []
+        notes = [] if tok is not None else [f"{folder} has no tokenizer.json: the GGUF file has no vocabulary, "
+                                            "which llama.cpp needs to load it"]
         if cfg.quantization is not None:
             notes.append(f"{folder} stores int8 weights: they are dequantized (q · scale) and written in the chosen type")
         return Source(cfg, _native_reader(file, cfg), tok, tok_json, _stored_name(file), name, notes, side)
