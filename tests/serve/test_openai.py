@@ -73,11 +73,11 @@ def served():
     s.stop()
 
 
-def post(s: Served, path: str, body, key: str | None = KEY, raw: bool = False) -> httpx.Response:
+def post(s: Served, path: str, body, key: str | None = KEY, raw: bool = False, timeout: float = 30) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     content = body if raw else json.dumps(body)
     return httpx.post(s.url + path, content=content, headers={**headers, "Content-Type": "application/json"},
-                      timeout=30)
+                      timeout=timeout)
 
 
 def expected(s: Served, ids: list[int], n: int, **sampling) -> tuple[list[int], str]:
@@ -173,7 +173,37 @@ def test_stop_strings_cut_the_text_and_free_the_row(served):
         choices = list(out) if stream else [out]
         got = "".join(c.choices[0].text for c in choices)
         assert got == text[:text.index(stop)] and choices[-1].choices[0].finish_reason == "stop"
-    assert served.tickets[-1].finish == "cancelled"  # the row was freed before max_tokens
+    wait_for(lambda: served.tickets[-1].finish is not None)  # cancelled, or done before the cancel came
+
+
+class FakeTicket:
+    """A ticket that yields given events and notes how many were read and whether it was cancelled."""
+
+    def __init__(self, events, prompt_tokens=1):
+        self.queue, self.read, self.cancels, self.prompt_tokens = list(events), 0, 0, prompt_tokens
+
+    async def aevents(self):
+        for ev in self.queue:
+            self.read += 1
+            yield ev
+
+    def cancel(self):
+        self.cancels += 1
+
+
+def test_a_stop_string_cancels_the_ticket_at_once():
+    """The reply reads no event past the one that completes the stop string, and cancels its ticket."""
+    from glassformer.generation.batching import Event
+    from glassformer.serve.replies import Reply
+
+    tok = Tokenizer.train([synthetic_text(50, 1)], vocab_size=280)
+    ids = tok.encode("the king and the queen")
+    ticket = FakeTicket([Event(t) for t in ids] + [Event(ids[0], finish="length")])
+    reply = Reply(ticket, tok, stops=["king"])
+    text, _ = asyncio.run(reply.collect())
+    upto = next(i for i in range(1, len(ids) + 1) if "king" in tok.decode(ids[:i]))
+    assert text == "the " and reply.finish == "stop"
+    assert ticket.read == upto and ticket.cancels == 1 and reply.tokens == upto
 
 
 # ----------------------------------------------------------------------------- chat
@@ -246,29 +276,65 @@ def test_32_streams_beside_20_half_sent_requests(served):
         sock.close()
 
 
+def wait_for(condition, seconds: float = 20.0) -> None:
+    """Poll until condition() holds (an ordering, not a timing: the limit is only a hang guard)."""
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the condition never held")
+
+
+def _gives_up(s: Served) -> str:
+    try:
+        post(s, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2}, timeout=1.0)
+    except httpx.ReadTimeout:
+        return "gave up"
+    return "answered"
+
+
 def test_a_disconnect_frees_the_row_for_the_next_request():
-    """max_batch 1: B waits behind A; A's client leaves mid-stream; B starts within the step that freed A."""
-    s = Served(max_batch=1, max_queue=1)
+    """max_batch 1, the engine held by a gate from its third forward on (A has made two tokens): B
+    and C queue behind A, a fourth request gets 429, C's client (not streaming) gives up and C
+    leaves the queue, A's client leaves mid-stream; once the gate opens, B starts within the
+    step that freed A's row."""
+    s = Served(max_batch=1, max_queue=2)
+    gate, forwards = threading.Event(), []
+
+    def hold(module, args):
+        forwards.append(1)
+        if len(forwards) > 2:
+            gate.wait(30)
+
+    hook = s.model.register_forward_pre_hook(hold)
     try:
         body = {"model": NAME, "prompt": "The king", "max_tokens": 100, "temperature": 0, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                          timeout=30) as a:
-            lines = a.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
+                          timeout=30):
+            wait_for(lambda: len(forwards) > 2)  # A is mid-stream, the engine held inside a step
             result = {}
             b = threading.Thread(target=lambda: result.update(
                 out=s.client.completions.create(model=NAME, prompt="Where", max_tokens=3, temperature=0)))
             b.start()
-            while len(s.tickets) < 2:  # B is queued behind A
-                threading.Event().wait(0.01)
-            third = post(s, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2})
-            assert third.status_code == 429 and third.json()["error"]["type"] == "rate_limit_error"
+            wait_for(lambda: len(s.tickets) == 2)
+            c = threading.Thread(target=lambda: result.update(c=_gives_up(s)))
+            c.start()
+            wait_for(lambda: len(s.tickets) == 3)
+            fourth = post(s, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2})
+            assert fourth.status_code == 429 and fourth.json()["error"]["type"] == "rate_limit_error"
+            c.join(30)
+            assert result["c"] == "gave up"
+            wait_for(lambda: s.tickets[2].finish == "cancelled")  # C left the queue
+        wait_for(lambda: s.tickets[0].cancelled)  # A's client is gone: its ticket cancelled
+        gate.set()
         b.join(30)
         assert result["out"].choices[0].finish_reason == "length"
         a_cancel = next(step for step, i, what in s.log if i == 0 and what == "cancelled")
-        b_first = next(step for step, i, what in s.log if i == 1 and what not in ("cancelled",))
+        b_first = next(step for step, i, what in s.log if i == 1)
         assert s.tickets[0].completion_tokens < 100 and b_first - a_cancel <= 1
     finally:
+        hook.remove()
+        gate.set()
         s.stop()
 
 

@@ -250,6 +250,7 @@ async def _unless_gone(request: Request, work):
         watch.cancel()
         if not job.done():
             job.cancel()
+            job.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen: asyncio logs none
     return job.result() if job.done() and not job.cancelled() else None
 
 
