@@ -217,6 +217,24 @@ def test_a_bug_is_500_without_its_message():
     assert res.status_code == 500 and res.json() == {"error": "internal error: RuntimeError"}
 
 
+def test_the_routes_mount_on_another_app():
+    """serve --explorer's way: the explorer's routes on an app with its own error shape and key."""
+    from starlette.testclient import TestClient
+
+    from glassformer.serve.http import make_app
+    from glassformer.viewer.server import explorer_router
+
+    app = make_app(host="127.0.0.1", port=0, api_key="k" * 16, error_body=lambda s, m: {"error": {"message": m}})
+    app.include_router(explorer_router(word_explorer()))
+    client = TestClient(app, base_url="http://127.0.0.1")
+    assert client.get("/").status_code == 200  # the page needs no key: only the API paths do
+    res = client.post("/api/trace", json={"text": "the mat"})
+    assert res.status_code == 200 and res.json()["trace"]["tokens"] == ["the", "mat"]
+    res = client.post("/api/trace", json={"text": "the dog"})  # the explorer's own errors keep their shape
+    assert res.status_code == 400 and "unknown word" in res.json()["error"]
+    assert client.get("/elsewhere").json() == {"error": {"message": "not found"}}  # the app's shape
+
+
 def test_hostile_text_never_reaches_html_unescaped():
     ex = word_explorer()
     hostile = "<img src=x onerror=alert(1)>"
