@@ -349,7 +349,7 @@ def test_explain_shows_the_base_and_the_adapter_term_and_they_sum_to_the_product
     base_tr = trace(tiny_model(0), ids)
     model = adapted(0, LoraConfig(r=3, alpha=6.0, targets=("wq", "w_down")))
     tr = trace(model, ids, with_weights=with_weights)
-    assert tr.config["lora"]["r"] == 3
+    assert tr.lora["r"] == 3 and "lora" not in tr.config  # config stays exactly ModelConfig's
     for probe, idx in (("blocks.0.attn.q", [2, 1, 5]), ("blocks.1.ffn.down", [4, 7])):
         e = explain(tr, probe, idx, model=None if with_weights else model)
         last = e.steps[-1]

@@ -30,8 +30,8 @@ def is_adapted(ctx, weight: str) -> bool:
 
 
 def rank_and_scale(ctx, weight: str) -> tuple[int, float]:
-    """(r, α/r): from the trace's config ("lora", written for an adapted model), else the model's module."""
-    lora = ctx.cfg.get("lora")
+    """(r, α/r): from the trace's `lora` (written for an adapted model), else the model's module."""
+    lora = ctx.tr.lora
     if lora:
         return int(lora["r"]), float(lora["alpha"]) / int(lora["r"])
     m = ctx.model.get_submodule(weight[: -len(".weight")])

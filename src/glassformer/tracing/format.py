@@ -75,6 +75,7 @@ class Trace:
     top_k: int | None = None
     query: int | None = None
     analysis: dict[str, Any] = field(default_factory=dict)
+    lora: dict[str, Any] | None = None  # an adapted model's LoraConfig.to_dict() (docs/lora.md), else None
 
     # ---- reading --------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -136,6 +137,8 @@ class Trace:
             parts.append("}")
         if self.analysis:
             parts.append(f',\n"analysis": {_strict_dumps(self.analysis)}')
+        if self.lora:
+            parts.append(f',\n"lora": {_strict_dumps(self.lora)}')
         parts.append("}\n")
         text = "".join(parts)
         if path is None:
@@ -170,7 +173,7 @@ class Trace:
             config=cfg, layers=list(d.get("layers", range(cfg["n_layers"]))),
             heads=list(d.get("heads", range(cfg["n_heads"]))), probes=probes, tiles=tiles, weights=weights,
             rope_inv_freq=d.get("rope_inv_freq"), top_k=d.get("top_k"), query=d.get("query"),
-            analysis=d.get("analysis", {}),
+            analysis=d.get("analysis", {}), lora=d.get("lora"),
         )
 
     @classmethod

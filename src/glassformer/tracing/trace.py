@@ -192,8 +192,6 @@ def trace(
 
     config = cfg.to_dict()
     config["attention"] = kernel
-    if getattr(model, "lora_config", None) is not None:  # an adapted model: its adapters' r, alpha, targets
-        config["lora"] = model.lora_config.to_dict()
     if kernel == "tiled":
         config["attention_tile"] = tile
     tiles = {i: row_walk(log, query, heads, cfg.n_heads, pos + query, tile) for i, log in (tile_logs or {}).items()}
@@ -205,6 +203,7 @@ def trace(
         top_k=top_k if (top_k is not None and top_k < cfg.vocab_size) else None,
         query=query if tile_logs is not None else None,
         probes=found, tiles=tiles, weights=weights, rope_inv_freq=rope,
+        lora=model.lora_config.to_dict() if getattr(model, "lora_config", None) is not None else None,
     )
 
 
