@@ -3,6 +3,8 @@
     sampling.py   logits -> probabilities -> a token (temperature, top-k, top-p, min-p, penalty)
     session.py    prefill, decode_step, Session (a cache and the tokens in it), generate
     compiled.py   how a session compiles its decode step (torch.compile options and guards)
+    batching.py   continuous batching: an Engine serving many requests over one cache, one forward a step
+    logprobs.py   log-probabilities of the raw distribution (new tokens, prompts)
 """
 
 from .sampling import apply_repetition_penalty, check_sampling, logits_to_probs, sample

@@ -1,0 +1,151 @@
+"""The continuous-batching engine in-process (no server): aggregate tokens/s, time to first token and gap
+between tokens at 1, 4 and 16 concurrent requests on the reference shape, against in-process `generate`
+of one prompt, and where a step's time goes (the batched forward alone, at the same rows and positions).
+
+Every round runs each contender once, alternating (a busy machine slows all alike); the best round
+counts. Requests are submitted together and the engine is stepped in this thread; an event's time is
+when the step that made it returned. The engine's tokens for request j equal `generate` of prompt j
+(checked each round, greedy and seeded). bench/serve.py measures the same through the HTTP server.
+
+    python bench/batching.py [--streams 1,4,16] [--rounds 3] [--threads 2] [--new-tokens 128]
+        [--prompt-tokens 64] [--temperature 0] [--compile] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from _common import write_json  # noqa: E402  (bench/ is the script's folder)
+
+from glassformer import ModelConfig, Transformer, generate  # noqa: E402
+from glassformer.config import REFERENCE_SHAPE  # noqa: E402
+from glassformer.generation.batching import Engine, Request  # noqa: E402
+from glassformer.kv_cache import KVCache  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def run_engine(engine: Engine, prompts, n: int, kw: dict) -> dict:
+    """All requests at once; (wall, per-request first-token times and gaps, tokens)."""
+    t0 = time.perf_counter()
+    tickets = [engine.submit(Request(p, n, seed=j, **kw)) for j, p in enumerate(prompts)]
+    stamps: list[list[float]] = [[] for _ in tickets]
+    tokens: list[list[int]] = [[] for _ in tickets]
+    while engine.step():
+        now = time.perf_counter() - t0
+        for j, t in enumerate(tickets):
+            while (e := t._pop()) is not None:
+                if e.token is not None:
+                    stamps[j].append(now)
+                    tokens[j].append(e.token)
+    wall = time.perf_counter() - t0
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:])]
+    ttft = [s[0] for s in stamps]
+    total = sum(map(len, tokens))
+    return {"streams": len(prompts), "tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
+            "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
+            "gap_p50_s": pct(gaps, 0.5), "gap_p99_s": pct(gaps, 0.99), "_tokens": tokens}
+
+
+@torch.inference_mode()
+def forward_only(model, rows: int, context: int, steps: int) -> float:
+    """Seconds per batched decode forward of `rows` rows at per-row positions near `context` (no sampling)."""
+    cache = KVCache.for_model(model, rows)
+    pos = torch.arange(rows) + context
+    tok = torch.zeros(rows, 1, dtype=torch.long)
+    model(tok, cache=cache, pos=pos)
+    t = time.perf_counter()
+    for _ in range(steps):
+        model(tok, cache=cache, pos=pos)
+    return (time.perf_counter() - t) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded sampling with top-k 50")
+    ap.add_argument("--compile", action="store_true", help="also the engine with compile=True (slow to compile on a CPU)")
+    ap.add_argument("--quick", action="store_true", help="32 new tokens, one round")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.new_tokens, args.rounds = 32, 1
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = ModelConfig(**REFERENCE_SHAPE)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # larger weights than the init, so greedy argmaxes are not near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.05)
+    counts = [int(s) for s in args.streams.split(",")]
+    N, P = args.new_tokens, args.prompt_tokens
+    prompts = [torch.randint(0, cfg.vocab_size, (P,)).tolist() for _ in range(max(counts))]
+    kw = {"temperature": args.temperature} if args.temperature == 0 else {"temperature": args.temperature, "top_k": 50}
+    gkw = {"greedy": True} if args.temperature == 0 else kw
+    refs = [list(generate(model, p, max_new_tokens=N, seed=j, **gkw)) for j, p in enumerate(prompts)]
+    modes = ["eager"] + (["compiled"] * args.compile)
+    engines = {m: Engine(model, max_batch=max(counts), compile=m == "compiled") for m in modes}
+    if args.compile:  # compile every bucket before timing (one warm-up run per count)
+        for c in counts:
+            run_engine(engines["compiled"], prompts[:c], 4, kw)
+    best: dict = {}
+    for r in range(args.rounds):
+        t = time.perf_counter()
+        list(generate(model, prompts[0], max_new_tokens=N, seed=0, **gkw))
+        gen = N / (time.perf_counter() - t)
+        best["generate_tokens_per_s"] = max(best.get("generate_tokens_per_s", 0), gen)
+        for m in modes:
+            for c in counts:
+                res = run_engine(engines[m], prompts[:c], N, kw)
+                assert res.pop("_tokens") == refs[:c], "the engine's tokens differ from generate's"
+                key = f"{m}/{c}"
+                if key not in best or res["tokens_per_s"] > best[key]["tokens_per_s"]:
+                    best[key] = res
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in best.items() if k != "generate_tokens_per_s"),
+              f"generate {best['generate_tokens_per_s']:.1f} tokens/s", flush=True)
+    with torch.no_grad():
+        steps = {c: forward_only(model, c, P + N // 2, 8 if args.quick else 20) for c in counts}
+    result = {
+        "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
+        "shape": REFERENCE_SHAPE, "prompt_tokens": P, "new_tokens": N, "rounds": args.rounds,
+        "temperature": args.temperature, "quick": args.quick,
+        "kv_bytes_per_row": engines["eager"].stats["kv_bytes_per_row"],
+        "generate_tokens_per_s": best.pop("generate_tokens_per_s"),
+        "runs": best,
+        "forward_only_s_per_step": {str(c): s for c, s in steps.items()},
+    }
+    one = best.get("eager/1")
+    for k, v in best.items():
+        v["vs_one_stream"] = v["tokens_per_s"] / one["tokens_per_s"] if one else None
+        v["vs_generate"] = v["tokens_per_s"] / result["generate_tokens_per_s"]
+        c = v["streams"]
+        v["forward_share_of_step"] = steps[c] * (N - 1) / v["wall_s"] if k.startswith("eager") else None
+    for k, v in best.items():
+        print(f"{k:>12}: {v['tokens_per_s']:7.1f} tokens/s ({v['vs_one_stream']:.2f}x one stream, "
+              f"{v['vs_generate']:.2f}x generate), ttft p50 {v['ttft_p50_s'] * 1e3:.1f} ms p99 "
+              f"{v['ttft_p99_s'] * 1e3:.1f} ms, gap p50 {v['gap_p50_s'] * 1e3:.1f} ms p99 {v['gap_p99_s'] * 1e3:.1f} ms")
+    print("forward alone, ms a step:", {c: round(s * 1e3, 2) for c, s in steps.items()},
+          f"generate {result['generate_tokens_per_s']:.1f} tokens/s; KV per row {result['kv_bytes_per_row'] / 2**20:.1f} MiB")
+    write_json(args.out or RESULTS / "batching.json", result)
+
+
+if __name__ == "__main__":
+    main()
