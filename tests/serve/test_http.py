@@ -89,7 +89,7 @@ def probe():
 
 @pytest.fixture(scope="module")
 def server(probe):
-    srv = Server(build_app(probe), "127.0.0.1", 0, LIMITS)
+    srv = Server(build_app(probe), "127.0.0.1", 0)  # the deadlines come from the app (LIMITS)
     srv.start_in_thread()
     yield srv
     probe.release.set()

@@ -254,6 +254,7 @@ def make_app(*, host: str, port: int, api_key: str | None = None, cors_origins=(
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False, middleware=middleware,
                   telemetry=NO_TELEMETRY)
     app.state.error_body = error_body
+    app.state.limits = limits  # Server's deadlines default to these
     _add_error_handlers(app, error_body)
     return app
 
@@ -358,14 +359,17 @@ class _Uvicorn(uvicorn.Server):
 class Server:
     """uvicorn running `app` in this process, on a socket bound at construction.
 
+    `limits` (its deadlines and shutdown time) default to those the app was made with.
     `url` ("http://HOST:PORT", the real port when 0 was asked) is known at once. `run()` serves
     until Ctrl-C (or SIGTERM) and returns after a clean stop; `start_in_thread()` serves from a
     daemon thread (tests, notebooks) until `stop()`. `on_ready(url)` is called once the server
     accepts requests.
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, limits: Limits = Limits(),
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, limits: Limits | None = None,
                  on_ready: Callable[[str], None] | None = None):
+        if limits is None:  # the limits the app was made with (make_app keeps them)
+            limits = getattr(getattr(app, "state", None), "limits", None) or Limits()
         self.host = host
         self.sock = bind(host, port)
         self.port = self.sock.getsockname()[1]

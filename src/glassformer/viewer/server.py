@@ -225,4 +225,4 @@ def make_server(explorer: Explorer, host: str = "127.0.0.1", port: int = 8000,
 
     Serve with `.run()` (until Ctrl-C) or `.start_in_thread()` (tests, notebooks; `.stop()`).
     """
-    return Server(make_explorer_app(explorer, host, port), host, port, LIMITS, on_ready=on_ready)
+    return Server(make_explorer_app(explorer, host, port), host, port, on_ready=on_ready)
