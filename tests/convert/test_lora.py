@@ -281,7 +281,9 @@ def test_merging_onto_a_quantized_base_is_refused_and_nothing_is_written(base_ck
 
 def test_generate_eval_and_trace_take_an_adapter_run(base_ckpt, tmp_path, capsys):
     """Each verb reads the adapter through load: generate's greedy text equals the merged
-    checkpoint's, eval's line too (to rounding), and trace runs the adapted model."""
+    checkpoint's, eval's line too (to rounding), and trace runs the adapted model (its config
+    stays a ModelConfig, which the page reads back)."""
+    from glassformer import ModelConfig
     from glassformer.cli import main
 
     folder, base = base_ckpt
@@ -300,6 +302,8 @@ def test_generate_eval_and_trace_take_an_adapter_run(base_ckpt, tmp_path, capsys
     assert outs["adapter"][1]["loss"] == pytest.approx(outs["merged"][1]["loss"], abs=1e-5)
     assert main(["trace", "--checkpoint", str(tmp_path / "adapter"), "--text", "The king",
                  "--out", str(tmp_path / "t.json")]) == 0
+    t = json.loads((tmp_path / "t.json").read_text())
+    assert t["lora"]["r"] == 4 and ModelConfig.from_dict(t["config"]) == ModelConfig.from_dict(t["config"])
 
 
 # ----------------------------------------------------------------------------- cost --lora-r
