@@ -132,7 +132,10 @@ class Ticket:
             self._cond.notify_all()
             waiters = list(self._waiters)
         for loop, ready in waiters:
-            loop.call_soon_threadsafe(ready.set)
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # that loop has closed: nobody waits there any more
+                pass
 
     def _pop(self) -> Event | None:
         with self._cond:
@@ -201,6 +204,10 @@ class _Row:
         return self.ticket.request
 
     @property
+    def longest_stop(self) -> int:
+        return max(map(len, self.stops), default=0)
+
+    @property
     def prompt_done(self) -> bool:
         return self.fed >= len(self.request.ids)
 
@@ -245,8 +252,9 @@ class Engine:
         with self._lock:
             prefilling = sum(r is not None for r in self.rows[self.n_dec:])
             return {"active": self.n_dec + prefilling, "decoding": self.n_dec, "queued": len(self.queue),
-                    "steps": self.steps, "decode_steps": self.decode_steps, "prefill_tokens": self.prefill_tokens, "prefill_forwards": self.prefill_forwards,
-                    "decode_tokens": self.decode_tokens, "moves": self.moves, "max_batch": self.max_batch, "max_queue": self.max_queue,
+                    "steps": self.steps, "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens,
+                    "prefill_tokens": self.prefill_tokens, "prefill_forwards": self.prefill_forwards,
+                    "moves": self.moves, "max_batch": self.max_batch, "max_queue": self.max_queue,
                     "kv_bytes_per_row": self.cache.row_bytes(), "compiled_batch_sizes": sorted(self.shapes)}
 
     def submit(self, request: Request) -> Ticket:
@@ -288,8 +296,9 @@ class Engine:
             t._push(Event(None, finish="cancelled"))
 
     def step(self) -> bool:
-        """One step (release, prefill, decode, emit, release) in the caller's thread, for an engine
-        that was not started (tests, benchmarks). Returns whether there was anything to do."""
+        """One step (release, prefill, decode, emit, release): what the started engine's thread runs
+        in a loop, or a caller's own thread for an engine not started (tests, benchmarks). Returns
+        whether there was anything to do."""
         with self._lock:
             self._release_cancelled()
             busy = bool(self.queue) or any(r is not None for r in self.rows)
@@ -565,7 +574,8 @@ class Engine:
         r.made += 1
         if r.seen is not None:
             r.seen[0, t] = True
-        finish = "stop" if _ends_with_stop(r.text[len(req.ids):], r.stops) else None
+        tail = r.text[len(r.text) - min(r.made, r.longest_stop):]  # the newest tokens, none of the prompt's
+        finish = "stop" if r.stops and _ends_with_stop(tail, r.stops) else None
         if finish is None and r.made >= req.max_tokens:
             finish = "length"
         ticket._push(Event(t, lp, finish, prompt))
