@@ -377,6 +377,16 @@ def test_bad_input_gets_its_status_and_an_openai_error(served, path, body, statu
     assert (err["param"], err["code"]) == (param, code) and err["message"]
 
 
+def test_logs_never_hold_prompt_text(served, caplog):
+    secret = "Ophelia-7f3a"
+    with caplog.at_level("DEBUG"):
+        served.client.completions.create(model=NAME, prompt=secret, max_tokens=2)
+        for body in ({"model": NAME, "prompt": secret, "temperature": secret},
+                     {"model": NAME, "messages": [{"role": secret, "content": secret}]}, {"model": secret}):
+            assert post(served, "/v1/chat/completions", body).status_code in (400, 404)
+    assert caplog.records and secret not in caplog.text
+
+
 def test_transport_errors_are_openai_errors_too(served):
     for r, status in ((post(served, "/v1/completions", b"{not json", raw=True), 400),
                       (post(served, "/v1/completions", {"model": NAME, "prompt": "x"}, key=None), 401),
