@@ -27,7 +27,7 @@ from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig, Transformer, generate  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
-from glassformer.generation.batching import Engine, Request  # noqa: E402
+from glassformer.generation.batching import LENGTH_STEP, Engine, Request, round_up  # noqa: E402
 from glassformer.kv_cache import KVCache  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -62,8 +62,9 @@ def run_engine(engine: Engine, prompts, n: int, kw: dict) -> dict:
 
 @torch.inference_mode()
 def forward_only(model, rows: int, context: int, steps: int) -> float:
-    """Seconds per batched decode forward of `rows` rows at per-row positions near `context` (no sampling)."""
-    cache = KVCache.for_model(model, rows)
+    """Seconds per batched decode forward of `rows` rows at per-row positions near `context` (no sampling),
+    reading the slots an engine step reads there (up to the furthest row's, rounded up)."""
+    cache = KVCache.for_model(model, rows).view(0, rows, round_up(context + rows, LENGTH_STEP, model.config.max_seq_len))
     pos = torch.arange(rows) + context
     tok = torch.zeros(rows, 1, dtype=torch.long)
     model(tok, cache=cache, pos=pos)
