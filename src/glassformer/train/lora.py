@@ -17,7 +17,8 @@ def lora_config(cfg: TrainConfig) -> LoraConfig | None:
         stray = [f"--{name.replace('_', '-')}" for name in ("lora_alpha", "lora_dropout", "lora_targets")
                  if getattr(cfg, name) != getattr(_DEFAULTS, name)]
         if stray:
-            raise UserError(f"{', '.join(stray)} go(es) with --lora-r R: add --lora-r 8 (say) to train LoRA adapters")
+            verb = "goes" if len(stray) == 1 else "go"
+            raise UserError(f"{' and '.join(stray)} {verb} with --lora-r R: add --lora-r 8 (say) to train LoRA adapters")
         return None
     targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
     return LoraConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=targets)
