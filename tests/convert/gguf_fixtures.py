@@ -33,6 +33,19 @@ TEXTS = [
     "UPPER lower MiXeD", "a\u00a0non-breaking space", "zero\u200bwidth", "end.",
 ]
 
+# Pieces random strings are drawn from: the characters the pre-tokenizers' regexes tell apart.
+PIECES = (list("abcXYZ  \t\n\r0123456789'\".,;!?-_()[]{}<>/\\@#$%^&*+=~`éàüßñçÉΑβγДжЯ中文字日本한국")
+          + ["😀", "👍🏽", "\u0301", "\u00a0", "\u2028", "\u0085", "\u3000", "\u200b", "'s", "'S", "'ll", "<|endoftext|>",
+             "   ", "\n\n", " \n", "१२३", "٣"])
+
+
+def random_texts(n: int, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return ["".join(rng.choice(PIECES) for _ in range(rng.randint(1, 30))) for _ in range(n)]
+
+
 PROMPT = "The king and queen walk to the castle where"
 CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 

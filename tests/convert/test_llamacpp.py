@@ -15,7 +15,8 @@ from glassformer.checkpoint.loading import load
 from glassformer.cli import main
 
 from ..support import greedy_cached
-from .gguf_fixtures import PROMPT, TEXTS, hf_fixture, nfc, sentencepiece_tokenizer, smollm_tokenizer, trained_checkpoint
+from .gguf_fixtures import (PROMPT, TEXTS, hf_fixture, nfc, random_texts, sentencepiece_tokenizer, smollm_tokenizer,
+                            trained_checkpoint)
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llamacpp
@@ -89,6 +90,16 @@ def test_same_token_ids_for_50_texts(name, exported, ours):
     assert len(texts) == 50
     mismatched = [t for t in texts if llm.tokenize(t.encode(), add_bos=False, special=True) != tok.encode(t)]
     assert mismatched == []
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_same_token_ids_for_random_strings(name, exported, ours):
+    """300 strings drawn from the characters the pre-tokenizers' regexes tell apart."""
+    tok = ours[name][1]
+    llm = _llama(exported[name]["f32"], vocab_only=True)
+    texts = random_texts(300)
+    texts = nfc(texts) if name == "qwen2" else texts
+    assert [t for t in texts if llm.tokenize(t.encode(), add_bos=False, special=True) != tok.encode(t)] == []
 
 
 @pytest.mark.parametrize("layout", ["smollm", "sentencepiece"])
