@@ -7,7 +7,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -25,7 +24,7 @@ from glassformer.convert.lora import (
 from glassformer.convert.quantize import quantize_int8
 from glassformer.errors import UserError
 
-from ..support import greedy_by_full_forward, tiny_model
+from ..support import greedy_by_full_forward, greedy_cached, synthetic_text, tiny_checkpoint, tiny_model
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
 
@@ -91,8 +90,6 @@ def test_targets_and_the_joined_products_skip_an_adapted_module():
     assert isinstance(blk.attn.wq, LoRALinear) and isinstance(blk.ffn.w_up, LoRALinear)
     assert type(blk.attn.wk).__name__ == "Linear" and type(blk.ffn.w_gate).__name__ == "Linear"
     want = greedy_by_full_forward(model, IDS[0].tolist(), 6)
-    from ..support import greedy_cached
-
     model.hold_rows(True)
     assert model.blocks[0].attn.held is None and model.blocks[0].ffn.held is None
     with torch.no_grad():
@@ -165,17 +162,15 @@ def test_merging_onto_an_int8_base_is_refused():
 @pytest.fixture(scope="module")
 def base_ckpt(tmp_path_factory):
     """A tiny checkpoint with a tokenizer: (folder, model)."""
-    from ..support import synthetic_text, tiny_checkpoint
-
     folder = tmp_path_factory.mktemp("lora") / "base"
     model, _ = tiny_checkpoint(folder, synthetic_text(200, 0))
     return folder, model
 
 
 def _saved_adapter(base_folder, base_model, dst, r=4, seed=3):
-    from glassformer.checkpoint.adapters import save_adapter
-
     import copy
+
+    from glassformer.checkpoint.adapters import save_adapter
 
     model = _randomise_B(apply_lora(copy.deepcopy(base_model), LoraConfig(r=r)), seed=seed)
     save_adapter(dst, model, base_folder, tokenizer=None)
