@@ -150,8 +150,9 @@ def test_bad_configs_are_refused():
 
 def test_merging_onto_an_int8_base_is_refused():
     model = apply_lora(quantize_int8(tiny_model(0)), LoraConfig(r=2))
-    out, _ = model(IDS)  # an int8 base adapts (its adapter is fp32)
-    assert torch.isfinite(out).all()
+    out, loss = model(IDS, targets=IDS)  # an int8 base adapts (its adapter is fp32) and trains
+    loss.backward()
+    assert torch.isfinite(out).all() and all(m.lora_B.grad.abs().sum() > 0 for m in L.lora_modules(model).values())
     with pytest.raises(UserError, match="quantized"):
         merge_lora(model)
 
