@@ -1,18 +1,36 @@
-"""`glassformer eval`: held-out loss, perplexity and bits per byte of any text under a checkpoint."""
+"""`glassformer eval`: held-out loss, perplexity and bits per byte of any text under a checkpoint;
+with --tasks, lm-evaluation-harness tasks (glassformer.harness.tasks)."""
 
 from __future__ import annotations
 
 from .options import add_base_argument, add_quantize_argument
 
 HELP = "held-out loss, perplexity and bits per byte of a text file or a prepared folder's validation split"
+HARNESS_HELP = "with --tasks"
+
+
+def add_task_arguments(p) -> None:
+    """The flags of the --tasks branch (glassformer.harness.tasks)."""
+    p.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help=f"{HARNESS_HELP}: a folder of task YAML files (repeatable)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help=f"{HARNESS_HELP}: at most N documents a task")
+    p.add_argument("--num-fewshot", type=int, default=None, metavar="K", help=f"{HARNESS_HELP}: K examples before each question")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help=f"{HARNESS_HELP}: every seed the harness uses (default: its own 0/1234)")
+    p.add_argument("--output-path", default=None, metavar="DIR", help=f"{HARNESS_HELP}: write the harness's results to DIR/results.json")
 
 
 def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True, metavar="CKPT",
                    help="checkpoint folder, training run folder (its latest checkpoint), Hugging Face folder or Hub name org/name[@revision]")
-    p.add_argument("--data", required=True, metavar="PATH",
-                   help="a UTF-8 text file, or a prepared data folder (its val.bin is scored; in a conversation "
-                        "folder, the tokens its mask trains, with \"scored\" in the result)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--data", metavar="PATH",
+                      help="a UTF-8 text file, or a prepared data folder (its val.bin is scored; in a conversation "
+                           "folder, the tokens its mask trains, with \"scored\" in the result)")
+    what.add_argument("--tasks", metavar="TASK[,TASK...]",
+                      help="lm-evaluation-harness tasks (names or YAML files) instead of --data: the harness's table, "
+                           "then a JSON line with acc beside chance (docs/eval.md; pip install 'glassformer[harness]')")
+    add_task_arguments(p)
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
     p.add_argument("--batch-size", type=int, default=8, help="windows scored per forward pass")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = the faster of one and all, measured)")
@@ -36,6 +54,8 @@ def run(args) -> int:
     from .options import apply_quantize, quantize_method
 
     quantize_method(args)  # before the weights are read
+    if args.tasks:
+        check_harness(args)
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -45,6 +65,8 @@ def run(args) -> int:
         pick_threads(torch.get_num_threads())
     model, tokenizer = load(args.checkpoint, device=device, base=args.base)
     model = apply_quantize(model.float().eval(), args)
+    if args.tasks:
+        return run_tasks(args, model, tokenizer)
     data, chat = Path(args.data), {}  # chat: how a conversation folder is scored
     if data.is_dir():
         ids, n_bytes, chat = folder_ids(data, model)
@@ -118,3 +140,21 @@ def text_ids(args, data, tokenizer, model):
         raise UserError(f"the tokenizer makes ids up to {int(ids.max())} but the model has only "
                         f"{model.config.vocab_size}: use the checkpoint's own tokenizer")
     return ids, len(text.encode("utf-8"))
+
+
+def check_harness(args) -> None:
+    """Before any weights are read: lm-eval installed, and a tokenizer to give it text."""
+    import importlib.util
+
+    from ..errors import UserError
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UserError("--tasks needs the lm-evaluation-harness: pip install 'glassformer[harness]'")
+    if args.tokenizer:
+        raise UserError("--tokenizer goes with --data: --tasks uses the checkpoint's own tokenizer")
+
+
+def run_tasks(args, model, tokenizer) -> int:
+    from ..harness.tasks import run_tasks as run
+
+    return run(args, model, tokenizer)
