@@ -65,7 +65,7 @@ def forward_only(model, rows: int, context: int, steps: int) -> float:
     """Seconds per batched decode forward of `rows` rows at per-row positions near `context` (no sampling),
     reading the slots an engine step reads there (up to the furthest row's, rounded up)."""
     cache = KVCache.for_model(model, rows).view(0, rows, round_up(context + rows, LENGTH_STEP, model.config.max_seq_len))
-    pos = torch.arange(rows) + context
+    pos = torch.arange(rows) + context if rows > 1 else context  # one row: an int position, as the engine steps it
     tok = torch.zeros(rows, 1, dtype=torch.long)
     model(tok, cache=cache, pos=pos)
     t = time.perf_counter()
