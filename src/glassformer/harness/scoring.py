@@ -104,7 +104,8 @@ def score_batch(model, batch: list[Group]) -> dict[int, tuple[float, bool]]:
         cache.copy_row(group_row[id(rows[r][0])], r, n_ctx[r])
     rest = None
     if T > 0:
-        pos = torch.tensor(n_ctx, device=device)  # (R,): each row goes on where its context ends
+        # Each row goes on where its context ends: one position for all (a slice of the cache) or (R,).
+        pos = n_ctx[0] if len(set(n_ctx)) == 1 else torch.tensor(n_ctx, device=device)
         logits, _ = model(_right_padded([t or [0] for t in tails], device), cache=cache, pos=pos)  # (R, T, V)
         rest = logits.float().log_softmax(-1)
     out = {}
