@@ -132,7 +132,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
                             f"{model.config.ffn}); choose from those it has")
     for p in model.parameters():
         p.requires_grad_(False)
-    model.hold_rows(False)  # joined row-block copies would skip the adapter's term; drop them
+    model.hold_rows(False)  # an adapted product is called itself (model.side_by_side): held copies would only take memory
     for block in model.blocks:
         for target in cfg.targets:
             parent = _parent(block, target)
