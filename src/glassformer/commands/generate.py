@@ -80,8 +80,9 @@ def _check_args(args) -> None:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if args.logprobs is not None and args.logprobs < 0:
-        raise UserError(f"--logprobs must be >= 0 (how many alternatives to show), got {args.logprobs}")
+    logprobs = getattr(args, "logprobs", None)  # chat shares these checks and has no --logprobs
+    if logprobs is not None and logprobs < 0:
+        raise UserError(f"--logprobs must be >= 0 (how many alternatives to show), got {logprobs}")
 
 
 def _load_model(args):
