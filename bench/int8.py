@@ -216,7 +216,7 @@ def parse_args():
                     "or int8_products.json with --products)")
     args = ap.parse_args()
     if args.quick:
-        args.new_tokens, args.rounds, args.budget, args.eval_bytes = 32, 2, 300.0, 50_000
+        args.new_tokens, args.rounds, args.budget, args.eval_bytes = 32, 3, 300.0, 50_000
         args.train_batch, args.train_seq = 8, 64
     return args
 
