@@ -104,6 +104,21 @@ def round_up(n: int, step: int, limit: int) -> int:
     return min(-(-n // step) * step, limit)
 
 
+def slots_to_read(need: int, context: int, compiled: bool, cuda: bool) -> int:
+    """How many cache slots a decode step reads, at least `need`: eagerly, rounded up to LENGTH_STEP; a
+    compiled step the next power of two from LENGTH_STEP (each length is a step of its own, the cache's
+    length a constant of its trace), and on a GPU the whole cache (one CUDA graph a batch size).
+
+    >>> slots_to_read(70, 2048, False, False), slots_to_read(70, 2048, True, False), slots_to_read(1500, 2048, True, False)
+    (128, 128, 2048)
+    """
+    if not compiled:
+        return round_up(need, LENGTH_STEP, context)
+    if cuda:
+        return context
+    return min(max(LENGTH_STEP, 1 << (need - 1).bit_length()), context)
+
+
 class Ticket:
     """One submitted request: its events as they come, blocking (`events`) or for asyncio (`aevents`).
 
@@ -234,16 +249,13 @@ class Engine:
         self._stopping = False
         self.steps = self.decode_steps = self.prefill_tokens = self.decode_tokens = self.moves = 0
         self.prefill_forwards = 0
-        self._compiled, self._step_key, self.shapes = None, None, set()
+        self.compile = bool(compile)
+        self._compiled: dict[tuple[int, int], object] = {}  # (rows, slots read) -> its compiled decode step
+        self._step_key, self.shapes = None, set()
         # Decode steps at the batch sizes of BUCKETS, padded with rows that touch no real row's keys:
         # what a compiled step needs (few shapes); settable on an eager engine (tests).
         self.pad_rows = bool(compile)
-        if compile:
-            self._compiled = compile_step(self.device)
-            for lay in self.cache.layers:  # written in place at fixed addresses
-                torch._dynamo.mark_static_address(lay.k)
-                torch._dynamo.mark_static_address(lay.v)
-        elif self.device.type == "cpu":
+        if not compile and self.device.type == "cpu":
             model.hold_rows()  # eager one-row products from row-block copies (as a Session does)
 
     # ---- the public side ---------------------------------------------------------------
@@ -255,7 +267,8 @@ class Engine:
                     "steps": self.steps, "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens,
                     "prefill_tokens": self.prefill_tokens, "prefill_forwards": self.prefill_forwards,
                     "moves": self.moves, "max_batch": self.max_batch, "max_queue": self.max_queue,
-                    "kv_bytes_per_row": self.cache.row_bytes(), "compiled_batch_sizes": sorted(self.shapes)}
+                    "kv_bytes_per_row": self.cache.row_bytes(), "compiled_batch_sizes": sorted(self.shapes),
+                    "compiled_steps": len(self._compiled)}
 
     def submit(self, request: Request) -> Ticket:
         """Check the request (UserError, ContextLengthExceeded, QueueFull, EngineStopped) and queue it."""
@@ -505,7 +518,7 @@ class Engine:
         if n == 0:
             return
         rows = self.rows[:n]
-        compiled = self._compiled is not None and not self.model.training and not probes_active()
+        compiled = self.compile and not self.model.training and not probes_active()
         B = bucket(n, self.max_batch) if self.pad_rows else n
         toks = [r.text[-1] for r in rows] + [0] * (B - n)
         # Padding rows sit on free rows, or on the prefilling one at its next prompt slot, which its
@@ -515,11 +528,9 @@ class Engine:
         if B == 1 and not compiled:  # one row: the plain cache path, as a one-row Session steps
             logits, _ = self.model(idx, cache=self._view(0, 1, self.context), pos=pos[0])  # (1, 1, V)
         else:  # every row at its own position, reading the slots up to the furthest one's
-            # (a compiled step on a GPU reads them all: one shape, one CUDA graph per batch size)
-            whole = compiled and self.device.type == "cuda"
-            view = self._view(0, B, self.context if whole else round_up(max(pos) + 1, LENGTH_STEP, self.context))
-            fwd = self._compiled_step() if compiled else self.model
-            logits, _ = fwd(idx, cache=view, pos=torch.tensor(pos, device=self.device))  # (B, 1, V)
+            L = slots_to_read(max(pos) + 1, self.context, compiled, self.device.type == "cuda")
+            fwd = self._compiled_step(B, L) if compiled else self.model
+            logits, _ = fwd(idx, cache=self._view(0, B, L), pos=torch.tensor(pos, device=self.device))  # (B, 1, V)
         if compiled:
             self.shapes.add(B)
         self.decode_steps += 1
@@ -537,8 +548,8 @@ class Engine:
             if len(self._views) >= 4096:
                 self._views.clear()
             view = self._views[key] = self.cache.view(lo, hi, length)
-            if self._compiled is not None:
-                for lay in view.layers:  # fixed addresses, as the cache's own (CUDA graphs may keep them)
+            if self.compile and self.device.type == "cuda":
+                for lay in view.layers:  # fixed addresses: CUDA graphs may keep them
                     torch._dynamo.mark_static_address(lay.k)
                     torch._dynamo.mark_static_address(lay.v)
         return view
@@ -547,13 +558,17 @@ class Engine:
         r = self.rows[j]
         return 0 if r is None else r.fed
 
-    def _compiled_step(self):
-        """The compiled decode step, traced anew when the model's hooks, kernels, dtype or threads changed."""
+    def _compiled_step(self, B: int, L: int):
+        """The compiled decode step for B rows reading L slots: a private copy for each (compile_step),
+        since a step keeps no guard on the cache, whose shape (B, K, L, H) its trace takes as fixed;
+        all traced anew when the model's hooks, kernels, dtype or threads changed (step_key)."""
         key = step_key(self.model)
         if self._step_key not in (None, key):
-            self._compiled = compile_step(self.device)
+            self._compiled.clear()
         self._step_key = key
-        return functools.partial(self._compiled, self.model)
+        if (B, L) not in self._compiled:
+            self._compiled[B, L] = compile_step(self.device)
+        return functools.partial(self._compiled[B, L], self.model)
 
     # ---- emit --------------------------------------------------------------------------
     def _emit(self, i: int, logits: torch.Tensor) -> None:
