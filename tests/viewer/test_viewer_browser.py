@@ -235,6 +235,39 @@ def test_worked_page_live(browser, worked_server):
     page.close()
 
 
+def test_live_page_asks_for_another_rows_parts(browser, worked_server):
+    """The live page's answer holds the focus row's walks and RMS calculations; a click on
+    another token asks the server for that row's (POST api/explain, viewer/source.py LiveParts)."""
+    page = open_page(browser, worked_server.url)
+    asked = lambda: [u for u in page.events["requests"] if u.endswith("/api/explain")]  # noqa: E731
+    assert asked() == []
+    page.locator('#tokens .tok[data-token="1"]').click()  # 'like'
+    # Its row of the pre/post table: drawn disabled, then clickable once its calculations come.
+    button = page.locator('#norm .num[data-rms="pre"][data-step="2"][data-token="1"]')
+    page.wait_for_function("!document.querySelector('#norm .num[data-rms=\"pre\"][data-step=\"2\"]').disabled")
+    shown = button.text_content()
+    button.click()
+    page.wait_for_function("document.querySelector('#explain-body .calc-title').textContent.startsWith('RMS(')")
+    body = page.locator("#explain-body").text_content()
+    assert "like" in page.locator("#explain-body .calc-title").text_content() and "= the traced value ✓" in body
+    assert page.locator("#explain-body .calc-title").text_content().endswith(f"= {shown}".rstrip("0"))
+    # Its FlashAttention walk, tiles of 2 (one tile: the kernel's result is shown at once), then of 1.
+    page.wait_for_function("document.querySelector('#flash').textContent.includes('✓ the same')")
+    assert "Query row “like”" in page.locator("#flash").text_content()
+    page.select_option("#flash-tile", "1")
+    page.wait_for_function("document.querySelector('#flash-step').textContent.startsWith('step 1 of 2')")
+    assert page.locator("#flash table.grid tr td.muted").count() == 2  # keys too and cats: skipped
+    page.click("#flash-next")
+    assert "✓ the same" in page.locator("#flash").text_content()
+    assert len(asked()) == 3  # the RMS row, the walks at 2, the walks at 1: each once
+    page.locator('#tokens .tok[data-token="2"]').click()  # back to 'cats': its RMS row is in the answer,
+    page.wait_for_function("document.querySelector('#flash-step').textContent.includes(' of 3 on this row')")
+    page.locator('#tokens .tok[data-token="1"]').click()  # its walks at 1 were not; 'like' again: asked before
+    page.wait_for_function("document.querySelector('#flash-step').textContent.includes(' of 2 on this row')")
+    assert len(asked()) == 4 and page.events["errors"] == []
+    page.close()
+
+
 def test_saved_pages_offline_and_hostile_tokens_are_text(browser, tmp_path):
     # The self-contained worked page: opens from a file, fetches nothing, and its numbers'
     # calculations are stored in it.

@@ -3,15 +3,17 @@
 The kernel (attention/tiled.py) logs its running max m, sum l, output o and rescale alpha
 per (query tile, key tile); this is the one place that turns the log into one row's walk
 (`row_walk`, a trace's `blocks.i.attn.tiles`), runs the kernel for one (`kernel_walk`) and
-reads one head out (`head_walk`). Stored form: docs/trace-format.md#tiles-the-flashattention-walk-through-of-one-query-row.
+reads one head out (`head_walk`), or every row and head of a log in one pass (`head_walks`).
+Stored form: docs/trace-format.md#tiles-the-flashattention-walk-through-of-one-query-row.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..attention.tiled import tiled_attention
-from .format import json_ready
 
 
 def row_walk(log: list[dict], row: int, heads: list[int], n_heads: int, position: int, tile: int) -> dict:
@@ -70,17 +72,67 @@ def head_walk(tiles: dict, head: int) -> dict:
     output for this row.
     """
     h = tiles["heads"].index(head)
-    steps, l, o = [], None, None
+    steps = []
     for s in tiles["steps"]:
-        step = {"q": list(s["q"]), "k": list(s["k"]), "skipped": bool(s["skipped"])}
-        if not s["skipped"]:
-            l, o = float(s["l"][h]), [float(x) for x in s["o"][h]]
-            step.update(scores=[None if x is None else float(x) for x in s["scores"][h]], m=float(s["m"][h]), l=l,
-                        alpha=float(s["alpha"][h]), o=o)
-        steps.append(step)
-    output = [x / l for x in o] if l else None
-    return json_ready({"head": head, "query": tiles["query"], "position": tiles["position"],
-                       "tile_size": tiles["tile_size"], "steps": steps, "output": output})
+        if s["skipped"]:
+            steps.append(_walk_step(s, None, None, None, None, None))
+            continue
+        m, l, alpha = (_number(s[n][h]) for n in ("m", "l", "alpha"))
+        steps.append(_walk_step(s, [_number(x) for x in s["scores"][h]], m, l, alpha, [_number(x) for x in s["o"][h]]))
+    return _walk(head, tiles["query"], tiles["position"], tiles["tile_size"], steps)
 
 
-__all__ = ["row_walk", "kernel_log", "kernel_walk", "head_walk"]
+def head_walks(log: list[dict], rows: list[int], heads: list[int], n_heads: int, positions: list[int],
+               tile: int) -> dict[tuple[int, int], dict]:
+    """{(row, head): head_walk(row_walk(log, row, ...), head)} for every row and head, in one
+    pass over the kernel's tile log: each tile's tensors are read out once for all its rows."""
+    wanted = set(rows)
+    steps: dict[tuple[int, int], list] = {(r, h): [] for r in rows for h in heads}
+    for e in log:
+        q0, q1 = e["q"]
+        mine = [r for r in range(q0, q1) if r in wanted]
+        if not mine:
+            continue
+        if e["skipped"]:
+            for key in ((r, h) for r in mine for h in heads):
+                steps[key].append(_walk_step(e, None, None, None, None, None))
+            continue
+        # (B, K, G, tq, X) -> [head][row in tile][X], one tolist per tensor
+        got = {n: e[n][0].reshape(n_heads, e[n].shape[3], e[n].shape[4])[heads].float().tolist()
+               for n in ("scores", "m", "l", "alpha", "o")}
+        for r in mine:
+            for j, h in enumerate(heads):
+                steps[r, h].append(_walk_step(e, got["scores"][j][r - q0], got["m"][j][r - q0][0],
+                                              got["l"][j][r - q0][0], got["alpha"][j][r - q0][0], got["o"][j][r - q0]))
+    return {(r, h): _walk(h, r, positions[r], tile, st) for (r, h), st in steps.items()}
+
+
+def _number(x) -> float | None:
+    """A tensor's or a JSON list's entry as a float (None: a masked or non-finite one, as stored)."""
+    return None if x is None else float(x)
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _walk_step(entry: dict, scores: list | None, m: float | None, l: float | None, alpha: float | None,
+               o: list | None) -> dict:
+    """One step of a head's walk as JSON data (non-finite numbers as None); scores and o are
+    this row's lists, m, l, alpha its numbers, all None for a skipped tile."""
+    step = {"q": list(entry["q"]), "k": list(entry["k"]), "skipped": bool(entry["skipped"])}
+    if not entry["skipped"]:
+        step.update(scores=[_finite(x) for x in scores], m=_finite(m), l=_finite(l), alpha=_finite(alpha),
+                    o=[_finite(x) for x in o])
+    return step
+
+
+def _walk(head: int, query: int, position: int, tile: int, steps: list[dict]) -> dict:
+    """A head's walk from its steps: `output` = o / l after the last computed tile."""
+    last = next((st for st in reversed(steps) if not st["skipped"]), None)
+    l = last["l"] if last else None
+    output = [None if x is None else _finite(x / l) for x in last["o"]] if l else None
+    return {"head": head, "query": query, "position": position, "tile_size": tile, "steps": steps, "output": output}
+
+
+__all__ = ["row_walk", "kernel_log", "kernel_walk", "head_walk", "head_walks"]

@@ -307,10 +307,11 @@ def flash_key(layer: int, head: int, row: int, tile: int) -> str:
 
 
 def _with_traced_tiles(trace: dict, flash: dict | None) -> dict:
-    """`flash` ({'tiles': [...], 'walks': {key: walk}}) plus the walks of the trace's own tile
-    logs (`blocks.i.attn.tiles`, run by the tiled kernel while tracing)."""
-    out = {"tiles": list((flash or {}).get("tiles") or []), "walks": dict((flash or {}).get("walks") or {}),
-           "left_out": (flash or {}).get("left_out", 0)}
+    """`flash` ({'tiles': [...], 'walks': {key: walk}}, and 'fetch' where a live page asks for
+    more) plus the walks of the trace's own tile logs (`blocks.i.attn.tiles`, run by the tiled
+    kernel while tracing)."""
+    out = {**(flash or {}), "tiles": list((flash or {}).get("tiles") or []),
+           "walks": dict((flash or {}).get("walks") or {}), "left_out": (flash or {}).get("left_out", 0)}
     for name, e in trace["probes"].items():
         if name.endswith(".attn.tiles"):
             layer = int(name.split(".")[1])

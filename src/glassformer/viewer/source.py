@@ -2,7 +2,8 @@
 
 `page_args(model, tokenizer, text)` traces one sentence and gathers everything the page
 draws besides the trace (the pre-norm vs post-norm comparison, costs, next-token pieces,
-the calculations of the numbers shown); `explorer(...)` wraps the same for the server;
+the calculations of the numbers shown); `explorer(...)` wraps the same for the server
+(`LiveParts`: what a live page asks for later);
 `worked_*` do it for the walkthrough's toy model.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from ..explaining.explain import explain, explain_rms
 from ..tracing.analysis import norm_rms
 from ..tracing.format import FORMAT, FORMAT_VERSION, _tiles_json, as_trace, json_ready
 from ..tracing.stream import PLACEMENTS, placement_twins
-from ..tracing.tiles import head_walk, kernel_log, row_walk
+from ..tracing.tiles import head_walks, kernel_log
 from ..tracing.trace import trace
 from ..worked import model as worked
 from .cost_calc import cost_calcs
@@ -106,26 +108,36 @@ def page_dict(tr, decimals: int = 6) -> dict:
             **({"analysis": json_ready(tr.analysis)} if tr.analysis else {})}
 
 
-def norm_view(models: dict, ids: list[int], tokens: list[str], model=None, traced=None) -> dict:
-    """RMS of the stream after every addition for the same text, pre-norm and post-norm:
-    `models` is tracing.stream.placement_twins of one model. `traced`, the Trace of `model`
-    itself, is reused when `model` is one of the pair."""
-    traces = {kind: traced if (traced is not None and models[kind] is model) else trace(models[kind], ids, tokens=tokens, top_k=1)
-              for kind in PLACEMENTS}
-    return norm_table(traces, own={kind: models[kind] is model for kind in PLACEMENTS},
-                      about="the same weights with the norms before each sublayer (pre) or after each addition (post)")
+def norm_traces(models: dict, ids: list[int], tokens: list[str], model=None, traced=None) -> dict:
+    """{'pre': Trace, 'post': Trace} of the same text: `models` is tracing.stream.placement_twins
+    of one model. `traced`, the Trace of `model` itself, is reused when `model` is one of the pair."""
+    return {kind: traced if (traced is not None and models[kind] is model) else trace(models[kind], ids, tokens=tokens, top_k=1)
+            for kind in PLACEMENTS}
 
 
-def norm_table(traces: dict, own: dict | None = None, about: str | None = None) -> dict:
+NORM_ABOUT = "the same weights with the norms before each sublayer (pre) or after each addition (post)"
+
+
+def norm_view(models: dict, ids: list[int], tokens: list[str], model=None, traced=None,
+              rows: list[int] | None = None) -> dict:
+    """RMS of the stream after every addition for the same text, pre-norm and post-norm
+    (norm_traces, then norm_table; `rows`: the tokens whose calculations are included)."""
+    return norm_table(norm_traces(models, ids, tokens, model, traced), own={kind: models[kind] is model for kind in PLACEMENTS},
+                      about=NORM_ABOUT, rows=rows)
+
+
+def norm_table(traces: dict, own: dict | None = None, about: str | None = None, rows: list[int] | None = None) -> dict:
     """{'pre': Trace, 'post': Trace} (or one of them) of one text → the RMS tables the page plots
     side by side (tracing.analysis.norm_rms of each), with the calculation of every RMS.
-    own[kind]: the trace is of the page's own model, so its operands link to the page's numbers."""
+    own[kind]: the trace is of the page's own model, so its operands link to the page's numbers.
+    rows: only these tokens' calculations (the others None: a live page asks for them)."""
     out: dict[str, Any] = {"rms": {}, "about": about}
     for kind, tr in traces.items():
         r = norm_rms(tr)
         out["rms"][kind] = [list(row) for row in zip(*r["rms"])]  # [token][step]
         mine = True if own is None else own[kind]
-        out.setdefault("calc", {})[kind] = rms_calcs(tr, r["points"], own=mine, model=None if own is None else f"the {kind}-norm model")
+        out.setdefault("calc", {})[kind] = rms_calcs(tr, r["points"], own=mine, rows=rows,
+                                                     model=None if own is None else f"the {kind}-norm model")
         out["steps"] = [lab.replace(": + ", " +").replace("attention", "attn") for lab in r["labels"]]
         out["tokens"] = list(tr.tokens)
     return out
@@ -139,49 +151,83 @@ def flash_tiles(T: int) -> list[int]:
     return [x for x in (1, 2, 4, 8, 16, 32, 64) if x <= max(1, T)]
 
 
-def flash_walks(tr, tile: int, focus: int, limit: int = FLASH_LIMIT) -> dict:
-    """Walks of the tiled kernel (tracing.tiles) over the traced q, k, v, for the page's
-    FlashAttention view: {'tiles', 'walks': {render.flash_key: tiles.head_walk}, 'left_out'}.
+def walkable(tr) -> bool:
+    """Whether the kernel can be run again over the trace's q, k, v: every head of every traced
+    layer is kept (else the trace's own tile log is all there is)."""
+    return len(tr.heads) == int(tr.config["n_heads"]) and all(f"blocks.{i}.attn.v" in tr.probes for i in tr.layers)
 
-    Every layer and head; first the focus row at `tile`, then the other rows, then the other
-    tile sizes, until `limit` numbers are stored (the rest are counted in left_out).
-    """
-    cfg, T = tr.config, len(tr.tokens)
-    tiles = flash_tiles(T)
-    out = {"tiles": tiles, "walks": {}, "left_out": 0}
-    rope = cfg["pos"] == "rope"
-    qkv = {i: [tr[f"blocks.{i}.attn.{n}"] for n in (("q_rot", "k_rot") if rope else ("q", "k")) + ("v",)]
-           for i in tr.layers}
-    if len(tr.heads) < int(cfg["n_heads"]) or any(f"blocks.{i}.attn.v" not in tr.probes for i in tr.layers):
-        return out  # walks need every head's q, k, v: the trace's own tile log is all there is
-    order = [(tile, focus)] + [(tile, r) for r in range(T) if r != focus]
-    order += [(t, r) for t in tiles if t != tile for r in [focus] + [r for r in range(T) if r != focus]]
-    numbers, logs = 0, {}
-    for t, row in order:
-        for i, (q, k, v) in qkv.items():
-            if (i, t) not in logs:  # one run of the kernel per layer and tile size serves every row
-                logs[i, t] = kernel_log(q, k, v, tile=t, positions=tr.positions, window=cfg.get("sliding_window"))[1]
-            walk = row_walk(logs[i, t], row, tr.heads, int(cfg["n_heads"]), tr.positions[row], t)
-            for h in tr.heads:
-                w = head_walk(walk, h)
-                size = sum(len(st.get("scores", [])) + len(st.get("o", [])) + 3 for st in w["steps"])
-                if numbers + size > limit:
-                    out["left_out"] += 1
-                    continue
-                numbers += size
-                out["walks"][flash_key(i, h, row, t)] = w
+
+def _kernel_log(tr, layer: int, tile: int) -> list[dict]:
+    """The tiled kernel's log, run again over layer `layer`'s traced q, k, v (after RoPE)."""
+    names = (("q_rot", "k_rot") if tr.config["pos"] == "rope" else ("q", "k")) + ("v",)
+    q, k, v = (tr[f"blocks.{layer}.attn.{n}"] for n in names)
+    return kernel_log(q, k, v, tile=tile, positions=tr.positions, window=tr.config.get("sliding_window"))[1]
+
+
+def tile_walks(tr, tile: int, rows: list[int]) -> dict[str, dict]:
+    """{render.flash_key: walk} of every traced layer and head for query rows `rows`, tiles of
+    `tile`: one run of the tiled kernel per layer over the traced q, k, v, every row and head
+    read out of its log in one pass (tracing.tiles.head_walks)."""
+    out = {}
+    for i in tr.layers:
+        walks = head_walks(_kernel_log(tr, i, tile), rows, tr.heads, int(tr.config["n_heads"]), tr.positions, tile)
+        out.update({flash_key(i, h, row, tile): w for (row, h), w in walks.items()})
     return out
 
 
-def rms_calcs(tr, points: list[str], own: bool = True, model: str | None = None) -> list[list[dict]]:
+def walk_numbers(log: list[dict], row: int, head_dim: int) -> int:
+    """Numbers one head's walk of `row` stores (each tile's scores and o, and m, l, alpha), read
+    off the tiles of a kernel log: the same in every layer and head."""
+    return sum(3 + (0 if e["skipped"] else e["k"][1] - e["k"][0] + head_dim) for e in log if e["q"][0] <= row < e["q"][1])
+
+
+def flash_walks(tr, tile: int, focus: int, limit: int = FLASH_LIMIT) -> dict:
+    """Walks of the tiled kernel (tile_walks) for a saved page's FlashAttention view:
+    {'tiles', 'walks': {render.flash_key: tiles.head_walk}, 'left_out'}.
+
+    A row's walks go in together (every layer and head): first the focus row at `tile`, then
+    the other rows, then the other tile sizes, while they fit in `limit` numbers; the first
+    row that does not fit ends it (its walks and all after are counted in left_out). Only the
+    rows that fit are walked: one layer's run of the kernel sizes them first.
+    """
+    T = len(tr.tokens)
+    tiles = flash_tiles(T)
+    out = {"tiles": tiles, "walks": {}, "left_out": 0}
+    if not walkable(tr):
+        return out
+    rows = [focus] + [r for r in range(T) if r != focus]
+    per_row, head_dim = len(tr.layers) * len(tr.heads), int(tr.config["head_dim"])
+    numbers = 0
+    for t in [tile] + [x for x in tiles if x != tile]:
+        log, fit = _kernel_log(tr, tr.layers[0], t), []
+        for row in rows:
+            size = per_row * walk_numbers(log, row, head_dim)
+            if numbers + size > limit:
+                break
+            fit.append(row)
+            numbers += size
+        if fit:
+            out["walks"].update(tile_walks(tr, t, fit))
+        if len(fit) < len(rows):
+            out["left_out"] = len(tiles) * T * per_row - len(out["walks"])
+            break
+    return out
+
+
+def rms_calcs(tr, points: list[str], own: bool = True, model: str | None = None,
+              rows: list[int] | None = None) -> list[list[dict] | None]:
     """The calculation (explain_rms) of every RMS of the comparison, [token][step].
 
     model: a few words naming the model traced (shown with the calculation).
     own=False: the trace is of the twin model, not of the page's trace, so its operands
     cannot be explained on this page: they are marked source 'twin' (shown, not linked).
+    rows: only these tokens (the others None).
     """
-    out = []
+    out: list[list[dict] | None] = []
     for t in range(len(tr.tokens)):
+        if rows is not None and t not in rows:
+            out.append(None)
+            continue
         row = []
         for p in points:
             c = to_plain(explain_rms(tr, p, t))
@@ -268,24 +314,86 @@ def write_page(path, model, tokenizer, text: str, *, model_name: str, **kw):
 
 
 def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict | None = None, vocab=None, focus=None):
-    """The server's Explorer for a model: recompute the trace of any sentence, explain any number."""
+    """The server's Explorer for a model: recompute the trace of any sentence, explain any number
+    (and the parts a live page asks for as it shows them: LiveParts)."""
     model.eval()
-    norm = norm or placement_twins(model)
+    live = LiveParts(model, norm or placement_twins(model))
 
     def enc(text):
         return encode(tokenizer, text, model.config.max_seq_len)
 
+    def focus_of(n):
+        return focus if focus is not None and focus < n else None
+
     def trace_fn(ids, tokens):
-        return trace_for_page(model, ids, tokens, focus if focus is not None and focus < len(ids) else None)
+        return trace_for_page(model, ids, tokens, focus_of(len(ids)))
 
     def extras(ids, tokens, tr, traced):
-        return dict(model_name=model_name, pieces=functools.partial(_piece, tokenizer),
-                    norm=norm_view(norm, ids, tokens, model, traced), costs=costs_view(model.config, len(ids)),
-                    vocab=vocab, focus_token=focus if focus is not None and focus < len(ids) else None,
-                    flash_tile=flash_tile(len(ids)), flash=flash_walks(traced, flash_tile(len(ids)), traced.query))
+        return dict(model_name=model_name, pieces=functools.partial(_piece, tokenizer), norm=live.norm_view(traced),
+                    costs=costs_view(model.config, len(ids)), vocab=vocab, focus_token=focus_of(len(ids)),
+                    flash_tile=flash_tile(len(ids)), flash=live.flash_view(traced))
+
+    def calculation(tr, probe, index):
+        if probe in LiveParts.PARTS:
+            return live.part(tr, probe, index)
+        return explain(tr, probe, index, model=model)
 
     return Explorer(encode=enc, trace=trace_fn, default_text=default_text, as_dict=page_dict,
-                    explain=lambda tr, probe, index: explain(tr, probe, index, model=model), extras=extras)
+                    explain=calculation, extras=extras)
+
+
+class LiveParts:
+    """A live page's data in two goes: the server's answer to a sentence holds what the page
+    draws first (the focus row's RMS calculations; of the walks, the trace's own), and the
+    page asks /api/explain for the rest as it shows it, naming the part in the probe field
+    (the answer's `fetch` keys): 'norm.calc' [token] is that token's row of RMS calculations
+    of the pre/post table, 'flash.walks' [row, tile] every layer's and head's walk of that row.
+    """
+
+    PARTS = ("norm.calc", "flash.walks")
+    KEPT = 8  # texts whose pre/post-norm traces are kept for later asks (as many as the page cache)
+
+    def __init__(self, model, norm: dict):
+        self.model, self.norm = model, norm
+        self.own = {kind: norm[kind] is model for kind in PLACEMENTS}
+        self.traces: OrderedDict = OrderedDict()  # ids -> norm_traces
+
+    def _traces(self, tr, fresh: bool = False) -> dict:
+        key = tuple(tr.ids)
+        if fresh or key not in self.traces:
+            self.traces[key] = norm_traces(self.norm, tr.ids, tr.tokens, self.model, tr)
+            while len(self.traces) > self.KEPT:
+                self.traces.popitem(last=False)
+        return self.traces[key]
+
+    def norm_view(self, tr) -> dict:
+        """The pre/post table of the page's trace `tr`, calculations for its focus row only."""
+        table = norm_table(self._traces(tr, fresh=True), own=self.own, about=NORM_ABOUT, rows=[tr.query])
+        return {**table, "fetch": "norm.calc"}
+
+    def flash_view(self, tr) -> dict:
+        """The FlashAttention view's tile sizes; its walks come from the trace's own tile log
+        (render.build_payload adds them) and then from 'flash.walks'."""
+        return {"tiles": flash_tiles(len(tr.ids)), "walks": {}, "left_out": 0,
+                **({"fetch": "flash.walks"} if walkable(tr) else {})}
+
+    def part(self, tr, name: str, index: list[int]) -> dict:
+        T = len(tr.ids)
+        if name == "norm.calc":
+            (t,) = _checked_index(index, [T], "norm.calc takes [token]")
+            table = norm_table(self._traces(tr), own=self.own, rows=[t])
+            return {kind: rows[t] for kind, rows in table["calc"].items()}
+        row, tile = _checked_index(index, [T, None], "flash.walks takes [row, tile]")
+        if tile not in flash_tiles(T) or not walkable(tr):
+            raise UserError(f"no walks with tiles of {tile} here: the page offers {flash_tiles(T)}")
+        return {"walks": tile_walks(tr, tile, [row])}
+
+
+def _checked_index(index: list[int], bounds: list[int | None], usage: str) -> list[int]:
+    """index, checked to hold one integer per bound and each under its bound (None: any)."""
+    if len(index) != len(bounds) or any(b is not None and not 0 <= i < b for i, b in zip(index, bounds)):
+        raise UserError(f"{usage}, each within the sentence: got {index}")
+    return index
 
 
 # ----------------------------------------------------------------------------- the toy model

@@ -178,6 +178,29 @@
     if (!text) { m.hidden = true; m.textContent = ''; return; }
     m.hidden = false; m.textContent = text;
   }
+  // A live page's data comes in two goes: the server's answer holds what the page draws first,
+  // and a part it shows later (another row's walks, another token's RMS calculations) is asked
+  // for once, through api/explain with the part's name (viewer/source.py LiveParts); `merge`
+  // puts the answer into the data it was asked for, and `redraw` draws it if still shown.
+  // True while the part is on its way; false where there is none to ask for (or it came).
+  function askPart(name, index, merge, redraw) {
+    const p = P(), key = `${name}|${index.join(',')}`;
+    if (p.mode !== 'server' || !name) return false;
+    p.asked = p.asked || {};
+    if (p.asked[key] === 'done') return false;
+    if (p.asked[key] === 'pending') return true;
+    p.asked[key] = 'pending';
+    fetch('api/explain', { method: 'POST', headers: { 'Content-Type': 'application/json' },
+      body: JSON.stringify({ text: p.sentence, probe: name, index }) })
+      .then(async (res) => {
+        const body = await res.json();
+        if (res.ok) merge(p, body);
+        else message(body.error || `the server answered ${res.status}`);
+      })
+      .catch((e) => message(`could not reach the server: ${e}`))
+      .finally(() => { p.asked[key] = 'done'; if (P() === p) redraw(); });
+    return true;
+  }
 
   // ------------------------------------------------------------------ header and tokens
   function drawHeader() {
@@ -204,7 +227,7 @@
       const b = el('button', { class: 'tok' + (i === state.token ? ' sel' : ''), type: 'button', style: { background: tokColor(i) } },
         [el('span', { class: 'pos', text: String(TR().positions ? TR().positions[i] : i) }), String(t)]);
       b.dataset.token = String(i);
-      b.addEventListener('click', () => { state.token = i; drawTokens(); drawLanes(); drawNumbers(); drawFlash(); });
+      b.addEventListener('click', () => { state.token = i; drawTokens(); drawLanes(); drawNumbers(); drawNorm(); drawFlash(); });
       nav.append(b);
     });
   }
@@ -468,6 +491,9 @@
     const table = el('table', { class: 'grid' });
     table.append(el('tr', {}, [el('th', { text: '' })].concat(steps.map((s) => el('th', { text: s })))));
     const calc = (k, i) => nm.calc && nm.calc[k] && nm.calc[k][t] ? nm.calc[k][t][i] : null;
+    if (nm.calc && kinds.some((k) => nm.calc[k] && !nm.calc[k][t])) {  // drawn disabled until they come
+      askPart(nm.fetch, [t], (p, rows) => { for (const k of Object.keys(rows)) p.norm.calc[k][t] = rows[k]; }, drawNorm);
+    }
     for (const k of kinds) {
       table.append(el('tr', {}, [el('td', { class: 'probe', text: `${k}-norm` })].concat(
         nm.rms[k][t].map((v, i) => el('td', {}, calcNum(fmt(v), calc(k, i), { rms: k, token: String(t), step: String(i) }))))));
@@ -504,6 +530,10 @@
     const run = storedWalk(layer, head, row, tile);
     if (!run) {
       $('flash-step').textContent = '';
+      if (askPart(P().flash && P().flash.fetch, [row, tile], (p, body) => Object.assign(p.flash.walks, body.walks), drawFlash)) {
+        box.append(el('p', { class: 'muted', text: `Running the tiled kernel for row “${tokenLabel(row)}” with tiles of ${tile}…` }));
+        return;
+      }
       box.append(el('p', { class: 'muted', text: `This page does not hold the tiled kernel’s walk of row “${tokenLabel(row)}” with tiles of ${tile} (a page keeps a bounded number of walks; trace with --attention tiled --query ${row} --tile ${tile}, or open the model with glassformer view).` }));
       return;
     }
