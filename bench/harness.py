@@ -89,9 +89,10 @@ def make_tasks(folder: Path, n_docs: int) -> Path:
 
 def requests_of(task_folder: Path) -> dict[str, list]:
     """The harness's own request instances of each task, built by its task objects."""
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
-    tasks = get_task_dict(["bench_mc", "bench_ppl"], TaskManager(include_path=str(task_folder), include_defaults=False))
+    manager = TaskManager(include_path=str(task_folder), include_defaults=False)
+    tasks = manager.load(["bench_mc", "bench_ppl"])["tasks"]
     out = {}
     for name, task in tasks.items():
         task.build_all_requests()
@@ -176,6 +177,20 @@ def memory_of(name: str, kind: str, work: Path, args) -> None:
     print(run_side(lm, kind, reqs, torch.device(args.device))[2])
 
 
+def tokens_fed(lm, reqs) -> dict:
+    """Input tokens each side's model reads for the multiple-choice requests, padding aside:
+    every request's context and continuation (hf), each distinct context once (glassformer)."""
+    from glassformer.harness.scoring import group_requests
+
+    pairs = [lm._encode_pair(*r.args) for r in reqs]
+    groups = group_requests(pairs, lm.max_length)
+    tails = sum(len(t) - 1 for g in groups for t in g.tails)
+    return {"hf_tokens_fed": sum(len(c) + len(k) - 1 for c, k in pairs),
+            "glassformer_tokens_fed": sum(len(g.context) for g in groups) + tails,
+            "mean_context_tokens": round(sum(len(g.context) for g in groups) / len(groups), 1),
+            "mean_continuation_tokens": round(sum(len(k) for _, k in pairs) / len(pairs), 1)}
+
+
 def compare(lms: dict, requests: dict, rounds: int, device, work: Path, args) -> dict:
     result = {}
     for kind, reqs in requests.items():
@@ -192,7 +207,8 @@ def compare(lms: dict, requests: dict, rounds: int, device, work: Path, args) ->
                         **{f"{n}_requests_per_s": round(len(reqs) / best[n], 2) for n in lms},
                         "speedup": round(best["hf"] / best["glassformer"], 2),
                         **{f"{n}_peak_mb": round(mem[n] / 2**20, 1) for n in lms},
-                        "max_abs_loglikelihood_diff": float(f"{diff:.3g}")}
+                        "max_abs_loglikelihood_diff": float(f"{diff:.3g}"),
+                        **(tokens_fed(lms["glassformer"], reqs) if kind == "bench_mc" else {})}
         print(kind, json.dumps(result[kind]))
     return result
 

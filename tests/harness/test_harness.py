@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -160,8 +161,8 @@ def test_eval_tasks_prints_the_table_then_one_json_line(world, tmp_path, capsys)
     ckpt = tmp_path / "ckpt"
     tiny_checkpoint(ckpt, synthetic_text(200, 3))
     mc = world["tasks"]["tiny_mc"]
-    rc = main(["eval", "--checkpoint", str(ckpt), "--tasks", str(mc), "--limit", "9", "--batch-size", "4",
-               "--output-path", str(tmp_path / "out")])
+    rc = main(["eval", "--checkpoint", str(ckpt), "--tasks", "tiny_mc", "--include-path", str(mc.parent),
+               "--limit", "9", "--batch-size", "4", "--output-path", str(tmp_path / "out")])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0 and any("tiny_mc" in line and "|" in line for line in out[:-1])
     line = json.loads(out[-1])
@@ -204,3 +205,35 @@ def test_the_harness_command_line_runs_glassformer(world, monkeypatch, capsys):
     harness_main()
     out = capsys.readouterr().out
     assert "glassformer" in out and "tiny_mc" in out and "acc" in out
+
+
+def _full_forward_loglikelihood(model, ctx: list[int], cont: list[int]) -> float:
+    """The naive reference: one forward over context + continuation, no cache."""
+    ids = torch.tensor([ctx + cont])
+    logp = model(ids[:, :-1])[0].float().log_softmax(-1)[0, len(ctx) - 1:]  # (len(cont), V)
+    return float(logp.gather(-1, torch.tensor(cont)[:, None]).sum())
+
+
+def test_an_adapter_run_is_scored_on_its_base(tmp_path):
+    """checkpoint= an adapter run: its base with the adapter put on, through load (as every verb)."""
+    from glassformer.checkpoint.adapters import save_adapter
+    from glassformer.checkpoint.loading import load
+    from glassformer.convert.lora import LoraConfig, apply_lora, lora_modules
+
+    base, tok = tiny_checkpoint(tmp_path / "base", synthetic_text(200, 4))
+    adapted, _ = load(tmp_path / "base")
+    apply_lora(adapted, LoraConfig(r=2, alpha=4.0, targets=("wq", "wv", "w_down")))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in lora_modules(adapted).values():  # nonzero A and B: an adapter that changes the numbers
+            m.lora_A.copy_(torch.randn(m.lora_A.shape, generator=g) * 0.1)
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
+    save_adapter(tmp_path / "adapter", adapted, tmp_path / "base", tok)
+    lm = GlassformerLM(checkpoint=str(tmp_path / "adapter"), device="cpu")
+    reqs = [Instance("loglikelihood", {}, ("the king and queen walk", c), i) for i, c in enumerate([" to the", " of"])]
+    got = lm.loglikelihood(reqs, disable_tqdm=True)
+    with torch.no_grad():
+        for r, (ll, _) in zip(reqs, got):
+            ctx, cont = lm._encode_pair(*r.args)
+            assert ll == pytest.approx(_full_forward_loglikelihood(adapted.eval(), ctx, cont), abs=TOL)
+            assert abs(ll - _full_forward_loglikelihood(base, ctx, cont)) > 1e-3
