@@ -5,15 +5,16 @@ For each shape: a random model (weights drawn larger than the init, so greedy ar
 near-ties) with a BPE tokenizer trained on the given text is saved as a checkpoint and served with
 `glassformer serve --max-batch 16`; the benchmark's client (asyncio + httpx, in this process) sends
 streaming /v1/completions requests of the same prompt length, greedy, and reads them as they come.
-Reported per number of streams (the best of --rounds rounds by aggregate tokens/s): aggregate
+Rounds alternate in-process generate and each number of streams, so a busy machine slows all
+alike. Reported per number of streams (the best round by aggregate tokens/s): aggregate
 tokens/s (completion tokens of all streams / the wall time from the first request to the last
 [DONE]), p50/p99 time to first token, p50/p99 gap between chunks (a chunk is a token, except where
 a partial UTF-8 character or a stop string holds text back); one stream's time against in-process
-`generate` of the same tokens with the same thread count (rounds alternating: the server overhead,
+`generate` of the same tokens with the same thread count (the best of each: the server overhead,
 HTTP client included); the KV cache bytes of one row, and the server's resident memory growth per
 active row at the highest number of streams. The server and the client share the machine.
 
-    python bench/serve.py [--shapes reference,demo] [--streams 1,4,16] [--rounds 2] [--threads 2]
+    python bench/serve.py [--shapes reference,demo] [--streams 1,4,16] [--rounds 3] [--threads 2]
         [--new-tokens 128] [--prompt-tokens 64] [--text FILE] [--compile] [--quick]
 """
 
@@ -26,6 +27,7 @@ import os
 import platform
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -161,58 +163,113 @@ def sample_rss(server: Served, stop: threading.Event, peak: list[int]) -> None:
         peak[0] = max(peak[0], server.rss())
 
 
-def run_streams(server: Served, rows, n: int, rounds: int, measure_rss: bool) -> dict:
-    """The best of `rounds` rounds of len(rows) concurrent streams; with measure_rss the peak RSS."""
-    best, peak, idle = None, [0], server.rss()
-    for _ in range(rounds):
+def one_round(url: str, rows, n: int, counts: list[int], watch: Served | None = None,
+              peak: list[int] | None = None) -> dict[int, dict]:
+    """Each number of concurrent streams once; with `watch`, its peak memory at the highest."""
+    out = {}
+    for c in counts:
         stop = threading.Event()
-        watcher = threading.Thread(target=sample_rss, args=(server, stop, peak), daemon=True)
-        if measure_rss:
-            watcher.start()
-        result = summary(asyncio.run(streams(server.url, rows, n)))
+        if watch is not None and c == max(counts):
+            threading.Thread(target=sample_rss, args=(watch, stop, peak), daemon=True).start()
+        runs = asyncio.run(streams(url, rows[:c], n))
         stop.set()
-        if best is None or result["tokens_per_s"] > best["tokens_per_s"]:
-            best = result
-    if measure_rss:
-        best["rss_growth_per_row_bytes"] = (peak[0] - idle) / len(rows)
+        out[c] = {**summary(runs), "one_run": runs[0]}
+    return out
+
+
+def best_rounds(rounds: list[dict], counts: list[int]) -> dict[int, dict]:
+    """The best round of each number of streams (by aggregate tokens/s), relative to one stream."""
+    best = {c: dict(max((r[c] for r in rounds), key=lambda x: x["tokens_per_s"])) for c in counts}
+    for b in best.values():
+        b["vs_one_stream"] = b["tokens_per_s"] / best[min(counts)]["tokens_per_s"]
     return best
 
 
-def overhead(server: Served, model, tok, ids, n: int, rounds: int) -> dict:
-    """One stream through the server against in-process generate, rounds alternating, best of each."""
-    inproc, served = [], []
-    in_process(model, tok, ids, n)  # warm-up: first-call costs (allocator, row copies) are not generation's
-    for _ in range(rounds):
-        s, made = in_process(model, tok, ids, n)
-        inproc.append(s)
-        run = asyncio.run(streams(server.url, [ids], n))[0]
-        assert run["tokens"] == made, f"the server made {run['tokens']} tokens, generate {made}"
-        served.append(run["end"] - run["start"])
-    return {"tokens": made, "in_process_s": min(inproc), "served_s": min(served),
-            "in_process_tokens_per_s": made / min(inproc), "served_tokens_per_s": made / min(served),
-            "overhead": min(served) / min(inproc) - 1}
+class LlamaServer:
+    """llama.cpp's `llama-server --parallel P --cont-batching` on a GGUF file, `threads` threads."""
+
+    def __init__(self, binary: str, gguf: Path, threads: int, parallel: int, slot_tokens: int):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        cmd = [binary, "-m", str(gguf), "--parallel", str(parallel), "--cont-batching", "-t", str(threads),
+               "-tb", str(threads), "-c", str(parallel * slot_tokens), "--host", "127.0.0.1", "--port", str(port)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}/v1"
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise SystemExit("llama-server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def measure(server: Served, model, tok, rows, n: int, args, llama: LlamaServer | None) -> dict:
+    """Rounds alternating in-process generate, every number of streams, and llama-server's 1 and 8
+    streams when given (a busy machine then slows all alike); the best round of each. One stream's
+    best against generate's best is the server's overhead (the same tokens: generate stops where
+    the server stops)."""
+    counts = sorted(set(args.streams) | ({1, 8} if llama else set()))
+    in_process(model, tok, rows[0], n)  # warm-up: first-call costs (allocator, row copies) are not generation's
+    inproc, ours, theirs, peak, idle = [], [], [], [0], server.rss()
+    for _ in range(args.rounds):
+        inproc.append(in_process(model, tok, rows[0], n))
+        ours.append(one_round(server.url, rows, n, counts, server, peak))
+        if llama is not None:
+            theirs.append(one_round(llama.url, rows, n, [1, 8]))
+    best = best_rounds(ours, counts)
+    made = inproc[0][1]
+    one = best[1]["one_run"] if 1 in best else None
+    assert one is None or one["tokens"] == made, f"the server made {one['tokens']} tokens, generate {made}"
+    fastest = min(sec for sec, _ in inproc)
+    out = {"streams": [best[c] for c in counts], "rss_growth_per_row_bytes": (peak[0] - idle) / max(counts)}
+    if one is not None:
+        served = one["end"] - one["start"]
+        out["one_stream_vs_generate"] = {"tokens": made, "in_process_s": fastest, "served_s": served,
+                                         "in_process_tokens_per_s": made / fastest,
+                                         "served_tokens_per_s": made / served, "overhead": served / fastest - 1}
+    if llama is not None:
+        other = best_rounds(theirs, [1, 8])
+        out["llama_server"] = {"streams": [other[1], other[8]],
+                               "glassformer_over_llama": {str(c): best[c]["tokens_per_s"] / other[c]["tokens_per_s"]
+                                                          for c in (1, 8)}}
+    for b in [*best.values(), *(out.get("llama_server", {}).get("streams", []))]:
+        b.pop("one_run", None)
+    return out
 
 
 def bench_shape(name: str, shape: dict, text: str, args) -> dict:
     S = shape["max_seq_len"]
-    P, n = min(args.prompt_tokens, S // 4), min(args.new_tokens, S - min(args.prompt_tokens, S // 4))
+    P = min(args.prompt_tokens, S // 4)
+    n = min(args.new_tokens, S - P)
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = build(shape, text, Path(tmp) / name)
         rows = prompts(tok, max(args.streams), P)
+        llama = None
+        if args.llama_server:  # its own process: bench/gguf.py would shadow the gguf package in this one
+            gguf = Path(tmp) / f"{name}.gguf"
+            subprocess.run([sys.executable, "-m", "glassformer", "convert", "--to-gguf", str(Path(tmp) / name),
+                            "--out", str(gguf), "--dtype", "f32"], cwd=REPO, check=True, capture_output=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+            llama = LlamaServer(args.llama_server, gguf, args.threads, 8, P + n + 8)
         server = Served(Path(tmp) / name, args.threads, max(args.streams), args.compile)
         try:
             for k in sorted(set([1, 2, 4, 8, 16] if args.compile else [1]) | {max(args.streams)}):
                 asyncio.run(streams(server.url, rows[:k], 4))  # warm-up (with --compile: every batch bucket)
             res = {"shape": {**shape, "vocab_size": tok.vocab_size}, "prompt_tokens": P, "new_tokens": n,
-                   "kv_bytes_per_row": KVCache.for_model(model, 1).row_bytes() if hasattr(KVCache, "row_bytes")
-                   else None, "one_stream_vs_generate": overhead(server, model, tok, rows[0], n, args.rounds)}
-            res["streams"] = [run_streams(server, rows[:c], n, args.rounds, c == max(args.streams))
-                              for c in args.streams]
+                   "kv_bytes_per_row": KVCache.for_model(model, 1).row_bytes(),
+                   **measure(server, model, tok, rows, n, args, llama)}
         finally:
             server.stop()
-    one = res["streams"][0]["tokens_per_s"]
-    for r in res["streams"]:
-        r["vs_one_stream"] = r["tokens_per_s"] / one
+            if llama is not None:
+                llama.stop()
     return res
 
 
@@ -225,17 +282,26 @@ def report(name: str, r: dict) -> None:
         print(f"  {s['streams']:>2} streams: {s['tokens_per_s']:7.1f} tokens/s ({s['vs_one_stream']:.2f}x one), "
               f"TTFT p50 {1e3 * s['ttft_p50_s']:.0f} ms p99 {1e3 * s['ttft_p99_s']:.0f} ms, "
               f"gap p50 {1e3 * s['gap_p50_s']:.1f} ms p99 {1e3 * s['gap_p99_s']:.1f} ms")
+    if "llama_server" in r:
+        ls, ratio = r["llama_server"]["streams"], r["llama_server"]["glassformer_over_llama"]
+        print(f"  llama-server: 1 stream {ls[0]['tokens_per_s']:.1f} tokens/s, 8 streams {ls[1]['tokens_per_s']:.1f}; "
+              f"glassformer / llama.cpp: {ratio['1']:.2f}x at 1, {ratio['8']:.2f}x at 8")
+    print(f"  memory per active row: KV cache {r['kv_bytes_per_row'] / 2**20:.2f} MiB (preallocated), "
+          f"resident growth {r['rss_growth_per_row_bytes'] / 2**20:.2f} MiB")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="reference,demo")
     ap.add_argument("--streams", default="1,4,16")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--text", default=str(DEFAULT_TEXT), help="text the tokenizers are trained on")
+    ap.add_argument("--llama-server", default=None, metavar="BINARY",
+                    help="also llama.cpp's llama-server (--parallel 8 --cont-batching) on the same weights as GGUF f32, "
+                         "at 1 and 8 streams, same prompts, lengths and threads")
     ap.add_argument("--compile", action="store_true", help="serve with --compile (every batch bucket warmed first)")
     ap.add_argument("--quick", action="store_true", help="two rounds, 32 new tokens (a smoke run)")
     ap.add_argument("--out", default=None, help="results file (default: bench/results/serve[_compiled].json)")
