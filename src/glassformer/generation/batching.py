@@ -28,6 +28,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import torch
 
+from ..attention import cpu_decode
 from ..errors import UserError
 from ..kv_cache import KVCache
 from ..probes import active as probes_active
@@ -255,6 +256,8 @@ class Engine:
         # Decode steps at the batch sizes of BUCKETS, padded with rows that touch no real row's keys:
         # what a compiled step needs (few shapes); settable on an eager engine (tests).
         self.pad_rows = bool(compile)
+        if compile and self.device.type == "cpu":
+            cpu_decode.load()  # one row's compiled attention (as a compiled Session's), built once
         if not compile and self.device.type == "cpu":
             model.hold_rows()  # eager one-row products from row-block copies (as a Session does)
 
@@ -525,10 +528,13 @@ class Engine:
         # next chunk writes before anything reads it: no real row's keys are touched.
         pos = [r.fed for r in rows] + [self._pad_position(j) for j in range(n, B)]
         idx = torch.tensor(toks, device=self.device)[:, None]  # (B, 1)
-        if B == 1 and not compiled:  # one row: the plain cache path, as a one-row Session steps
-            logits, _ = self.model(idx, cache=self._view(0, 1, self.context), pos=pos[0])  # (1, 1, V)
+        cuda = self.device.type == "cuda"
+        if B == 1 and not (compiled and cuda):  # one row at an int position, as a one-row Session steps it:
+            # the cache reads the filled slots only (compiled: a dynamic length, cpu_decode's kernel)
+            fwd = self._compiled_step(1, self.context) if compiled else self.model
+            logits, _ = fwd(idx, cache=self._view(0, 1, self.context), pos=pos[0])  # (1, 1, V)
         else:  # every row at its own position, reading the slots up to the furthest one's
-            L = slots_to_read(max(pos) + 1, self.context, compiled, self.device.type == "cuda")
+            L = slots_to_read(max(pos) + 1, self.context, compiled, cuda)
             fwd = self._compiled_step(B, L) if compiled else self.model
             logits, _ = fwd(idx, cache=self._view(0, B, L), pos=torch.tensor(pos, device=self.device))  # (B, 1, V)
         if compiled:
