@@ -295,6 +295,12 @@ class TrainConfig:
     """AdamW beta1."""
     beta2: float = 0.99
     """AdamW beta2."""
+    optimizer: str = "adamw"
+    """'adamw', or 'muon': torch.optim.Muon for the block matrices (wq wk wv wo w_gate w_up w_down), AdamW for the embedding, head, norms and biases (docs/training.md#muon)."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (the schedule scales it as it scales --lr)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = off); the norm before clipping is logged."""
     dropout: float = 0.0
@@ -317,6 +323,10 @@ class TrainConfig:
     """Skip an optimizer step whose loss or gradient norm is not finite instead of stopping."""
     progress: bool = True
     """Show a progress bar."""
+    stats_every: int = -1
+    """Per-layer statistics (gradient norms, update/weight RMS, stream RMS, attention entropy) on a fixed held-out batch every N steps, into metrics.jsonl (-1 = the --eval-every interval; 0 = off; docs/training.md#per-layer-statistics)."""
+    log: list[str] = dataclasses.field(default_factory=list)
+    """Also log the metrics to tensorboard[:DIR] (default DIR: the run folder's tb/) or wandb[:PROJECT]; repeatable."""
     threads: int = 0
     """CPU threads for PyTorch (0 = PyTorch's default); 1 is fastest for tiny models on a busy machine."""
     keep_freed_memory: bool = True
@@ -350,6 +360,12 @@ class TrainConfig:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0; got lr={self.lr}, min_lr={self.min_lr}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.stats_every < -1:
+            raise ValueError(f"stats_every must be -1 (the eval interval), 0 (off) or a number of steps, got {self.stats_every}")
+        if not self.muon_lr > 0 or not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"need muon_lr > 0 and 0 <= muon_momentum < 1; got {self.muon_lr}, {self.muon_momentum}")
+        if isinstance(self.log, str):
+            self.log = [self.log]
         if self.lora_r < 0:
             raise ValueError(f"lora_r must be at least 1 (or 0: no LoRA), got {self.lora_r}")
 

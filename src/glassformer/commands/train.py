@@ -27,6 +27,9 @@ def add_arguments(p) -> None:
             else:
                 p.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=doc)
             continue
+        if str(f.type).startswith("list"):  # repeatable: each use adds one
+            p.add_argument(flag, action="append", default=argparse.SUPPRESS, metavar=f.name.upper(), help=doc)
+            continue
         kind = {"int": int, "float": float}.get(str(f.type), str)
         shown = "" if default in ("", None) else f" (default: {default})"
         p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.split("_")[-1].upper(),

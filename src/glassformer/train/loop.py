@@ -28,6 +28,7 @@ from .optim import lr_at
 from .runstate import RunState, StopFlag, plan_steps, rng_state
 from .setup import say, start_run, uses_cuda
 from .step import train_step
+from . import stats
 
 
 class NonFiniteLoss(UserError):
@@ -45,8 +46,10 @@ def train(cfg: TrainConfig) -> dict:
             run.net.train()
             with StopFlag() as stop:
                 while not run.done:
+                    before = stats.weights_if_due(run)
                     one_step(run)
                     fix_time_budget(run)
+                    stats.measure_if_due(run, before)
                     log_step(run)
                     evaluate_if_due(run)
                     if any_rank(stop.signal is not None, d, run.device):
@@ -139,6 +142,8 @@ def log_step(run: RunState) -> None:
     """Every --log-every steps (and the last): a metrics.jsonl line with tokens/s and MFU, the bar's text."""
     cfg, step, res = run.cfg, run.step, run.last
     now = time.perf_counter()
+    if run.d.main and run.stats is not None and not (step % max(1, cfg.log_every) == 0 or step == run.total_steps):
+        run.metrics.write({"step": step, "stats": run.stats})  # no log line at this step: the statistics alone
     if run.d.main and (step % max(1, cfg.log_every) == 0 or step == run.total_steps):
         tok_s = run.tok_log / max(1e-9, now - run.t_log)
         mfu = run.flops_per_token * tok_s / run.peak if run.peak else None
@@ -147,6 +152,8 @@ def log_step(run: RunState) -> None:
                "mfu": None if mfu is None else round(mfu, 4), "time": round(run.elapsed0 + now - run.t_start, 3)}
         if not res.stepped:
             rec["skipped"] = True
+        if run.stats is not None:
+            rec["stats"] = run.stats
         run.metrics.write(rec)
         run.bar.set_postfix_str(f"loss {res.loss:.4f} | {tok_s:,.0f} tok/s"
                                 + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""))

@@ -1,4 +1,5 @@
-"""AdamW with one weight-decay rule, and the learning-rate schedule: linear warm-up, then cosine.
+"""AdamW with one weight-decay rule (or Muon for the block matrices beside it), and the
+learning-rate schedule: linear warm-up, then cosine.
 
 Pure functions of the config and the step, so a resumed run recomputes the same rate at the
 same step and the schedule never depends on the clock.
@@ -10,6 +11,8 @@ import inspect
 import math
 
 import torch
+
+from ..errors import UserError
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -36,6 +39,81 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=1e-8, **kwargs)
 
 
+# The block matrices Muon trains (docs/training.md#muon): the products of attention and the feed-forward.
+MUON_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def is_block_matrix(name: str) -> bool:
+    """Whether parameter `name` is one of a block's product matrices (not embedding, head, norm or bias).
+
+    >>> is_block_matrix("blocks.3.attn.wq.weight"), is_block_matrix("blocks.3.attn.wq.bias"), is_block_matrix("embed.weight")
+    (True, False, False)
+    """
+    parts = name.split(".")
+    return len(parts) == 5 and parts[0] == "blocks" and parts[3] in MUON_MATRICES and parts[4] == "weight"
+
+
+class Optimizers:
+    """Several optimizers stepped as one: what train_step, the schedule and the checkpoint see.
+
+    Iterable, so torch.distributed.checkpoint's state-dict functions take it as their list of
+    optimizers and key every moment and momentum buffer by parameter name."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+
+    def __iter__(self):
+        return iter(self.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def check_optimizer(cfg) -> None:
+    """--optimizer and its companions checked before anything is written (a TrainConfig)."""
+    if cfg.optimizer not in ("adamw", "muon"):
+        raise UserError(f"--optimizer {cfg.optimizer!r}: choose adamw or muon")
+    if cfg.optimizer != "muon":
+        return
+    if cfg.fsdp:
+        raise UserError("--optimizer muon with --fsdp: Muon orthogonalises each whole matrix, and FSDP gives each "
+                        "process a shard of it (orthogonalising a shard is not orthogonalising the matrix): "
+                        "drop --fsdp (DDP works) or use --optimizer adamw")
+    if cfg.lora_r:
+        raise UserError("--optimizer muon with --lora-r: the block matrices are frozen under LoRA and Muon would "
+                        "only see the thin rank-r adapter factors: use --optimizer adamw for adapters")
+
+
+def make_muon(model: torch.nn.Module, lr: float, muon_lr: float, momentum: float, weight_decay: float,
+              betas: tuple[float, float], device: torch.device) -> Optimizers:
+    """torch.optim.Muon for the block matrices, AdamW (one decay rule) for everything else.
+
+    The Muon group carries lr_ratio = muon_lr / lr, so the one schedule (set_lr) scales both."""
+    muon_cls = getattr(torch.optim, "Muon", None)
+    if muon_cls is None:
+        raise UserError(f"--optimizer muon needs torch.optim.Muon (PyTorch 2.9 or later; this is {torch.__version__}): "
+                        "upgrade torch or use --optimizer adamw")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    matrices = [p for n, p in named if is_block_matrix(n)]
+    if not matrices:
+        raise UserError("--optimizer muon found no trainable block matrices (wq wk wv wo w_gate w_up w_down)")
+    chosen = {id(p) for p in matrices}
+    rest = torch.nn.Module()
+    rest.params = torch.nn.ParameterList([p for _, p in named if id(p) not in chosen])
+    muon = muon_cls([{"params": matrices, "lr_ratio": muon_lr / lr}], lr=muon_lr, momentum=momentum,
+                    weight_decay=weight_decay, nesterov=True)
+    return Optimizers(muon, make_optimizer(rest, lr, weight_decay, betas, device))
+
+
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
     """Rate for optimizer step `step` (0-based): (step+1)/warmup·lr, then cosine from lr to min_lr at `total`.
 
@@ -51,5 +129,6 @@ def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float
 
 
 def set_lr(optimizer: torch.optim.Optimizer, value: float) -> None:
+    """The schedule's rate into every group (a Muon group's scaled by its lr_ratio)."""
     for g in optimizer.param_groups:
-        g["lr"] = value
+        g["lr"] = value * g.get("lr_ratio", 1.0)

@@ -68,6 +68,8 @@ class RunState:
     eval_mask: np.ndarray | None = None  # aligned with eval_ids
     block: int | None = None  # windows start at multiples of this (context + 1)
     grown: dict | None = None  # --init-from's embedding growth, recorded in the run
+    stats: dict | None = None  # this step's per-layer statistics (train/stats.py), when taken
+    stats_batch: tuple | None = None  # their fixed held-out (x, y), made at the first statistics step
 
     @property
     def tokens_per_step(self) -> int:

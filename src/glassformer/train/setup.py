@@ -21,7 +21,8 @@ from ..errors import UserError
 from ..text.data import TokenFile, read_meta
 from .metrics import MetricsLog, flops_per_token, machine_peak, pick_threads
 from .lora import check_flags, describe, prepare_model, resumed_adapter
-from .optim import make_optimizer
+from .loggers import LoggedMetrics, check_specs, make_sinks
+from .optim import check_optimizer, make_muon, make_optimizer
 from .runstate import RunState, set_rng_state
 
 
@@ -114,6 +115,8 @@ def start_run(cfg: TrainConfig, d: Dist) -> RunState:
     data, out = Path(cfg.data), Path(cfg.out)
     meta = read_prepared(data)
     check_flags(cfg)
+    check_optimizer(cfg)
+    check_specs(cfg.log)
     open_run_folder(out, d)
     resume_from, saved = find_checkpoint(cfg, out, d)
     torch.manual_seed(cfg.seed)
@@ -229,7 +232,11 @@ def place_model(cfg: TrainConfig, model, d: Dist, device: torch.device):
         model.compile()
         say(d, "compile: the first step (and the first evaluation) compile the model once, tens of seconds on a CPU")
     net = wrap(model, d, cfg.fsdp, device)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), device, sharded=cfg.fsdp and d.enabled)
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.optimizer == "muon":
+        optimizer = make_muon(model, cfg.lr, cfg.muon_lr, cfg.muon_momentum, cfg.weight_decay, betas, device)
+    else:
+        optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, betas, device, sharded=cfg.fsdp and d.enabled)
     return net, optimizer
 
 
@@ -263,6 +270,8 @@ def start_measuring(run: RunState) -> None:
     run.peak, peak_src = machine_peak(run.device) if d.main else (None, "")
     run.flops_per_token = flops_per_token(mcfg, run.seq_len)
     run.metrics = MetricsLog(run.out / "metrics.jsonl", truncate_after_step=run.step) if d.main else None
+    if run.metrics and cfg.log:  # --log sinks get every record metrics.jsonl gets (train/loggers.py)
+        run.metrics = LoggedMetrics(run.metrics, make_sinks(cfg.log, run.out, cfg.to_dict(), run.step))
     say(d, f"model: {run.model.num_params():,} weights ({mcfg.n_layers} layers, width {mcfg.dim}, vocab {mcfg.vocab_size}); "
            f"batch {cfg.batch_size}×{run.seq_len} tokens = {d.world_size} process(es) × {run.micro} × {run.accum} "
            f"accumulation; device {run.device}"
