@@ -102,21 +102,25 @@ def score_batch(model, batch: list[Group]) -> dict[int, tuple[float, bool]]:
                     cache.view(0, len(batch)), 0, lengths).float().log_softmax(-1)  # (G, V)
     for r in range(len(batch), len(rows)):
         cache.copy_row(group_row[id(rows[r][0])], r, n_ctx[r])
-    rest = None
+    lp = first[torch.tensor([group_row[id(g)] for g, _ in rows], device=device)][:, None]  # (R, 1, V)
     if T > 0:
         # Each row goes on where its context ends: one position for all (a slice of the cache) or (R,).
         pos = n_ctx[0] if len(set(n_ctx)) == 1 else torch.tensor(n_ctx, device=device)
         logits, _ = model(_right_padded([t or [0] for t in tails], device), cache=cache, pos=pos)  # (R, T, V)
-        rest = logits.float().log_softmax(-1)
-    out = {}
-    for r, (g, j) in enumerate(rows):
-        cont = g.tails[j]
-        head = first[group_row[id(g)]][None]  # (1, V): predicts the continuation's first token
-        lp = head if rest is None else torch.cat([head, rest[r, : len(cont) - 1]])  # (len(cont), V)
-        want = torch.tensor(cont, device=device)
-        picked = lp.gather(-1, want[:, None])[:, 0]  # (len(cont),)
-        out[g.members[j]] = (float(picked.double().sum()), bool((lp.argmax(-1) == want).all()))
-    return out
+        lp = torch.cat([lp, logits.float().log_softmax(-1)], 1)  # (R, 1 + T, V): row r's position i predicts cont[i]
+    return _picked(lp, [g.tails[j] for g, j in rows], [g.members[j] for g, j in rows])
+
+
+def _picked(lp: torch.Tensor, conts: list[list[int]], members: list[int]) -> dict[int, tuple[float, bool]]:
+    """Each row's summed log-probability of its continuation and whether every token is the argmax,
+    read off lp (R, 1 + T, V) in one pass (one copy to the host, not one per row)."""
+    want = _right_padded(conts, lp.device)  # (R, C) with C <= 1 + T
+    lengths = torch.tensor([len(c) for c in conts], device=lp.device)  # (R,)
+    real = torch.arange(want.shape[1], device=lp.device)[None] < lengths[:, None]  # (R, C): not padding
+    lp = lp[:, : want.shape[1]]  # (R, C, V)
+    picked = lp.gather(-1, want[..., None])[..., 0].double().masked_fill(~real, 0.0)  # (R, C)
+    greedy = ((lp.argmax(-1) == want) | ~real).all(-1)  # (R,)
+    return {m: (s, g) for m, s, g in zip(members, picked.sum(-1).tolist(), greedy.tolist())}
 
 
 def loglikelihoods(model, requests: list[tuple[list[int], list[int]]], batch_size: int,
