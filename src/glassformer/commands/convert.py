@@ -1,8 +1,9 @@
-"""`glassformer convert`: Hugging Face folders in and out, and MHA -> GQA/MQA."""
+"""`glassformer convert`: Hugging Face folders and GGUF files in and out, and MHA -> GQA/MQA."""
 
 from __future__ import annotations
 
-HELP = "convert checkpoints: from/to Hugging Face folders, pool key/value heads (GQA/MQA), or store int8 weights"
+HELP = ("convert checkpoints: from/to Hugging Face folders and GGUF files (llama.cpp, Ollama), "
+        "pool key/value heads (GQA/MQA), or store int8 weights")
 
 
 def add_arguments(p) -> None:
@@ -131,8 +132,8 @@ def _gguf(args) -> int:
     """--to-gguf SRC --out FILE.gguf (+ FILE.Modelfile), or --from-gguf FILE --out CKPT (docs/convert.md#gguf)."""
     from ..errors import UserError
 
-    if args.checkpoint is not None or args.peft or args.allow_pickle:
-        raise UserError("--to-gguf and --from-gguf take no --checkpoint, --peft or --allow-pickle")
+    if args.checkpoint is not None or args.peft or args.allow_pickle or getattr(args, "base", None) is not None:
+        raise UserError("--to-gguf and --from-gguf take no --checkpoint, --base, --peft or --allow-pickle")
     if args.from_gguf is not None:
         from ..convert.gguf_read import gguf_to_checkpoint
 
