@@ -123,7 +123,8 @@ def layer_stats(model, x: torch.Tensor, y: torch.Tensor, before: dict[str, torch
     was_training, old = model.training, set_recorder(rec)
     model.eval()
     try:
-        with (autocast or contextlib.nullcontext)():
+        # Eager even under --compile: the recorder's Python would break the graph (and recompile).
+        with torch.compiler.set_stance("force_eager"), (autocast or contextlib.nullcontext)():
             logits, _ = model(x)  # (R, T, V)
             count = (y >= 0).sum().clamp(min=1)
             loss = masked_nll_sum(logits, y) / count
