@@ -6,10 +6,12 @@ Side by side in one process, for the same ids:
   payload      everything /api/trace computes: the trace, the pre-norm/post-norm twin's
                trace, the costs, the next-token table (what the page draws)
   http         a POST /api/trace to a running server, answer parsed: payload + JSON both ways
+  later        what a click on another token waits for: the parts the page asks /api/explain
+               for (that row's FlashAttention walks at the page's tile, its RMS calculations)
 Each is the median of --repeats runs on fresh sentences (the server's cache never hits).
 The target is under 1 s for `http`.
 
-    python bench/viewer_latency.py [--tokens 32] [--repeats 5] [--threads 2]
+    python bench/viewer_latency.py [--tokens 32] [--repeats 5] [--threads 2] [--quick]
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="3 repeats (a quick check)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "viewer_latency.json"))
     args = ap.parse_args()
+    if args.quick:
+        args.repeats = 3
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = ModelConfig.from_preset(args.preset)
@@ -82,6 +87,11 @@ def main() -> None:
     def payload(r):
         ex.payload(texts[args.repeats + r])
 
+    def later(r):
+        text = texts[args.repeats + r]  # a sentence `payload` has just answered: still in the cache
+        ex.calculation(text, "flash.walks", [0, source.flash_tile(args.tokens)])
+        ex.calculation(text, "norm.calc", [0])
+
     server = make_server(ex, port=0)
     server.start_in_thread()
     sizes = []
@@ -98,7 +108,7 @@ def main() -> None:
         conn.close()
 
     rows = {}
-    for name, fn in (("forward", forward), ("trace", trace), ("payload", payload), ("http", http_post)):
+    for name, fn in (("forward", forward), ("trace", trace), ("payload", payload), ("later", later), ("http", http_post)):
         rows[name] = median_time(fn, args.repeats)
     server.stop()
 
