@@ -4,7 +4,8 @@ same GGUF weights, in one run (docs/benchmarks.md#gguf).
 1. Export: a checkpoint of the smollm-135m shape (random weights, fp32, tied head) is written
    with `glassformer convert --to-gguf` as f32 and as q8_0, each in a fresh child process that
    reports its wall time and its peak resident memory (VmHWM) above what it held before the
-   export began (Python, torch and glassformer imported), next to the largest tensor's bytes.
+   export began (Python, torch, glassformer and the libraries the command uses imported), next to
+   the largest tensor's bytes.
 2. Decode: batch-1 greedy decoding of the same prompt for the same number of tokens, at the
    same thread count: llama.cpp (llama-cpp-python, its KV cache in f32) on the f32 and the q8_0
    file, and glassformer eager and with its decode step compiled on each file's weights read
@@ -15,6 +16,8 @@ same GGUF weights, in one run (docs/benchmarks.md#gguf).
     python bench/gguf.py [--new-tokens 128] [--rounds 3] [--threads 2] [--no-compile]
     python bench/gguf.py --quick                 # 32 tokens, 1 round
     python bench/gguf.py --shape reference       # the 15.7M reference shape instead of smollm-135m
+    python bench/gguf.py --no-decode             # the export alone
+    python bench/gguf.py --accuracy              # only: logits and greedy tokens against llama.cpp on the test fixtures
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ def kb(field):
     for line in open('/proc/self/status'):
         if line.startswith(field):
             return int(line.split()[1])
-import glassformer.convert.gguf, glassformer.convert.modelfile, gguf, tqdm  # noqa: imported before the baseline
+# imported before the baseline: what the command loads (libraries, the tokenizer's and the templates' code)
+import glassformer.commands.convert, glassformer.convert.gguf, glassformer.convert.gguf_tokenizer, gguf, tqdm
+import glassformer.convert.modelfile, glassformer.text.tokenizer, glassformer.text.chat_template, jinja2, tokenizers
 before = kb('VmRSS:')
 t = time.perf_counter()
 code = main(['convert', '--to-gguf', {ckpt!r}, '--out', {out!r}, '--dtype', {dtype!r}])
@@ -101,6 +106,7 @@ def llama_cpp_decoder(path: Path, threads: int, n_ctx: int):
     def run(prompt: list[int], n: int) -> list[int]:
         llm.reset()
         llm.eval(prompt)
+        run.first_logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).astype(np.float64)
         out = []
         for _ in range(n):
             logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))  # the last position's
@@ -158,15 +164,49 @@ def decode(args, ckpt: Path, files: dict[str, Path], work: Path) -> dict:
             "greedy_tokens_equal_to_llama_cpp": agree, "times_s": times}
 
 
+def accuracy(out: Path) -> None:
+    """Last-position logits (max |difference| / max |logit|) and 20 greedy tokens, glassformer against
+    llama.cpp, on the models of tests/convert/test_llamacpp.py, in f32, f16 and q8_0."""
+    sys.path.insert(0, str(ROOT))
+    from tests.convert.gguf_fixtures import PROMPT, hf_fixture, trained_checkpoint
+    from tests.support import greedy_cached
+
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        ckpts = {"trained": trained_checkpoint(root), **{f: hf_fixture(root, f) for f in ("llama", "qwen2", "gpt2")}}
+        for name, ckpt in ckpts.items():
+            model, tok = load(ckpt)
+            ids = tok.encode(PROMPT)
+            with torch.no_grad():
+                want = model(torch.tensor([ids]))[0][0, -1].double().numpy()
+                greedy = greedy_cached(model, torch.tensor([ids]), 20)
+            for dtype in ("f32", "f16", "q8_0"):
+                path = root / f"{name}-{dtype}.gguf"
+                assert glassformer(["convert", "--to-gguf", str(ckpt), "--out", str(path), "--dtype", dtype]) == 0
+                run = llama_cpp_decoder(path, 2, 64)
+                tokens = run(ids, 20)
+                got = run.first_logits
+                err = float(np.abs(got - want).max() / np.abs(want).max())
+                res.setdefault(name, {})[dtype] = {"logits_error": err, "greedy_equal": sum(a == b for a, b in zip(tokens, greedy))}
+                print(f"  {name:8} {dtype:5} logits {err:.1e}, greedy {res[name][dtype]['greedy_equal']}/20")
+    write_json(out, res, indent=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_arguments(ap, "also glassformer with its decode step compiled (torch.compile), in the same rounds")
     ap.add_argument("--shape", choices=["smollm-135m", "reference"], default="smollm-135m")
+    ap.add_argument("--no-decode", action="store_true", help="only the export's time and memory")
+    ap.add_argument("--accuracy", action="store_true", help="only: logits and greedy tokens against llama.cpp "
+                    "on the test fixtures (bench/results/gguf_accuracy.json)")
     ap.add_argument("--out", default=str(RESULTS / "gguf.json"))
     args = ap.parse_args()
     if args.quick:
         args.new_tokens, args.rounds = 32, 1
     torch.set_num_threads(args.threads)
+    if args.accuracy:
+        return accuracy(Path(args.out if args.out != str(RESULTS / "gguf.json") else RESULTS / "gguf_accuracy.json"))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ckpt = random_checkpoint(args.shape, work / "ckpt")
@@ -181,12 +221,12 @@ def main() -> None:
                   f"({exports[dtype]['peak_over_largest_tensor']:.2f}x the largest tensor), file {exports[dtype]['file_mb']:.0f} MB")
         result = {"shape": args.shape, "config": cfg.to_dict(), "weights": sum(p.numel() for p in load(ckpt)[0].parameters()),
                   "largest_tensor_mb": largest / 2**20, "export": exports,
-                  "decode": decode(args, ckpt, files, work),
+                  "decode": None if args.no_decode else decode(args, ckpt, files, work),
                   "settings": {"threads": args.threads, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                                "rounds": args.rounds, "compile": args.compile, "quick": args.quick},
                   "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                               "torch": torch.__version__, "note": "shared machine: other jobs ran alongside"}}
-    for k, v in result["decode"]["tokens_per_s"].items():
+    for k, v in (result["decode"] or {"tokens_per_s": {}})["tokens_per_s"].items():
         r = result["decode"]["ratio_to_llama_cpp_same_file"].get(k)
         print(f"  {k:36} {v:7.1f} tok/s" + (f"  ({r:.2f}x llama.cpp)" if r else ""))
     write_json(args.out, result, indent=2)
