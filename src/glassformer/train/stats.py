@@ -94,8 +94,8 @@ class StatsRecorder:
 def rms_ratio(after: torch.Tensor, before: torch.Tensor) -> float | None:
     """RMS(after − before) / RMS(before): the update's size against the weight's (None for a zero weight).
 
-    >>> rms_ratio(torch.tensor([1.1, -2.2]), torch.tensor([1.0, -2.0]))
-    0.1
+    >>> rms_ratio(torch.tensor([1.5, -3.0]), torch.tensor([1.0, -2.0]))
+    0.5
     """
     den = before.double().pow(2).mean().sqrt()
     if den == 0:
