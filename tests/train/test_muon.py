@@ -63,7 +63,8 @@ def test_one_muon_step_equals_its_direct_computation():
         adamw.step()
         opt.zero_grad()
     assert opt.param_groups[0]["lr"] == pytest.approx(MUON_LR)  # the schedule scales Muon's rate with --lr's
-    start, after = dict(copy.deepcopy(tiny_model(seed=2, n_kv_heads=2, ffn_dim=96)).named_parameters()), dict(model.named_parameters())
+    start = dict(tiny_model(seed=2, n_kv_heads=2, ffn_dim=96).named_parameters())  # the weights before both steps
+    after = dict(model.named_parameters())
     matrices = {n for n in after if is_block_matrix(n)}
     assert {"blocks.0.attn.wk.weight", "blocks.1.ffn.w_gate.weight"} <= matrices
     assert "embed.weight" not in matrices and "lm_head.weight" not in matrices
