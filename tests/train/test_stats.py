@@ -113,3 +113,20 @@ def test_logged_statistics_equal_a_recomputation_from_the_checkpoints(runs, data
     for name, ratio in logged["update_rms_ratio"].items():
         d = (w3[name] - w2[name]).double()
         assert ratio == pytest.approx(float(d.pow(2).mean().sqrt() / w2[name].double().pow(2).mean().sqrt()), rel=1e-6)
+
+
+def test_the_default_interval_is_the_evaluation_interval():
+    from types import SimpleNamespace
+
+    from glassformer.config import TrainConfig
+    from glassformer.train.distributed import Dist
+    from glassformer.train.stats import due
+
+    def steps(**kw):
+        run = SimpleNamespace(cfg=TrainConfig(**kw), d=Dist(), total_steps=12)
+        return [s for s in range(1, 13) if due(run, s)]
+
+    assert steps(eval_every=5) == [5, 10, 12]  # and the last step
+    assert steps(eval_every=5, stats_every=4) == [4, 8, 12]
+    assert steps(eval_every=5, stats_every=0) == []
+    assert steps(eval_every=0) == [12]
