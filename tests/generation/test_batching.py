@@ -236,3 +236,22 @@ def test_compiled_steps_equal_generate(model):
         pass
     assert [_tokens(t) for t in tickets] == alone
     assert engine.stats["compiled_batch_sizes"] == [4] and engine.stats["compiled_steps"] == 2
+
+
+def test_a_failing_step_ends_every_request_and_the_engine_goes_on(model):
+    def boom(module, args):
+        raise RuntimeError("a failing forward")
+
+    engine = Engine(model, max_batch=1).start()
+    try:
+        handle = model.lm_head.register_forward_pre_hook(boom)
+        try:
+            running, queued = engine.submit(Request([1, 2], 5)), engine.submit(Request([3], 5))
+            assert [e.finish for e in running.events(timeout=30)] == ["error"]
+            assert [e.finish for e in queued.events(timeout=30)] == ["error"]
+        finally:
+            handle.remove()
+        assert _tokens(engine.submit(Request([1, 2], 3, temperature=0))) == list(
+            generate(model, [1, 2], max_new_tokens=3, greedy=True))
+    finally:
+        engine.stop()

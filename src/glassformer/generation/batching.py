@@ -484,14 +484,14 @@ class Engine:
         tokens fed, padding included."""
         lo, m = self.n_dec, len(tickets)
         rows = [self._admit(t) for t in tickets]
+        self.rows[lo:lo + m] = rows  # in their rows before the forward: a failing one ends them too (_fail_all)
         n = [len(r.text) for r in rows]
         T = max(n)
         ids = torch.tensor([r.text + [0] * (T - len(r.text)) for r in rows], device=self.device)  # (m, T)
         last = torch.tensor(n, device=self.device) - 1  # (m,)
         logits, _ = self.model(ids, cache=self._view(lo, lo + m, self.context), pos=0, logits_at=last)  # (m, 1, V)
-        for j, r in enumerate(rows):
-            r.fed = n[j]
-            self.rows[lo + j] = r
+        for r, k in zip(rows, n):
+            r.fed = k
         self.n_dec += m
         self.prefill_tokens += sum(n)
         self.prefill_forwards += 1
