@@ -102,7 +102,7 @@ class Served:
         return 0
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
+        self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
 
 

@@ -126,7 +126,8 @@ def run(args) -> int:
     server.start_in_thread()  # /health says "loading" meanwhile
     engine = None
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
+        for sig in (signal.SIGINT, signal.SIGTERM):  # both stop it as Ctrl-C does (also when started in the background)
+            signal.signal(sig, signal.default_int_handler)
     try:
         model, tok = _load_model(args)
         engine = _engine(args, app, model, tok, backend.model_id)

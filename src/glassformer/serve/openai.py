@@ -117,7 +117,7 @@ async def _completions(request: Request, backend: Backend):
     replies = submit(backend, [engine_request(backend, ids, n, req, k, scored) for ids in rows], stops)
     shape = _CompletionShape(backend, req, rows)
     if req.stream:
-        return _stream(shape.chunks(replies))
+        return _Stream(shape.chunks(replies), replies)
     done = await _unless_gone(request, asyncio.gather(*(r.collect() for r in replies)))
     if done is None:
         return Response(status_code=204)  # nobody is there to read it
@@ -201,7 +201,7 @@ async def _chat(request: Request, backend: Backend):
     (reply,) = submit(backend, [engine_request(backend, ids, n, req, k)], stops)
     rid, tok = results.new_id("chatcmpl"), backend.tokenizer
     if req.stream:
-        return _stream(_chat_chunks(backend, rid, reply, k, _include_usage(req)))
+        return _Stream(_chat_chunks(backend, rid, reply, k, _include_usage(req)), [reply])
     done = await _unless_gone(request, reply.collect())
     if done is None:
         return Response(status_code=204)
@@ -254,10 +254,23 @@ async def _unless_gone(request: Request, work):
     return job.result() if job.done() and not job.cancelled() else None
 
 
-def _stream(chunks) -> StreamingResponse:
-    def on_error(e: Exception) -> dict:
-        if isinstance(e, ApiError):
-            return e.body()
-        return openai_error(500, f"internal error: {type(e).__name__}")
+class _Stream(StreamingResponse):
+    """Server-sent events that cancel their replies' tickets however the answer ends, also when
+    the client left before the first chunk (then the chunks' generator never ran its own cleanup)."""
 
-    return StreamingResponse(sse.events(chunks, on_error), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+    def __init__(self, chunks, replies: list[Reply]):
+        super().__init__(sse.events(chunks, _stream_error), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        self.replies = replies
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for reply in self.replies:
+                reply.close()
+
+
+def _stream_error(e: Exception) -> dict:
+    if isinstance(e, ApiError):
+        return e.body()
+    return openai_error(500, f"internal error: {type(e).__name__}")

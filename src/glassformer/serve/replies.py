@@ -89,6 +89,11 @@ class Reply:
                 self.ticket.cancel()
             await events.aclose()
 
+    def close(self) -> None:
+        """Free the row if the reply is not over (its reader never came, or left)."""
+        if self.finish is None:
+            self.ticket.cancel()
+
     async def collect(self) -> tuple[str, list]:
         """The whole reply's text and TokenLogprobs (finish, tokens, prompt set as after pieces())."""
         texts, entries = [], []
