@@ -270,12 +270,24 @@ def test_a_later_config_switch_is_refused_by_name():
         G.gguf_arch(Later(**{**ModelConfig.from_preset("tiny").to_dict(), "new_switch": 1}))
 
 
-def test_lora_run_is_refused_with_the_merge_command(root, tok):
-    _, ckpt = _checkpoint(root, "lora", tok)
-    meta = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**meta, "lora": {"r": 8}}))
-    with pytest.raises(UserError, match=r"convert --merge-lora .* --out MERGED"):
-        G.export_gguf(ckpt, root / "lora.gguf", progress=False)
+def test_lora_adapter_is_merged_first(root, tok, capsys):
+    """An adapter checkpoint exports as its base with the adapter folded in: the adapted model's logits."""
+    from glassformer.checkpoint.adapters import save_adapter
+    from glassformer.convert.lora import LoraConfig, apply_lora, lora_modules
+
+    base, base_ckpt = _checkpoint(root, "lora-base", tok)
+    adapted = apply_lora(tiny_model(vocab_size=tok.vocab_size), LoraConfig(r=4, alpha=8.0))
+    with torch.no_grad():
+        for m in lora_modules(adapted).values():  # B starts at zero: give the adapter something to add
+            m.lora_B.normal_(0, 0.1)
+    save_adapter(root / "lora", adapted, base_ckpt, tok)
+    path = _to_gguf(root / "lora", root / "lora.gguf", "--dtype", "f32")
+    assert "merged into its base" in capsys.readouterr().out
+    assert main(["convert", "--from-gguf", str(path), "--out", str(root / "lora-back")]) == 0
+    ids = tok.encode(synthetic_text(3, 7))
+    want = _logits(adapted.eval(), ids)
+    assert (_logits(load(root / "lora-back")[0], ids) - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (_logits(base, ids) - want).abs().max() > 1e-2 * want.abs().max()  # the adapter did change it
 
 
 def test_user_errors(root, tok, capsys):

@@ -299,13 +299,10 @@ def open_source(src: str | Path) -> Source:
     folder = resolve(src)
     meta = read_config(folder)
     name = folder.parent.name if folder.name.startswith("step-") else folder.name  # a run's checkpoint: the run
-    if "lora" in meta:
-        raise UserError(f"{src} is a LoRA run (its config.json has a 'lora' entry): merge the adapter into the weights "
-                        f"first with `glassformer convert --merge-lora {src} --out MERGED`, then export MERGED")
     tok_json = (folder / "tokenizer.json").read_text(encoding="utf-8") if (folder / "tokenizer.json").is_file() else None
     tok = _tokenizer(folder) if tok_json is not None else None
     side = _side_files(folder) if tok_json is not None else {}
-    if meta.get("format") == FORMAT:
+    if meta.get("format") == FORMAT and "lora" not in meta:
         cfg = ModelConfig.from_dict(meta["model"])
         file = folder / "model.safetensors"
         notes = [] if tok is not None else [f"{folder} has no tokenizer.json: the GGUF file has no vocabulary, "
@@ -315,10 +312,19 @@ def open_source(src: str | Path) -> Source:
         return Source(cfg, _native_reader(file, cfg), tok, tok_json, _stored_name(file), name, notes, side)
     from ..checkpoint.loading import load
 
-    model, _ = load(folder)  # a Hugging Face folder: read whole (its tensors map through the family rules)
+    # A Hugging Face folder (its tensors map through the family rules) or a LoRA adapter on its
+    # base: read whole, the adapter merged into the base's weights as `convert --merge-lora` does.
+    model, _ = load(folder)
+    notes = []
+    if "lora" in meta:
+        from .lora import merge_lora
+
+        merge_lora(model)  # refuses an int8 base, saying how to go instead
+        notes.append(f"{src} is a LoRA adapter: merged into its base (W + (alpha/r)·B·A, as "
+                     "`glassformer convert --merge-lora` does) before the export")
     state = model.state_dict()
     stored = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[next(model.parameters()).dtype]
-    return Source(model.config, state.__getitem__, tok, tok_json, stored, name, [], side)
+    return Source(model.config, state.__getitem__, tok, tok_json, stored, name, notes, side)
 
 
 def _side_files(folder: Path) -> dict[str, str]:
