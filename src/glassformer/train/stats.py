@@ -97,10 +97,10 @@ def rms_ratio(after: torch.Tensor, before: torch.Tensor) -> float | None:
     >>> rms_ratio(torch.tensor([1.5, -3.0]), torch.tensor([1.0, -2.0]))
     0.5
     """
-    den = before.double().pow(2).mean().sqrt()
+    den = stream_rms(before.reshape(1, -1))[0]  # the RMS over every element: the weight as one row
     if den == 0:
         return None
-    return round(float((after.double() - before.double()).pow(2).mean().sqrt() / den), 12)
+    return round(float(stream_rms((after.double() - before.double()).reshape(1, -1))[0] / den), 12)
 
 
 def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
