@@ -158,7 +158,8 @@ class Ticket:
             return self._events.popleft() if self._events else None
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
-        """The events, blocking for each (TimeoutError after `timeout` seconds without one)."""
+        """The events, blocking for each. `timeout` seconds without one raise TimeoutError, which (like
+        leaving the loop early) ends the iteration and cancels the request."""
         done = False
         try:
             while not done:
