@@ -267,3 +267,19 @@ def test_a_bad_peft_folder_writes_nothing(peft_saved, tmp_path, capsys):
     assert main(["convert", "--merge-lora", str(folder), "--out", str(tmp_path / "merged")]) == 2
     assert "use_dora" in capsys.readouterr().err
     assert not (tmp_path / "merged").exists()
+
+
+def test_cost_of_a_peft_folder_is_its_bases(adapter_run, capsys):
+    """cost --checkpoint PEFT_DIR prices the base model the folder adapts (not its adapter_config.json)."""
+    from glassformer.cli import main
+
+    root, _ = adapter_run
+    peft_dir = root / "peft"
+    if not peft_dir.exists():
+        assert main(["convert", "--to-hf", str(root / "adapter"), "--peft", "--out", str(peft_dir)]) == 0
+    reports = []
+    for ckpt in (peft_dir, peft_dir / "base"):
+        capsys.readouterr()
+        assert main(["cost", "--checkpoint", str(ckpt), "--json"]) == 0
+        reports.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert reports[0] == reports[1] and reports[0]

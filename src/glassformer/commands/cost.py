@@ -50,7 +50,13 @@ def load_config(args):
         return _config_from_json(read_json(path), path)
     from ..checkpoint.folders import read_config
 
-    return _config_from_json(read_config(args.checkpoint), Path(args.checkpoint))
+    data = read_config(args.checkpoint)
+    if "peft_type" in data:  # a PEFT adapter folder: the model is its base's (cost --lora-r prices the adapter)
+        from ..convert.peft import read_peft
+
+        base = read_peft(args.checkpoint).base
+        return _config_from_json(read_config(base), Path(base))
+    return _config_from_json(data, Path(args.checkpoint))
 
 
 def _config_from_json(data: dict, where):
