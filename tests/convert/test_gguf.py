@@ -348,3 +348,19 @@ def test_modelfile_beside_the_gguf(root, tok):
     assert text.startswith("FROM ./chat.gguf\nTEMPLATE") and 'PARAMETER stop "<|im_end|>"' in text
     assert "PARAMETER num_ctx 128" in text
     assert _fields(root / "chat.gguf")["tokenizer.chat_template"] == CHATML_TEMPLATE
+
+
+@pytest.mark.parametrize("name", ["llama", "tied", "qwen2", "gpt2", "head_dim"])
+def test_files_without_our_config_key_read_from_llama_cpps_keys(name, root, tok, monkeypatch):
+    """A GGUF file another tool wrote has no glassformer.config: the config comes from llama.cpp's keys."""
+    model, ckpt = _checkpoint(root, f"keys-{name}", tok, **ROUND_TRIPS[name])
+    monkeypatch.setattr(G, "CONFIG_KEY", "elsewhere.config")  # as if another tool had written the file
+    path = _to_gguf(ckpt, root / f"keys-{name}.gguf", "--dtype", "f32")
+    monkeypatch.undo()
+    assert "glassformer.config" not in _fields(path)
+    assert main(["convert", "--from-gguf", str(path), "--out", str(root / f"keys-{name}-back")]) == 0
+    back = load(root / f"keys-{name}-back")[0]
+    assert back.config.replace(init_std=model.config.init_std) == model.config
+    ids = tok.encode(synthetic_text(4, 5))
+    want = _logits(model, ids)
+    assert (_logits(back, ids) - want).abs().max() <= 1e-6 * want.abs().max()

@@ -26,6 +26,13 @@ def _field(reader, key: str, default=None):
     return value.item() if hasattr(value, "item") else value
 
 
+def _f32(value) -> float:
+    """A float32 key as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+    import numpy as np
+
+    return float(np.format_float_scientific(np.float32(value), unique=True))
+
+
 def _config_from_keys(reader, arch: str, tensors: dict) -> ModelConfig:
     """A ModelConfig from llama.cpp's keys alone (a GGUF file written by another tool)."""
     def need(key):
@@ -34,23 +41,23 @@ def _config_from_keys(reader, arch: str, tensors: dict) -> ModelConfig:
             raise UserError(f"the GGUF file has no {arch}.{key}: it is incomplete")
         return value
 
-    vocab = int(tensors["token_embd.weight"].shape[0])
+    vocab = int(tensors["token_embd.weight"].shape[-1])  # GGUF lists dimensions innermost first: (D, V)
     common = dict(vocab_size=vocab, dim=int(need("embedding_length")), n_layers=int(need("block_count")),
                   n_heads=int(need("attention.head_count")), ffn_dim=int(need("feed_forward_length")),
                   max_seq_len=int(need("context_length")), tie_embeddings="output.weight" not in tensors)
     if arch == "gpt2":
         return ModelConfig(**common, norm="layer", ffn="gelu_tanh", pos="learned", bias=True,
-                           norm_eps=float(need("attention.layer_norm_epsilon")))
+                           norm_eps=_f32(need("attention.layer_norm_epsilon")))
     if "rope_freqs.weight" in tensors:
         raise UserError("this GGUF file scales RoPE with a rope_freqs tensor but has no glassformer.config "
                         "to say how: glassformer reads the rope_freqs of the files it writes only")
     scaling = None
     if _field(reader, f"{arch}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+        scaling = {"rope_type": "linear", "factor": _f32(need("rope.scaling.factor"))}
     return ModelConfig(**common, n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", common["n_heads"])),
                        head_dim=int(_field(reader, f"{arch}.attention.key_length", common["dim"] // common["n_heads"])),
-                       rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)), rope_scaling=scaling,
-                       norm_eps=float(need("attention.layer_norm_rms_epsilon")), qkv_bias=arch == "qwen2")
+                       rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)), rope_scaling=scaling,
+                       norm_eps=_f32(need("attention.layer_norm_rms_epsilon")), qkv_bias=arch == "qwen2")
 
 
 def _dtype(reader) -> torch.dtype:
