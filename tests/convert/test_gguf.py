@@ -225,7 +225,7 @@ def test_smollm_and_sentencepiece_layouts():
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     t = Tokenizer(hf)
     f = tokenizer_fields(t, hf.to_str(), len(vocab))
-    assert f["tokenizer.ggml.model"] == "llama"
+    assert f["tokenizer.ggml.model"] == "llama" and f["tokenizer.ggml.add_space_prefix"] is True
     assert f["tokenizer.ggml.scores"][263] > f["tokenizer.ggml.scores"][0] and f["tokenizer.ggml.scores"][262] > f["tokenizer.ggml.scores"][263]
     assert f["tokenizer.ggml.token_type"][3 + 65] == 6 and f["tokenizer.ggml.token_type"][0] == 2
 

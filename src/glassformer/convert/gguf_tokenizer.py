@@ -107,6 +107,20 @@ def _tokens(spec: dict, n_vocab: int) -> tuple[list[str], list[int]]:
     return [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)], types
 
 
+def _space_prefix(spec: dict) -> bool:
+    """Whether the text gets a leading '▁' (a Prepend normalizer, or a Metaspace that prepends)."""
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("type") == "Prepend":
+                return True
+            if node.get("type") == "Metaspace":
+                return node.get("prepend_scheme", "always" if node.get("add_prefix_space", True) else "never") != "never"
+            return any(walk(v) for v in node.values())
+        return any(walk(v) for v in node) if isinstance(node, list) else False
+
+    return walk(spec.get("normalizer")) or walk(spec.get("pre_tokenizer"))
+
+
 def _spm_fields(spec: dict, tokens: list[str], types: list[int]) -> dict[str, Any]:
     """Scores for llama.cpp's SentencePiece merge loop (highest score merges first): a merged piece
     scores minus its merge's rank, so pieces merge in the order the BPE's merges list gives."""
@@ -120,7 +134,7 @@ def _spm_fields(spec: dict, tokens: list[str], types: list[int]) -> dict[str, An
         out_types.append(BYTE if kind == NORMAL and len(t) == 6 and t.startswith("<0x") and t.endswith(">") else kind)
     unk = spec["model"].get("unk_token")
     fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.scores": scores,
-              "tokenizer.ggml.token_type": out_types}
+              "tokenizer.ggml.token_type": out_types, "tokenizer.ggml.add_space_prefix": _space_prefix(spec)}
     if unk is not None and unk in tokens:
         fields["tokenizer.ggml.unknown_token_id"] = tokens.index(unk)
         out_types[tokens.index(unk)] = 2  # UNKNOWN
