@@ -127,7 +127,7 @@ class GRule:
 
     def to_ours(self, t: torch.Tensor, cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
         if self.kind == "qkv":
-            return dict(zip(self.ours, t.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=0)))
+            return dict(zip(self.ours, t.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=0)))  # (N·H, D), 2 × (K·H, D)
         if self.kind in ("rope_q", "rope_k"):
             t = rope_from_graph(t, cfg.n_heads if self.kind == "rope_q" else cfg.n_kv_heads, cfg, arch)
         return {self.ours[0]: t}
@@ -273,7 +273,7 @@ def _native_reader(file: Path, cfg: ModelConfig) -> Callable[[str], torch.Tensor
             f.seek(start + a)
             buf = bytearray(b - a)
             f.readinto(buf)  # straight into the tensor's storage: no second copy
-        return torch.frombuffer(buf, dtype=_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return torch.frombuffer(buf, dtype=_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])  # (n,) -> stored shape
 
     def read(key: str) -> torch.Tensor:
         if key == "lm_head.weight" and cfg.tie_embeddings:

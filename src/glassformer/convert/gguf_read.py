@@ -74,7 +74,7 @@ def _tensor(t) -> torch.Tensor:
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    shape = tuple(int(s) for s in reversed(t.shape))
+    shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists (in, out); numpy and torch (out, in)
     if t.tensor_type in (Q.F32, Q.F16):
         return torch.from_numpy(np.array(t.data)).reshape(shape)
     if t.tensor_type == Q.BF16:
