@@ -190,3 +190,14 @@ def test_non_byte_level_refused(kind, tmp_path, capsys):
     assert main(["tokenize", "--tokenizer", str(tmp_path), "--steps", "a"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "byte-level BPE" in err and "Traceback" not in err
+
+
+def test_a_merge_that_makes_a_lower_rank_pair_goes_next():
+    """After 'a'+'b' (rank 1) the pair ('ab', 'a') of rank 0 is merged before the second 'a'+'b', as
+    `tokenizers` orders merges (minbpe's merge-every-occurrence would give ab, ab)."""
+    tk = HFTokenizer(models.BPE({"a": 0, "b": 1, "ab": 2, "aba": 3}, [("ab", "a"), ("a", "b")]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    for text in ["abab", "ababab", "aabab"]:
+        assert bpe_steps(tk, text).ids == tk.encode(text).ids
+    assert [(m.rank, m.left, m.right) for m in bpe_steps(tk, "abab").chunks[0].merges] == [(1, b"a", b"b"), (0, b"ab", b"a")]
+    assert tk.encode("abab").tokens == ["aba", "b"]
