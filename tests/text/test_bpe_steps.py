@@ -122,12 +122,12 @@ def test_steps_end_in_the_library_ids(loaded, files, name, text):
 
 
 def test_probes_with_added_tokens_and_whitespace(loaded, files):
-    """Texts that reach each rule: lstrip/rstrip whitespace taken, single_word refused inside a word,
-    a whole-word match, NFKC, whitespace runs before words and digits in threes."""
+    """Texts that reach each rule: lstrip/rstrip whitespace taken (U+001C is none to Rust),
+    single_word refused inside a word, a whole-word match, NFKC, whitespace runs, digits in threes."""
     tok, bpe, _ = loaded["llama3"]
     raw = HFTokenizer.from_file(str(files["llama3"]))
     for text in ["a  <mask>b", "x[/x]   y", "kingdom king kings  king", "ﬁne  ①②", "\n\n  \t 12345678 the",
-                 "<mask><mask>  [/x][/x] ", "", " ", "<|begin_of_text|>hi"]:
+                 "<mask><mask>  [/x][/x] ", "a\x1c <mask>", "[/x] \x1c", "", " ", "<|begin_of_text|>hi"]:
         assert bpe.steps(text).ids == raw.encode(text, add_special_tokens=False).ids == tok.encode(text), text
     chunks = bpe.steps("a  <mask>b").chunks
     assert [c.text for c in chunks if c.added] == ["  <mask>"]  # lstrip: the spaces go with the token
