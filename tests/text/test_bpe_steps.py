@@ -26,8 +26,9 @@ SAMPLE = ("the cat saw the hat and the king sings  1234567 89, 2026\n\n"
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA_ADDED = [AddedToken("<mask>", lstrip=True, special=True), AddedToken("[/x]", rstrip=True, special=True),
-               AddedToken("king", single_word=True, normalized=True, special=False)]
-SPECIALS = [EOT, "<|begin_of_text|>", "<mask>", "[/x]", "king", "<mask", "<|endoftext|"]
+               AddedToken("king", single_word=True, normalized=True, special=False),
+               AddedToken("zq", single_word=True, normalized=False, special=False)]
+SPECIALS = [EOT, "<|begin_of_text|>", "<mask>", "[/x]", "king", "zq", "<mask", "<|endoftext|"]
 FRAGMENTS = st.one_of(
     st.text(max_size=12),  # any Unicode (no surrogates)
     st.text(alphabet=" \t\n\r\u00a0\u3000\u2028\x1c", min_size=1, max_size=6),  # whitespace runs
@@ -123,11 +124,12 @@ def test_steps_end_in_the_library_ids(loaded, files, name, text):
 
 def test_probes_with_added_tokens_and_whitespace(loaded, files):
     """Texts that reach each rule: lstrip/rstrip whitespace taken (U+001C is none to Rust),
-    single_word refused inside a word, a whole-word match, NFKC, whitespace runs, digits in threes."""
+    single_word refused inside a word (Rust's \\w: marks yes, '²' no), a whole-word match, NFKC, whitespace runs, digits in threes."""
     tok, bpe, _ = loaded["llama3"]
     raw = HFTokenizer.from_file(str(files["llama3"]))
     for text in ["a  <mask>b", "x[/x]   y", "kingdom king kings  king", "ﬁne  ①②", "\n\n  \t 12345678 the",
-                 "<mask><mask>  [/x][/x] ", "a\x1c <mask>", "[/x] \x1c", "", " ", "<|begin_of_text|>hi"]:
+                 "<mask><mask>  [/x][/x] ", "a\x1c <mask>", "[/x] \x1c",
+                 "zq\u093e", "zq\u0301", "\u2160zq", "zq²", "zq_", "\u24b6zq", "a zq b", "", " ", "<|begin_of_text|>hi"]:
         assert bpe.steps(text).ids == raw.encode(text, add_special_tokens=False).ids == tok.encode(text), text
     chunks = bpe.steps("a  <mask>b").chunks
     assert [c.text for c in chunks if c.added] == ["  <mask>"]  # lstrip: the spaces go with the token

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from dataclasses import dataclass, field
 
 from ..errors import UserError
@@ -109,8 +110,17 @@ def _is_space(c: str) -> bool:
     return c.isspace() and not "\x1c" <= c <= "\x1f"
 
 
+# Letters outside the categories L and M that Unicode still counts Alphabetic (circled, squared Latin).
+_OTHER_ALPHABETIC = (("\u24b6", "\u24e9"), ("\U0001f130", "\U0001f149"), ("\U0001f150", "\U0001f169"),
+                     ("\U0001f170", "\U0001f189"))
+
+
 def _is_word(c: str) -> bool:
-    return c.isalnum() or c == "_"
+    """Rust regex's \\w, which `tokenizers` tests single_word with: Alphabetic, marks, decimal
+    digits, connectors, joiners (Python's \\w differs: no marks, but digits like '²')."""
+    cat = unicodedata.category(c)
+    return (cat[0] in "LM" or cat in ("Nd", "Nl", "Pc") or c in "\u200c\u200d"
+            or any(lo <= c <= hi for lo, hi in _OTHER_ALPHABETIC))
 
 
 def split_added(text: str, tokens: dict[str, tuple[int, object]]) -> list[tuple[str, int | None]]:
