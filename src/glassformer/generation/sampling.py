@@ -1,7 +1,9 @@
 """Sampling: logits -> probabilities -> one token per row, Hugging Face's filters in its order.
 
 check_sampling (the parameters' ranges, as UserErrors), apply_repetition_penalty (CTRL's, on the
-tokens already seen), logits_to_probs (the filters), sample (one token per row).
+tokens already seen), the stages temperature_stage, top_k_stage, top_p_stage, min_p_stage and
+logits_to_probs (all of them in order), sample (one token per row); sampling_stages.py shows
+each stage's output for the explorer with these same functions.
 docs/generation.md#sampling-exactly.
 """
 
@@ -37,29 +39,50 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalised, logits)
 
 
+def temperature_stage(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits (..., V) divided by the temperature, in float32 (T > 0; T = 0 is greedy, never divided)."""
+    return logits.float() / temperature
+
+
+def top_k_stage(logits: torch.Tensor, top_k=None) -> torch.Tensor:
+    """Logits (..., V) with all but the k largest set to -inf (exactly k: ties broken by index)."""
+    V = logits.shape[-1]
+    if top_k is None or top_k >= V:
+        return logits
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(int(top_k), -1).indices, True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def top_p_stage(probs: torch.Tensor, top_p=None) -> torch.Tensor:
+    """Probabilities (..., V) of the tokens whose more likely tokens sum to less than top_p, renormalised."""
+    if top_p is None or top_p >= 1:
+        return probs
+    p_sorted, order = probs.sort(-1, descending=True)  # (..., V) each
+    before = p_sorted.cumsum(-1) - p_sorted  # mass of the strictly more likely tokens
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, before < top_p)
+    probs = probs * keep
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def min_p_stage(probs: torch.Tensor, min_p=None) -> torch.Tensor:
+    """Probabilities (..., V) of the tokens at least min_p times the most likely one's, renormalised."""
+    if min_p is None or min_p <= 0:
+        return probs
+    probs = probs * (probs >= min_p * probs.amax(-1, keepdim=True))
+    return probs / probs.sum(-1, keepdim=True)
+
+
 def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
     """Probabilities (B, V) to sample from: temperature, top_k, top_p, min_p in Hugging Face's order,
-    each filter renormalising what it keeps. docs/generation.md#sampling-exactly.
+    each filter renormalising what it keeps (the stage functions above, one after another).
+    docs/generation.md#sampling-exactly.
 
     >>> logits_to_probs(torch.tensor([[0.5, 0.3, 0.2]]).log(), top_p=0.7)
     tensor([[0.6250, 0.3750, 0.0000]])
     """
-    logits = logits.float() / temperature  # (B, V)
-    V = logits.shape[-1]
-    if top_k is not None and top_k < V:
-        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(int(top_k), -1).indices, True)
-        logits = logits.masked_fill(~keep, float("-inf"))
+    logits = top_k_stage(temperature_stage(logits, temperature), top_k)  # (B, V)
     probs = torch.softmax(logits, dim=-1)  # (B, V)
-    if top_p is not None and top_p < 1:
-        p_sorted, order = probs.sort(-1, descending=True)  # (B, V) each
-        before = p_sorted.cumsum(-1) - p_sorted  # mass of the strictly more likely tokens
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, before < top_p)
-        probs = probs * keep
-        probs = probs / probs.sum(-1, keepdim=True)
-    if min_p is not None and min_p > 0:
-        probs = probs * (probs >= min_p * probs.amax(-1, keepdim=True))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return min_p_stage(top_p_stage(probs, top_p), min_p)
 
 
 def sample(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None, greedy=False, generator=None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """`glassformer view`: the explorer's routes, served on the HTTP base of serve/http.py.
 
 It serves GET / (the page), GET /static/NAME (its own CSS and JavaScript, a fixed list),
-POST /api/trace and POST /api/explain (docs/viewer.md#the-servers-endpoints), nothing else.
+POST /api/trace, POST /api/explain and POST /api/sample (docs/viewer.md#the-servers-endpoints), nothing else.
 Loopback by default, size limits (413, 411), 404 for any other path, loopback Host names only,
 JSON with nosniff: docs/viewer.md#safety. `explorer_router` puts the same routes on another
 app (`glassformer serve --explorer`); `make_server` is `glassformer view`'s own server.
@@ -41,6 +41,7 @@ class Explorer:
     trace(ids, tokens) -> a Trace or its dict form. explain(trace, probe, index) -> one number's
     calculation (optional). as_dict(trace, digits) -> the dict form (optional).
     extras(ids, tokens, trace_dict, trace) -> more build_payload arguments: norm, costs, ... (optional).
+    sampler(ids, settings) -> the sampling view of the token after ids (optional; source.Sampler).
     """
 
     encode: Callable[[str], tuple[list[int], list[str]]]
@@ -50,6 +51,7 @@ class Explorer:
     as_dict: Callable[[Any, int], dict] | None = None
     extras: Callable[[list[int], list[str], dict, Any], dict] | None = None
     payload_args: dict = field(default_factory=dict)
+    sampler: Callable[[list[int], dict], dict] | None = None
     cache_size: int = 8
     digits: int = 6  # decimals (or significant digits, as as_dict reads it) of the numbers sent
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -95,6 +97,19 @@ class Explorer:
         tr, _ = self._traced(text)
         with self._lock:
             return to_plain(self.explain(tr, probe, index))
+
+
+    def sample(self, text: str, position: int, settings: dict) -> dict:
+        """The sampling view of the token after `position` of `text` (sampling_stages' answer)."""
+        if self.sampler is None:
+            raise UserError("this server has no sampling view")
+        if len(text) > MAX_TEXT:
+            raise TooLarge(f"the sentence has {len(text)} characters; the limit is {MAX_TEXT}")
+        with self._lock:
+            ids, _ = self.encode(text)
+            if not 0 <= position < len(ids):
+                raise UserError(f"position must be a token index in 0..{len(ids) - 1}, got {position}")
+            return self.sampler(ids[:position + 1], settings)
 
 
 class _HTTPError(Exception):
@@ -163,6 +178,32 @@ def _probe_of(req: dict) -> tuple[str, list[int]]:
     return probe, index
 
 
+SAMPLE_NUMBERS = {"temperature": 1.0, "top_p": None, "min_p": None, "repetition_penalty": 1.0}  # and defaults
+
+
+def _sample_of(req: dict) -> tuple[int, dict]:
+    """(position, sampling settings) of a /api/sample request, each of the right type; their
+    ranges are the sampler's own check (check_sampling)."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    def integer(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    position = req.get("position")
+    if not integer(position):
+        raise UserError("sample needs a position: the index of the token whose next token is sampled")
+    settings = {k: req.get(k, d) for k, d in SAMPLE_NUMBERS.items()}
+    settings.update(top_k=req.get("top_k"), seed=req.get("seed", 0))
+    for k, v in settings.items():
+        ok = integer(v) if k in ("top_k", "seed") else number(v)
+        if not (ok or (v is None and k not in ("temperature", "repetition_penalty", "seed"))):
+            raise UserError(f"{k} must be {'an integer' if k in ('top_k', 'seed') else 'a number'}, got {v!r}")
+    if not 0 <= settings["seed"] < 2 ** 63:
+        raise UserError(f"seed must be in 0..2^63-1, got {settings['seed']}")
+    return position, settings
+
+
 def explorer_router(explorer: Explorer) -> APIRouter:
     """The explorer's routes, to include in any app from serve.http.make_app.
 
@@ -206,6 +247,15 @@ def explorer_router(explorer: Explorer) -> APIRouter:
             req = await _read_json(request)
             text, (probe, index) = _text_of(req, explorer), _probe_of(req)
             return _json(200, await run_in_threadpool(explorer.calculation, text, probe, index))
+        except Exception as e:
+            return _error_for(e)
+
+    @router.post("/api/sample")
+    async def sample(request: Request) -> Response:
+        try:
+            req = await _read_json(request)
+            text, (position, settings) = _text_of(req, explorer), _sample_of(req)
+            return _json(200, await run_in_threadpool(explorer.sample, text, position, settings))
         except Exception as e:
             return _error_for(e)
 

@@ -21,6 +21,9 @@ import torch
 from ..config import ModelConfig
 from ..errors import UserError
 from ..explaining.explain import explain, explain_rms
+from ..generation.sampling_stages import sampling_stages
+from ..generation.session import cache_length, prefill
+from ..kv_cache import KVCache
 from ..tracing.analysis import norm_rms
 from ..tracing.format import FORMAT, FORMAT_VERSION, _tiles_json, as_trace, json_ready
 from ..tracing.stream import PLACEMENTS, placement_twins
@@ -339,7 +342,42 @@ def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict
         return explain(tr, probe, index, model=model)
 
     return Explorer(encode=enc, trace=trace_fn, default_text=default_text, as_dict=page_dict,
-                    explain=calculation, extras=extras)
+                    explain=calculation, extras=extras, sampler=Sampler(model, tokenizer))
+
+
+class Sampler:
+    """The sampling view of the token after a text (POST /api/sample): the text's last logits,
+    computed as generate's first step computes them (one prefill into a cache of generate's size,
+    with a session's row copies on the CPU) and kept for the next few settings, then every stage
+    of the sampler (generation.sampling_stages), the seen tokens being the text's own."""
+
+    KEPT = 32  # texts whose last logits are kept: moving a control recomputes no forward
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.logits: OrderedDict = OrderedDict()  # ids -> (V,)
+
+    def _logits(self, ids: list[int]) -> torch.Tensor:
+        key = tuple(ids)
+        if key not in self.logits:
+            model = self.model
+            if next(model.parameters()).device.type == "cpu":
+                model.hold_rows()  # as a generation session does: one-row products then match its bits
+            cache = KVCache.for_model(model, 1, cache_length(model, [ids], 1))
+            x = torch.tensor([ids], device=next(model.parameters()).device)  # (1, T)
+            with torch.inference_mode():
+                self.logits[key] = prefill(model, x, cache)[0]  # (V,)
+            while len(self.logits) > self.KEPT:
+                self.logits.popitem(last=False)
+        self.logits.move_to_end(key)
+        return self.logits[key]
+
+    def __call__(self, ids: list[int], settings: dict) -> dict:
+        out = sampling_stages(self._logits(ids), ids, **settings)
+        shown = {i for st in out["stages"] for i in st["ids"]} | {out["chosen"]}
+        out["pieces"] = {str(i): _piece(self.tokenizer, i) for i in sorted(shown)}
+        out["position"] = len(ids) - 1
+        return out
 
 
 class LiveParts:

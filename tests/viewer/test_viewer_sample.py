@@ -1,0 +1,165 @@
+"""The sampling view: sampling_stages against Hugging Face's processors and generate's first token,
+and POST /api/sample on the explorer (its answer, its validation, its limits)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from glassformer.generation import generate
+from glassformer.generation.sampling_stages import LISTED, STAGES, sampling_stages
+from glassformer.text.tokenizer import Tokenizer
+from glassformer.viewer import source
+from glassformer.viewer.server import MAX_TEXT, make_server
+
+from ..support import synthetic_text, tiny_model
+from .test_viewer_server import post_json, word_explorer
+
+TEXT = "The king and queen walk to the castle where a knight waits"
+SETTINGS = [
+    dict(temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0, seed=0),
+    dict(temperature=0.7, top_k=40, top_p=0.9, min_p=None, repetition_penalty=1.3, seed=1),
+    dict(temperature=1.5, top_k=None, top_p=0.5, min_p=0.05, repetition_penalty=0.8, seed=7),
+    dict(temperature=2.0, top_k=250, top_p=None, min_p=0.2, repetition_penalty=1.0, seed=123),
+    dict(temperature=0.0, top_k=5, top_p=0.5, min_p=None, repetition_penalty=1.5, seed=3),
+]
+
+
+@pytest.fixture(scope="module")
+def parts():
+    tok = Tokenizer.train([synthetic_text(200, 1)], vocab_size=300)
+    model = tiny_model(vocab_size=tok.vocab_size)
+    return model, tok, source.explorer(model, tok, TEXT, model_name="tiny")
+
+
+@pytest.fixture(scope="module")
+def served(parts):
+    server = make_server(parts[2], port=0)
+    server.start_in_thread()
+    yield server
+    server.stop()
+
+
+def hf_probs(logits: torch.Tensor, seen: list[int], s: dict) -> torch.Tensor:
+    """The reference: Hugging Face's logits processors in their order, then softmax."""
+    from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    procs = LogitsProcessorList()
+    if s["repetition_penalty"] != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(s["repetition_penalty"]))
+    procs.append(TemperatureLogitsWarper(s["temperature"]))
+    if s["top_k"] is not None:
+        procs.append(TopKLogitsWarper(s["top_k"]))
+    if s["top_p"] is not None:
+        procs.append(TopPLogitsWarper(s["top_p"]))
+    if s["min_p"] is not None:
+        procs.append(MinPLogitsWarper(s["min_p"]))
+    out = procs(torch.tensor([seen]), logits[None].clone())
+    return torch.softmax(out, -1)[0]
+
+
+@pytest.mark.parametrize("s", SETTINGS[:4])
+def test_stages_against_hugging_face(s):
+    g = torch.Generator().manual_seed(s["seed"])
+    logits = torch.randn(500, generator=g) * 3  # (V,)
+    seen = [3, 17, 17, 250, 499]
+    out = sampling_stages(logits, seen, **s)
+    assert [st["name"] for st in out["stages"]] == list(STAGES)
+    want = hf_probs(logits, seen, s)
+    final = out["stages"][-1]
+    kept = int((want > 0).sum())
+    assert final["kept"] == kept and len(final["ids"]) == min(kept, LISTED)
+    assert final["values"] == pytest.approx(want[final["ids"]].tolist(), abs=1e-6)
+    assert final["rest"] == pytest.approx(1 - sum(final["values"]), abs=1e-5)
+    # The raw logits: the 200 largest, and the softmax mass of the other 300.
+    first = out["stages"][0]
+    assert first["ids"] == logits.topk(LISTED).indices.tolist()
+    assert first["rest"] == pytest.approx(float(torch.softmax(logits, -1).sort().values[:300].sum()), rel=1e-5)
+    # The penalty: seen tokens marked, their logits moved the way CTRL's rule says.
+    pen = out["stages"][1]
+    assert pen["seen"] == [3, 17, 250, 499]
+    top = dict(zip(pen["ids"], pen["values"]))
+    r = s["repetition_penalty"]
+    for i in set(seen) & set(top):
+        x = float(logits[i])
+        assert top[i] == pytest.approx(x / r if x > 0 else x * r, rel=1e-6)
+
+
+def test_disabled_stages_repeat_their_input():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    out = sampling_stages(logits, [1, 2], temperature=1.0, top_k=None, top_p=None, min_p=None)
+    st = {s["name"]: s for s in out["stages"]}
+    assert st["repetition_penalty"]["values"] == st["logits"]["values"] == st["temperature"]["values"]
+    assert st["top_k"]["ids"] == st["temperature"]["ids"] and st["top_k"]["kept"] == 300
+    assert st["min_p"]["values"] == st["top_p"]["values"] == st["probs"]["values"]
+    out = sampling_stages(logits, [], top_k=3, top_p=1.0, min_p=0.0)
+    st = {s["name"]: s for s in out["stages"]}
+    assert st["top_k"]["ids"] == logits.topk(3).indices.tolist() and st["top_k"]["kept"] == 3
+    assert st["top_p"]["ids"] == st["min_p"]["ids"] == st["probs"]["ids"] == st["top_k"]["ids"]
+
+
+def test_chosen_is_generates_first_token(parts):
+    model, tok, explorer = parts
+    ids = tok.encode(TEXT)
+    for position in (0, 3, len(ids) - 1):
+        for s in SETTINGS:
+            got = explorer.sample(TEXT, position, s)
+            want = next(generate(model, ids[:position + 1], max_new_tokens=1, **s))
+            assert got["chosen"] == want, (position, s)
+            assert got["position"] == position and str(want) in got["pieces"]
+            # The draw is one of the tokens the last stage keeps (the greedy one: the only one).
+            assert want in got["stages"][-1]["ids"] or got["stages"][-1]["kept"] > LISTED
+    seeds = {explorer.sample(TEXT, 2, dict(SETTINGS[2], seed=k))["chosen"] for k in range(12)}
+    assert len(seeds) > 1  # the seed matters: not the argmax every time
+
+
+def test_post_api_sample(served, parts):
+    model, tok, _ = parts
+    ids = tok.encode(TEXT)
+    req = {"text": TEXT, "position": 4, **SETTINGS[1]}
+    status, headers, body = post_json(served, "/api/sample", req)
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    out = json.loads(body)
+    assert [s["name"] for s in out["stages"]] == list(STAGES)
+    assert set(out["stages"][0]) >= {"name", "ids", "values"}
+    settings = {k: v for k, v in req.items() if k not in ("text", "position")}
+    assert out["chosen"] == next(generate(model, ids[:5], max_new_tokens=1, **settings))
+    # The settings default to the plain sampler (temperature 1, no filters, no penalty, seed 0).
+    status, _, body = post_json(served, "/api/sample", {"text": TEXT, "position": 4})
+    assert status == 200 and json.loads(body)["chosen"] == next(generate(model, ids[:5], max_new_tokens=1, seed=0))
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"position": -1}, "position must be a token index"),
+    ({"position": 999}, "position must be a token index"),
+    ({"position": "2"}, "needs a position"),
+    ({}, "needs a position"),
+    ({"position": 1, "temperature": -1}, "temperature must be >= 0"),
+    ({"position": 1, "temperature": None}, "temperature must be a number"),
+    ({"position": 1, "top_k": 1.5}, "top_k must be an integer"),
+    ({"position": 1, "top_k": 0}, "top-k must be an integer >= 1"),
+    ({"position": 1, "top_p": 0}, "top-p must be in (0, 1]"),
+    ({"position": 1, "min_p": 2}, "min-p must be in [0, 1]"),
+    ({"position": 1, "repetition_penalty": 0}, "repetition penalty must be > 0"),
+    ({"position": 1, "seed": "x"}, "seed must be an integer"),
+    ({"position": 1, "seed": -1}, "seed must be in"),
+    ({"position": 1, "text": 5}, "text must be a string"),
+    ({"position": 1, "text": "   "}, "empty"),
+])
+def test_bad_values_are_400(served, bad, words):
+    status, _, body = post_json(served, "/api/sample", {"text": TEXT, **bad})
+    assert status == 400 and words in json.loads(body)["error"]
+
+
+def test_limits_and_a_server_without_sampler(served):
+    status, _, body = post_json(served, "/api/sample", {"text": "a" * (MAX_TEXT + 1), "position": 0})
+    assert status == 413
+    server = make_server(word_explorer(), port=0)
+    server.start_in_thread()
+    try:
+        status, _, body = post_json(server, "/api/sample", {"text": "the cat", "position": 0})
+        assert status == 400 and "no sampling view" in json.loads(body)["error"]
+    finally:
+        server.stop()
