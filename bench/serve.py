@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
-from glassformer import ModelConfig, Transformer, generate  # noqa: E402
+from glassformer import ModelConfig, Transformer, generate, load  # noqa: E402
 from glassformer.checkpoint.folders import save_model  # noqa: E402
 from glassformer.config import PRESETS, REFERENCE_SHAPE  # noqa: E402
 from glassformer.kv_cache import KVCache  # noqa: E402
@@ -250,7 +250,8 @@ def bench_shape(name: str, shape: dict, text: str, args) -> dict:
     P = min(args.prompt_tokens, S // 4)
     n = min(args.new_tokens, S - P)
     with tempfile.TemporaryDirectory() as tmp:
-        model, tok = build(shape, text, Path(tmp) / name)
+        build(shape, text, Path(tmp) / name)
+        model, tok = load(Path(tmp) / name)  # in-process generate runs the checkpoint the server loads
         rows = prompts(tok, max(args.streams), P)
         llama = None
         if args.llama_server:  # its own process: bench/gguf.py would shadow the gguf package in this one
