@@ -255,3 +255,55 @@ def test_a_failing_step_ends_every_request_and_the_engine_goes_on(model):
             generate(model, [1, 2], max_new_tokens=3, greedy=True))
     finally:
         engine.stop()
+
+
+def test_random_arrivals_and_cancels(model):
+    """Cancels of queued, prefilling (chunked) and decoding requests between steps: the others still
+    equal generate, each cancelled one ends "cancelled" after a prefix of its own tokens."""
+    rng = random.Random(11)
+    n = 14
+    prompts = _prompts([rng.randint(1, 40) for _ in range(n)], seed=11)
+    lengths = [rng.randint(2, 14) for _ in range(n)]
+    alone = [list(generate(model, p, max_new_tokens=k, greedy=True)) for p, k in zip(prompts, lengths)]
+    engine = Engine(model, max_batch=3, prefill_chunk=8, max_queue=n)
+    arrivals = sorted(rng.randint(0, 12) for _ in range(n))
+    cancel_at = {j: arrivals[j] + rng.randint(0, 6) for j in rng.sample(range(n), 5)}
+    tickets, step = [None] * n, 0
+    while step <= 20 or engine.step():
+        for j in range(n):
+            if arrivals[j] == step:
+                tickets[j] = engine.submit(Request(prompts[j], lengths[j], temperature=0))
+            if cancel_at.get(j) == step:
+                tickets[j].cancel()
+        if step <= 20:
+            engine.step()
+        step += 1
+    assert engine.stats["moves"] > 0
+    for j, t in enumerate(tickets):
+        events = list(t.events(timeout=5))
+        got = [e.token for e in events if e.token is not None]
+        if j in cancel_at and events[-1].finish == "cancelled":
+            assert got == alone[j][:len(got)]
+        else:
+            assert got == alone[j] and events[-1].finish == "length"
+    assert sum(t.finish == "cancelled" for t in tickets) >= 3
+
+
+def test_cancel_during_a_chunked_prefill(model):
+    prompt = _prompts((3,))[0]
+    engine = Engine(model, max_batch=2, prefill_chunk=8)
+    running = engine.submit(Request(prompt, 12, temperature=0))
+    engine.step()
+    long = engine.submit(Request(_prompts((60,), seed=3)[0], 5, temperature=0))
+    engine.step()
+    engine.step()  # two chunks of its prompt in
+    assert engine.stats["active"] == 2 and engine.stats["decoding"] == 1
+    long.cancel()
+    nxt = engine.submit(Request(prompt, 4, temperature=0))  # takes the freed row at the next step
+    engine.step()
+    assert engine.stats["active"] == 2 and engine.stats["decoding"] == 2
+    while engine.step():
+        pass
+    assert [e.finish for e in long.events(timeout=1)] == ["cancelled"]
+    ref = list(generate(model, prompt, max_new_tokens=12, greedy=True))
+    assert _tokens(running) == ref and _tokens(nxt) == ref[:4]
