@@ -307,3 +307,21 @@ def test_cancel_during_a_chunked_prefill(model):
     assert [e.finish for e in long.events(timeout=1)] == ["cancelled"]
     ref = list(generate(model, prompt, max_new_tokens=12, greedy=True))
     assert _tokens(running) == ref and _tokens(nxt) == ref[:4]
+
+
+def test_cache_views_share_the_storage(model):
+    from glassformer.kv_cache import KVCache
+
+    cache = KVCache.for_model(model, 4, 32)
+    view = cache.view(1, 3, 16)
+    assert view.layers[0].k.shape == (2, model.config.n_kv_heads, 16, model.config.head_dim)
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7], [8, 9, 10]]), cache=view, pos=torch.tensor([0, 4]))
+    k = cache.layers[1].k
+    assert k[1, :, :3].abs().sum() > 0 and k[2, :, 4:7].abs().sum() > 0  # written through the view
+    assert k[0].abs().sum() == 0 and k[3].abs().sum() == 0 and k[2, :, :4].abs().sum() == 0
+    cache.copy_row(2, 0, 7)
+    assert torch.equal(k[0, :, :7], k[2, :, :7]) and k[0, :, 7:].abs().sum() == 0
+    assert cache.row_bytes() == 2 * model.config.n_layers * k[0].numel() * k.element_size()
+    with pytest.raises(ValueError, match="view"):
+        cache.view(3, 5)
