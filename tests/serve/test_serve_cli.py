@@ -1,5 +1,5 @@
 """`glassformer serve` as a user runs it: the one ready line (port 0 named), a request answered,
-a clean stop on Ctrl-C; a non-loopback bind without a key refuses to start; /health says 503
+the explorer beside it (--explorer), a clean stop on Ctrl-C; a non-loopback bind without a key refuses to start; /health says 503
 while the model loads."""
 
 from __future__ import annotations
@@ -45,18 +45,24 @@ def test_health_is_503_while_loading():
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
 
 
-def test_serve_prints_one_ready_line_answers_and_stops_on_ctrl_c(tmp_path):
+def test_serve_prints_one_ready_line_answers_with_the_explorer_and_stops_on_ctrl_c(tmp_path):
     tiny_checkpoint(tmp_path / "ckpt", synthetic_text(200, 1))
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GLASSFORMER_API_KEY": ""}
     proc = subprocess.Popen([sys.executable, "-m", "glassformer", "serve", "--checkpoint", str(tmp_path / "ckpt"),
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             "--port", "0", "--explorer"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
     try:
         line = proc.stdout.readline()
         found = re.fullmatch(r"serving ckpt at (http://127\.0\.0\.1:(\d+)/v1)\n", line)
         assert found and int(found[2]) > 0, line + proc.stderr.read() if not found else ""
         client = openai.OpenAI(base_url=found[1], api_key="unused", max_retries=0)
         assert client.completions.create(model="ckpt", prompt="The king", max_tokens=3).usage.completion_tokens >= 1
-        assert httpx.get(found[1].removesuffix("/v1") + "/health").json() == {"status": "ok"}
+        root = found[1].removesuffix("/v1")
+        assert httpx.get(root + "/health").json() == {"status": "ok"}
+        page = httpx.get(root + "/")  # --explorer: the explorer's page on the same app, over the served model
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        traced = httpx.post(root + "/api/trace", json={"text": "The king"}, timeout=60).json()
+        assert traced["trace"]["ids"] and client.completions.create(model="ckpt", prompt="x", max_tokens=2).choices
     finally:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)

@@ -108,7 +108,7 @@ def _engine(args, app, model, tok, name: str):
 
     ex = explorer(model, tok, DEFAULT_TEXT, model_name=name)
     app.include_router(explorer_router(ex))
-    return TurnTakingEngine(model, ex._lock, **sizes).start()
+    return TurnTakingEngine(model, ex.lock, **sizes).start()
 
 
 def run(args) -> int:
