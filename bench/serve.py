@@ -254,7 +254,7 @@ def bench_shape(name: str, shape: dict, text: str, args) -> dict:
         model, tok = load(Path(tmp) / name)  # in-process generate runs the checkpoint the server loads
         rows = prompts(tok, max(args.streams), P)
         llama = None
-        if args.llama_server:  # its own process: bench/gguf.py would shadow the gguf package in this one
+        if args.llama_server:  # its own process
             gguf = Path(tmp) / f"{name}.gguf"
             subprocess.run([sys.executable, "-m", "glassformer", "convert", "--to-gguf", str(Path(tmp) / name),
                             "--out", str(gguf), "--dtype", "f32"], cwd=REPO, check=True, capture_output=True,

@@ -13,11 +13,11 @@ same GGUF weights, in one run (docs/benchmarks.md#gguf).
    int8 (`--quantize int8`, glassformer's own 8-bit path). Rounds alternate among them and the
    best round counts; tokens/s and ratios against llama.cpp on the same file.
 
-    python bench/gguf.py [--new-tokens 128] [--rounds 3] [--threads 2] [--no-compile]
-    python bench/gguf.py --quick                 # 32 tokens, 1 round
-    python bench/gguf.py --shape reference       # the 15.7M reference shape instead of smollm-135m
-    python bench/gguf.py --no-decode             # the export alone
-    python bench/gguf.py --accuracy              # only: logits and greedy tokens against llama.cpp on the test fixtures
+    python bench/to_gguf.py [--new-tokens 128] [--rounds 3] [--threads 2] [--no-compile]
+    python bench/to_gguf.py --quick                 # 32 tokens, 1 round
+    python bench/to_gguf.py --shape reference       # the 15.7M reference shape instead of smollm-135m
+    python bench/to_gguf.py --no-decode             # the export alone
+    python bench/to_gguf.py --accuracy              # only: logits and greedy tokens against llama.cpp on the test fixtures
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import add_decode_arguments, write_json  # noqa: E402  (bench/ is the script's folder)
 
-# This script is named gguf.py: take its folder off the path again, so `import gguf` finds the package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from glassformer import ModelConfig, Transformer  # noqa: E402
 from glassformer.checkpoint.folders import save_model  # noqa: E402
@@ -209,7 +207,7 @@ def main() -> None:
         import llama_cpp  # noqa: F401
     except ImportError:  # the export still measures; say what is left out rather than fail
         if args.accuracy:
-            raise SystemExit("bench/gguf.py --accuracy needs llama-cpp-python (make test-llamacpp installs it)")
+            raise SystemExit("bench/to_gguf.py --accuracy needs llama-cpp-python (make test-llamacpp installs it)")
         print("llama-cpp-python is not installed (make test-llamacpp installs it): the decode comparison is skipped")
         args.no_decode = True
     if args.accuracy:
