@@ -227,7 +227,7 @@
       const b = el('button', { class: 'tok' + (i === state.token ? ' sel' : ''), type: 'button', style: { background: tokColor(i) } },
         [el('span', { class: 'pos', text: String(TR().positions ? TR().positions[i] : i) }), String(t)]);
       b.dataset.token = String(i);
-      b.addEventListener('click', () => { state.token = i; drawTokens(); drawLanes(); drawNumbers(); drawNorm(); drawFlash(); });
+      b.addEventListener('click', () => { state.token = i; drawTokens(); drawLanes(); drawNumbers(); drawNorm(); drawFlash(); drawSample(); });
       nav.append(b);
     });
   }
@@ -810,6 +810,78 @@
     showCalc(state.history.pop(), false);
   });
 
+  // ------------------------------------------------------------------ 9 sampling
+  // The controls as /api/sample reads them (an off filter: null). The page never samples: every
+  // stage, and the draw, come from the server's run of the project's sampler (sampling_stages).
+  const SAMPLE_OUTPUTS = [['sample-temperature', 'sample-temperature-out'], ['sample-top-p', 'sample-top-p-out'],
+    ['sample-min-p', 'sample-min-p-out'], ['sample-penalty', 'sample-penalty-out']];
+  const SAMPLE_SHOWN = 10; // bars drawn per stage (the answer lists up to 200 ids)
+  const STAGE_TITLES = { logits: 'raw logits', repetition_penalty: 'repetition penalty', temperature: '÷ temperature',
+    top_k: 'top-k cut', top_p: 'top-p cumulative cut', min_p: 'min-p threshold', probs: 'renormalised probabilities' };
+  let sampleAsked = 0, sampleTimer = null;
+  function sampleSettings() {
+    const whole = (id) => Math.max(0, Math.floor(Number($(id).value) || 0));
+    const k = whole('sample-top-k'), p = Number($('sample-top-p').value), m = Number($('sample-min-p').value);
+    return { temperature: Number($('sample-temperature').value), top_k: k > 0 ? k : null, top_p: p < 1 ? p : null,
+      min_p: m > 0 ? m : null, repetition_penalty: Number($('sample-penalty').value), seed: whole('sample-seed') };
+  }
+  function drawSample() {
+    for (const [input, out] of SAMPLE_OUTPUTS) $(out).textContent = $(input).value;
+    const box = $('sample'), t = state.token, p = P();
+    $('sample-token').textContent = `next after token ${t}: ${tokenLabel(t)}`;
+    const live = p.mode === 'server';
+    $('sample-controls').querySelectorAll('input').forEach((i) => { i.disabled = !live; });
+    if (!live) {
+      clear(box).append(el('p', { class: 'muted', text: 'The sampling view asks the server: run `glassformer view` to move its controls.' }));
+      return;
+    }
+    const settings = sampleSettings(), seq = ++sampleAsked;
+    box.classList.add('stale');
+    fetch('api/sample', { method: 'POST', headers: { 'Content-Type': 'application/json' },
+      body: JSON.stringify(Object.assign({ text: p.sentence, position: t }, settings)) })
+      .then(async (res) => {
+        const body = await res.json();
+        if (seq !== sampleAsked || P() !== p) return; // a later move or sentence draws its own answer
+        if (!res.ok) { message(body.error || `the server answered ${res.status}`); return; }
+        drawStages(body, settings, t);
+      })
+      .catch((e) => { if (seq === sampleAsked) message(`could not reach the server: ${e}`); });
+  }
+  function stageRow(st, j, ans, seen, piece) {
+    const id = st.ids[j], prob = st.probs[j], val = st.values[j], top = st.probs[0] || 1;
+    const cls = 'cand sample-bar' + (st.name === 'probs' && id === ans.chosen ? ' chosen' : '') + (seen.has(id) ? ' seen' : '');
+    const row = el('div', { class: cls, title: `id ${id}\n${st.kind === 'logits' ? 'logit' : 'probability'} ${val}\nprobability ${prob}` }, [
+      el('span', { class: 'piece', text: (seen.has(id) ? '• ' : '') + piece(id) }),
+      el('div', { class: 'bar' }, el('span', { style: { width: `${(100 * prob / top).toFixed(1)}%` } })),
+      el('span', { class: 'val', text: fmt(val) })]);
+    Object.assign(row.dataset, { id: String(id), prob: String(prob), value: String(val) });
+    return row;
+  }
+  function drawStages(ans, settings, t) {
+    const box = clear($('sample'));
+    box.classList.remove('stale');
+    Object.assign(box.dataset, { position: String(t), chosen: String(ans.chosen), settings: JSON.stringify(settings) });
+    const piece = (id) => { const s = ans.pieces[String(id)]; return s === undefined ? `#${id}` : String(s); };
+    const grid = el('div', { class: 'stages' });
+    for (const st of ans.stages) {
+      const card = el('div', { class: 'stage-card' });
+      card.dataset.stage = st.name;
+      card.append(el('h3', { text: STAGE_TITLES[st.name] || st.name }));
+      const rest = st.rest > 0 ? `; the others' probability ${fmt(st.rest)}` : '';
+      card.append(el('p', { class: 'note', text: `${fmtInt(st.kept)} ${st.kept === 1 ? 'id' : 'ids'} kept${rest}` }));
+      const seen = new Set(st.seen || []);
+      for (let j = 0; j < Math.min(SAMPLE_SHOWN, st.ids.length); j++) card.append(stageRow(st, j, ans, seen, piece));
+      if (st.kept > SAMPLE_SHOWN) card.append(el('p', { class: 'note', text: `… ${fmtInt(st.kept - SAMPLE_SHOWN)} more` }));
+      grid.append(card);
+    }
+    box.append(grid);
+    box.append(el('p', { class: 'ok', text: `The draw with seed ${settings.seed} picks “${piece(ans.chosen)}” (id ${ans.chosen}): the first token generate gives with these settings.` }));
+  }
+  $('sample-controls').querySelectorAll('input').forEach((input) => input.addEventListener('input', () => {
+    clearTimeout(sampleTimer);
+    sampleTimer = setTimeout(drawSample, 60); // a dragged slider asks once it rests
+  }));
+
   // ------------------------------------------------------------------ a new sentence
   $('sentence-form').addEventListener('submit', async (ev) => {
     ev.preventDefault();
@@ -839,7 +911,7 @@
     const kt = Object.entries(TR().probes).find(([n]) => n.endsWith('.attn.tiles'));
     if (P().flash_tile) state.flashTile = P().flash_tile;
     else if (kt && kt[1].tile_size) state.flashTile = kt[1].tile_size;
-    const sections = [drawHeader, drawTokens, drawLanes, drawAttention, drawNumbers, drawNext, drawNorm, drawFlash, drawDecode, drawCosts];
+    const sections = [drawHeader, drawTokens, drawLanes, drawAttention, drawNumbers, drawNext, drawNorm, drawFlash, drawDecode, drawCosts, drawSample];
     for (const f of sections) {
       try { f(); } catch (e) { console.error(e); message(`could not draw part of the page: ${e}`); }
     }
