@@ -115,6 +115,18 @@ def test_chosen_is_generates_first_token(parts):
     assert len(seeds) > 1  # the seed matters: not the argmax every time
 
 
+def test_each_probability_has_its_calculation(parts):
+    _, _, explorer = parts
+    for s in SETTINGS:
+        out = explorer.sample(TEXT, 5, s)
+        final = out["stages"][-1]
+        assert sorted(out["calc"], key=int) == sorted(map(str, final["ids"][:10]), key=int)
+        for i, p in zip(final["ids"][:10], final["values"]):
+            c = out["calc"][str(i)]
+            assert c["value"] == p and c["result"] == pytest.approx(p, rel=1e-5)  # recomputed from the lines shown
+            assert c["text"].startswith("logit z = ") and len(c["text"].splitlines()) == (3 if s["temperature"] == 0 else 7)
+
+
 def test_post_api_sample(served, parts):
     model, tok, _ = parts
     ids = tok.encode(TEXT)

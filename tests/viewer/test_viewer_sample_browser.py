@@ -90,5 +90,10 @@ def test_moving_temperature_and_top_p(browser, server, parts):  # noqa: F811
     assert len(got["stages"]["top_k"]) == 10 and got["stages"]["top_p"] == got["stages"]["min_p"]
     assert page.locator("#sample .sample-bar.chosen").count() == (got["chosen"] in dict(got["stages"]["probs"]))
     assert len(got["stages"]["probs"]) < 10  # the cuts matter here: fewer than 10 ids are left
+    # Each probability opens its calculation, stage by stage; recomputed, it is the sampler's.
+    page.locator('#sample .stage-card[data-stage="probs"] .sample-bar').first.click()
+    page.wait_for_function("document.querySelector('#explain-body .calc-title').textContent.startsWith('p(“')")
+    assert "÷ temperature 0.7" in page.locator("#explain-body .calc-text").text_content()
+    assert "✓" in page.locator("#explain-body").text_content()
     assert page.events["errors"] == []
     page.close()

@@ -29,22 +29,10 @@ def _listed(name: str, values: torch.Tensor, kind: str) -> dict:
             "probs": probs[order].tolist(), "kept": n, "rest": float(rest)}
 
 
-def sampling_stages(logits: torch.Tensor, seen, temperature=1.0, top_k=None, top_p=None, min_p=None,
-                    repetition_penalty=1.0, seed=0) -> dict:
-    """{"stages": [{"name", "ids", "values", ...}, ...], "chosen": id} for one position's logits (V,).
-
-    Always the stages of STAGES in order; a disabled one repeats its input. `seen`: the ids the
-    repetition penalty applies to. temperature 0 is greedy: the later stages repeat the penalised
-    logits and `probs` is the argmax alone. `chosen` is the token `sample` draws from the
-    penalised logits with a generator seeded with `seed` (what generate's first step draws).
-
-    >>> out = sampling_stages(torch.tensor([2.0, 1.0, 0.0]), [0], repetition_penalty=4.0, top_k=2)
-    >>> [s["ids"] for s in out["stages"]][:4]
-    [[0, 1, 2], [1, 0, 2], [1, 0, 2], [1, 0]]
-    >>> [round(p, 4) for p in out["stages"][-1]["values"]]
-    [0.6225, 0.3775]
-    """
-    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
+def stage_outputs(logits: torch.Tensor, seen, temperature=1.0, top_k=None, top_p=None, min_p=None,
+                  repetition_penalty=1.0) -> dict:
+    """{stage name: its output (1, V)} for one position's logits (V,), and "seen": the penalty's
+    mask (1, V). Greedy (temperature 0): the stages after the penalty repeat it."""
     V = logits.shape[-1]
     row = logits.reshape(1, V)  # (1, V): the shapes generate's step samples from
     mask = torch.zeros(1, V, dtype=torch.bool, device=row.device)  # (1, V)
@@ -53,21 +41,43 @@ def sampling_stages(logits: torch.Tensor, seen, temperature=1.0, top_k=None, top
         raise ValueError(f"seen ids must be within the vocabulary 0..{V - 1}")
     mask[0, ids] = True
     penalised = apply_repetition_penalty(row, mask, repetition_penalty) if repetition_penalty != 1.0 else row
-    stages = [_listed("logits", row[0].float(), "logits"), _listed("repetition_penalty", penalised[0].float(), "logits")]
-    stages[1]["seen"] = torch.nonzero(mask[0]).flatten().tolist()
-    generator = torch.Generator(row.device).manual_seed(int(seed))
-    chosen = int(sample(penalised, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                        generator=generator)[0])
-    if temperature == 0:  # greedy: nothing divides or filters; the argmax is certain
-        stages += [dict(stages[1], name=name) for name in STAGES[2:6]]
-        stages.append({"name": "probs", "kind": "probs", "ids": [chosen], "values": [1.0], "probs": [1.0],
-                       "kept": 1, "rest": 0.0})
-        return {"stages": stages, "chosen": chosen}
+    out = {"seen": mask, "logits": row, "repetition_penalty": penalised}
+    if temperature == 0:
+        return {**out, **dict.fromkeys(STAGES[2:], penalised)}
     scaled = temperature_stage(penalised, temperature)  # (1, V)
     cut = top_k_stage(scaled, top_k)  # (1, V)
     nucleus = top_p_stage(torch.softmax(cut, dim=-1), top_p)  # (1, V)
     final = min_p_stage(nucleus, min_p)  # (1, V)
-    stages += [_listed("temperature", scaled[0], "logits"), _listed("top_k", cut[0], "logits"),
-               _listed("top_p", nucleus[0], "probs"), _listed("min_p", final[0], "probs"),
-               _listed("probs", final[0], "probs")]
+    return {**out, "temperature": scaled, "top_k": cut, "top_p": nucleus, "min_p": final, "probs": final}
+
+
+def sampling_stages(logits: torch.Tensor, seen, temperature=1.0, top_k=None, top_p=None, min_p=None,
+                    repetition_penalty=1.0, seed=0, outputs: dict | None = None) -> dict:
+    """{"stages": [{"name", "ids", "values", ...}, ...], "chosen": id} for one position's logits (V,).
+
+    Always the stages of STAGES in order; a disabled one repeats its input. `seen`: the ids the
+    repetition penalty applies to. temperature 0 is greedy: the later stages repeat the penalised
+    logits and `probs` is the argmax alone. `chosen` is the token `sample` draws from the
+    penalised logits with a generator seeded with `seed` (what generate's first step draws).
+    `outputs`: stage_outputs' answer for the same arguments, when the caller has it.
+
+    >>> out = sampling_stages(torch.tensor([2.0, 1.0, 0.0]), [0], repetition_penalty=4.0, top_k=2)
+    >>> [s["ids"] for s in out["stages"]][:4]
+    [[0, 1, 2], [1, 0, 2], [1, 0, 2], [1, 0]]
+    >>> [round(p, 4) for p in out["stages"][-1]["values"]]
+    [0.6225, 0.3775]
+    """
+    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
+    outs = outputs or stage_outputs(logits, seen, temperature, top_k, top_p, min_p, repetition_penalty)
+    generator = torch.Generator(logits.device).manual_seed(int(seed))
+    chosen = int(sample(outs["repetition_penalty"], temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        generator=generator)[0])
+    kinds = dict.fromkeys(STAGES[:4], "logits") if temperature else dict.fromkeys(STAGES[:6], "logits")
+    stages = [_listed(name, outs[name][0].float(), kinds.get(name, "probs")) for name in STAGES[:6]]
+    stages[1]["seen"] = torch.nonzero(outs["seen"][0]).flatten().tolist()
+    if temperature == 0:  # greedy: nothing divides or filters; the argmax is certain
+        stages.append({"name": "probs", "kind": "probs", "ids": [chosen], "values": [1.0], "probs": [1.0],
+                       "kept": 1, "rest": 0.0})
+    else:
+        stages.append(_listed("probs", outs["probs"][0], "probs"))
     return {"stages": stages, "chosen": chosen}

@@ -21,7 +21,8 @@ import torch
 from ..config import ModelConfig
 from ..errors import UserError
 from ..explaining.explain import explain, explain_rms
-from ..generation.sampling_stages import sampling_stages
+from ..generation.sampling_stages import sampling_stages, stage_outputs
+from ..generation.sampling import check_sampling
 from ..generation.session import cache_length, prefill
 from ..kv_cache import KVCache
 from ..tracing.analysis import norm_rms
@@ -32,6 +33,7 @@ from ..tracing.trace import trace
 from ..worked import model as worked
 from .cost_calc import cost_calcs
 from .render import cost_rows, flash_key, to_plain, write_html
+from .sample_calc import probability_calc
 from .server import Explorer
 
 TOP_K = 10  # logits kept per token in a trace for the page (the page shows 5)
@@ -372,10 +374,18 @@ class Sampler:
         self.logits.move_to_end(key)
         return self.logits[key]
 
+    CALCS = 10  # probabilities of the last stage with their calculation (the page draws 10 bars)
+
     def __call__(self, ids: list[int], settings: dict) -> dict:
-        out = sampling_stages(self._logits(ids), ids, **settings)
+        logits = self._logits(ids)
+        filters = {k: v for k, v in settings.items() if k != "seed"}
+        check_sampling(**filters)
+        outs = stage_outputs(logits, ids, **filters)
+        out = sampling_stages(logits, ids, **settings, outputs=outs)
         shown = {i for st in out["stages"] for i in st["ids"]} | {out["chosen"]}
         out["pieces"] = {str(i): _piece(self.tokenizer, i) for i in sorted(shown)}
+        out["calc"] = {str(i): probability_calc(outs, settings, i, out["pieces"][str(i)])
+                       for i in out["stages"][-1]["ids"][:self.CALCS]}
         out["position"] = len(ids) - 1
         return out
 

@@ -855,6 +855,14 @@
       el('div', { class: 'bar' }, el('span', { style: { width: `${(100 * prob / top).toFixed(1)}%` } })),
       el('span', { class: 'val', text: fmt(val) })]);
     Object.assign(row.dataset, { id: String(id), prob: String(prob), value: String(val) });
+    const calc = st.name === 'probs' && ans.calc ? ans.calc[String(id)] : null;
+    if (calc) { // its calculation, stage by stage, as the server wrote it: on a click or Enter
+      Object.assign(row, { tabIndex: 0 });
+      row.setAttribute('role', 'button');
+      row.classList.add('clickable');
+      row.addEventListener('click', () => showCalc(calc, true));
+      row.addEventListener('keydown', (ev) => { if (ev.key === 'Enter' || ev.key === ' ') { ev.preventDefault(); showCalc(calc, true); } });
+    }
     return row;
   }
   function drawStages(ans, settings, t) {
