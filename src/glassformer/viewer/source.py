@@ -33,7 +33,7 @@ from ..tracing.trace import trace
 from ..worked import model as worked
 from .cost_calc import cost_calcs
 from .render import cost_rows, flash_key, to_plain, write_html
-from .sample_calc import probability_calc
+from .sample_calc import probability_calcs
 from .server import Explorer
 
 TOP_K = 10  # logits kept per token in a trace for the page (the page shows 5)
@@ -384,8 +384,7 @@ class Sampler:
         out = sampling_stages(logits, ids, **settings, outputs=outs)
         shown = {i for st in out["stages"] for i in st["ids"]} | {out["chosen"]}
         out["pieces"] = {str(i): _piece(self.tokenizer, i) for i in sorted(shown)}
-        out["calc"] = {str(i): probability_calc(outs, settings, i, out["pieces"][str(i)])
-                       for i in out["stages"][-1]["ids"][:self.CALCS]}
+        out["calc"] = probability_calcs(outs, settings, out["stages"][-1]["ids"][:self.CALCS], out["pieces"])
         out["position"] = len(ids) - 1
         return out
 
