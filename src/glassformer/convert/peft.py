@@ -8,7 +8,7 @@
     load_peft(folder, load, ...)   both, with the base loaded by `load` (checkpoint.loading's)
 
 PEFT stores A (r, in) and B (out, r) as our adapter does, under the Hugging Face module's name
-(`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`). The names and any row
+(`base_model.model.` + the module's Hugging Face name + `.lora_A.weight`). The names and any row
 reordering come from the family's rules (families.py): B's rows are its product's output rows,
 so B takes the transform of the weight it adapts (rope_q/rope_k reorder q and k rows when the
 model pairs RoPE features the interleaved way); A acts on the input and is copied. GPT-2 fuses
@@ -72,7 +72,8 @@ def module_rules(family: Family, cfg) -> dict[str, tuple[str, Rule]]:
 
 
 def hf_target_names(family: Family, cfg) -> dict[str, str]:
-    """Our target name -> the Hugging Face module name PEFT's target_modules uses ("wq" -> "q_proj")."""
+    """Our target name -> the Hugging Face module name PEFT's target_modules uses (the last part of
+    the family's name for the product, as families.py spells it)."""
     return {ours.rpartition(".")[2]: hf.rpartition(".")[2] for ours, (hf, _) in module_rules(family, cfg).items()}
 
 
