@@ -182,6 +182,13 @@
   // and a part it shows later (another row's walks, another token's RMS calculations) is asked
   // for once, through api/explain with the part's name (viewer/source.py LiveParts); `merge`
   // puts the answer into the data it was asked for, and `redraw` draws it if still shown.
+  // An error answer's text: the explorer's own {"error": message}, or the OpenAI-shaped
+  // {"error": {"message"}} that serve --explorer's shared guards (403, 404, 413) answer with.
+  function errorText(body, status) {
+    const e = body && body.error;
+    return (typeof e === 'string' ? e : e && e.message) || `the server answered ${status}`;
+  }
+
   // True while the part is on its way; false where there is none to ask for (or it came).
   function askPart(name, index, merge, redraw) {
     const p = P(), key = `${name}|${index.join(',')}`;
@@ -195,7 +202,7 @@
       .then(async (res) => {
         const body = await res.json();
         if (res.ok) merge(p, body);
-        else message(body.error || `the server answered ${res.status}`);
+        else message(errorText(body, res.status));
       })
       .catch((e) => message(`could not reach the server: ${e}`))
       .finally(() => { p.asked[key] = 'done'; if (P() === p) redraw(); });
@@ -709,7 +716,7 @@
         const res = await fetch('api/explain', { method: 'POST', headers: { 'Content-Type': 'application/json' },
           body: JSON.stringify({ text: P().sentence, probe: probeName, index }) });
         const body = await res.json();
-        if (!res.ok) { showCalc({ title: `${probeName}${idxLabel(probeName, index)}`, text: body.error || `error ${res.status}` }, fresh); return; }
+        if (!res.ok) { showCalc({ title: `${probeName}${idxLabel(probeName, index)}`, text: errorText(body, res.status) }, fresh); return; }
         P().explain = P().explain || {};
         P().explain[key] = body;
         showCalc(body, fresh);
@@ -842,7 +849,7 @@
       .then(async (res) => {
         const body = await res.json();
         if (seq !== sampleAsked || P() !== p) return; // a later move or sentence draws its own answer
-        if (!res.ok) { message(body.error || `the server answered ${res.status}`); return; }
+        if (!res.ok) { message(errorText(body, res.status)); return; }
         drawStages(body, settings, t);
       })
       .catch((e) => { if (seq === sampleAsked) message(`could not reach the server: ${e}`); });
@@ -899,7 +906,7 @@
     try {
       const res = await fetch('api/trace', { method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ text }) });
       const body = await res.json();
-      if (!res.ok) { message(body.error || `the server answered ${res.status}`); return; }
+      if (!res.ok) { message(errorText(body, res.status)); return; }
       message('');
       state.payload = body;
       state.token = defaultToken();
