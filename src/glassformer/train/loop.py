@@ -28,7 +28,7 @@ from .optim import lr_at
 from .runstate import RunState, StopFlag, plan_steps, rng_state
 from .setup import say, start_run, uses_cuda
 from .step import train_step
-from . import stats
+from .stats import measure_if_due, weights_if_due
 
 
 class NonFiniteLoss(UserError):
@@ -46,10 +46,10 @@ def train(cfg: TrainConfig) -> dict:
             run.net.train()
             with StopFlag() as stop:
                 while not run.done:
-                    before = stats.weights_if_due(run)
+                    before = weights_if_due(run)
                     one_step(run)
                     fix_time_budget(run)
-                    stats.measure_if_due(run, before)
+                    measure_if_due(run, before)
                     log_step(run)
                     evaluate_if_due(run)
                     if any_rank(stop.signal is not None, d, run.device):
