@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from glassformer.text.labels import token_label
 from glassformer.viewer import render, source
 from glassformer.viewer.server import make_server
 
@@ -313,10 +314,26 @@ def test_saved_pages_offline_and_hostile_tokens_are_text(browser, tmp_path):
     out = render.write_html(tmp_path / "hostile.html", fixture_trace(model, [1, 2, 3, 4], toks), sentence=" ".join(toks))
     page = open_page(browser, out.as_uri())
     chips = page.locator("#tokens .tok").all_text_contents()
-    assert [c[1:] for c in chips] == toks  # each chip: its position digit, then the token
-    assert lane_labels(page)[1].startswith("<img src=x")
+    assert [c[1:] for c in chips] == [token_label(t) for t in toks]  # each chip: its position digit, then the token
+    assert lane_labels(page)[1].startswith("<img\u2423src=x")
     assert page.locator("img").count() == 0
     assert page.evaluate("window.__alerted") == 0 and page.events["dialogs"] == []
+    assert page.events["errors"] == []
+    page.close()
+
+
+def test_newline_and_leading_space_tokens_are_drawn(browser, tmp_path):
+    # A newline token was an empty box and a leading space was not there at all.
+    toks = ["the", " cat", "\n", "sat"]
+    pieces = lambda i: "\n" if i % 2 else f" w{i}"  # noqa: E731
+    out = render.write_html(tmp_path / "spaces.html", fixture_trace(tiny_model(), [1, 2, 3, 4], toks),
+                            sentence="the cat\nsat", pieces=pieces)
+    page = open_page(browser, out.as_uri())
+    chips = page.locator("#tokens .tok").all_text_contents()
+    assert [c[1:] for c in chips] == ["the", "\u2423cat", "\u21b5", "sat"]
+    shown = page.locator("#next .cand .piece").all_text_contents()
+    assert "\u21b5" in shown and any(s.startswith("\u2423w") for s in shown)
+    assert not [s for s in shown if not s or re.search(r"\s", s)]
     assert page.events["errors"] == []
     page.close()
 

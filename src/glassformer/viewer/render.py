@@ -22,6 +22,7 @@ import torch
 
 from ..errors import UserError
 from ..probes import stream_wiring
+from ..text.labels import token_label
 from ..tracing.stream import stream_rms
 from ..tracing.tiles import head_walk
 
@@ -73,7 +74,8 @@ def _softmax(row: list[float]) -> list[float]:
 
 
 def next_tokens(trace: dict, pieces: Callable[[int], str] | None = None, k: int = TOP_K) -> list[list[dict]]:
-    """Per position, the k most probable next tokens: id, piece, logit, prob.
+    """Per position, the k most probable next tokens: id, piece, label (text.labels.token_label:
+    what the page draws), logit, prob.
 
     Reads `logits` (with `logsumexp` when the trace kept only the top entries, whose ids
     are in `index.vocab`, one list per token) and `probs` when present.
@@ -100,9 +102,16 @@ def next_tokens(trace: dict, pieces: Callable[[int], str] | None = None, k: int 
         for i in order:
             tid = ids[i] if ids else i
             piece = pieces(tid) if pieces else f"#{tid}"
-            row.append({"id": tid, "piece": str(piece), "prob": probs[i], "logit": None if logits is None else logits[i]})
+            row.append({"id": tid, "piece": str(piece), "label": token_label(str(piece)), "prob": probs[i],
+                        "logit": None if logits is None else logits[i]})
         out.append(row)
     return out
+
+
+def token_labels(tokens: Iterable) -> list[str]:
+    """What the page draws for each token: its text with whitespace made visible (the page
+    keeps the raw tokens too, e.g. for the sentence box)."""
+    return [token_label(str(t)) for t in tokens]
 
 
 def cost_rows(costs: dict, about: str | None = None) -> dict:
@@ -234,7 +243,8 @@ def build_payload(
     mode: 'static' (calculations precomputed for the numbers shown) or 'server' (the page asks
     /api/explain). slim: only the first FEATURE_CAP features of the FFN's wide probes. explain:
     `explain(probe, index)` for this trace; norm: source.norm_table's output; costs: `cost_rows`;
-    flash: source.flash_walks's output. The page reads the stream's probes from `wiring`.
+    flash: source.flash_walks's output. The page reads the stream's probes from `wiring` and
+    draws each token as its `labels` entry (text.labels.token_label: ␣ for a space, ↵ for a newline).
     """
     trace = _checked_trace(trace, mode)
     T = len(trace["tokens"])
@@ -253,7 +263,7 @@ def build_payload(
     return {"trace": _shown_trace(trace, slim), **_finite({
         "format": "glassformer-explorer", "version": 1, "mode": mode,
         "sentence": sentence if sentence is not None else " ".join(map(str, trace["tokens"])),
-        "model_name": model_name, "next": nxt, "explain": explained,
+        "model_name": model_name, "labels": token_labels(trace["tokens"]), "next": nxt, "explain": explained,
         "costs": None if costs is None else (costs if "rows" in costs else cost_rows(costs)),
         "norm": norm, "vocab": vocab, "focus_token": focus, "flash_tile": flash_tile, "notes": notes,
         "wiring": stream_wiring(int(cfg["n_layers"]), cfg["norm_placement"]),

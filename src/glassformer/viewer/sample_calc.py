@@ -33,7 +33,8 @@ def _sums(outs: dict) -> dict:
 
 
 def probability_calcs(outs: dict, settings: dict, ids: list[int], pieces: dict) -> dict:
-    """{str(id): probability_calc} for `ids`; `outs`: stage_outputs; pieces: {str(id): text}."""
+    """{str(id): probability_calc} for `ids`; `outs`: stage_outputs; pieces: {str(id): the token's
+    label as the page draws it (text.labels.token_label)}."""
     sums = _sums(outs) if settings.get("temperature") else {}
     return {str(i): probability_calc(outs, settings, i, pieces[str(i)], sums) for i in ids}
 

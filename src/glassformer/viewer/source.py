@@ -25,6 +25,7 @@ from ..generation.sampling_stages import sampling_stages, stage_outputs
 from ..generation.sampling import check_sampling
 from ..generation.session import cache_length, prefill
 from ..kv_cache import KVCache
+from ..text.labels import token_label
 from ..tracing.analysis import norm_rms
 from ..tracing.format import FORMAT, FORMAT_VERSION, _tiles_json, as_trace, json_ready
 from ..tracing.stream import PLACEMENTS, placement_twins
@@ -384,7 +385,8 @@ class Sampler:
         out = sampling_stages(logits, ids, **settings, outputs=outs)
         shown = {i for st in out["stages"] for i in st["ids"]} | {out["chosen"]}
         out["pieces"] = {str(i): _piece(self.tokenizer, i) for i in sorted(shown)}
-        out["calc"] = probability_calcs(outs, settings, out["stages"][-1]["ids"][:self.CALCS], out["pieces"])
+        out["labels"] = {i: token_label(piece) for i, piece in out["pieces"].items()}  # what the page draws
+        out["calc"] = probability_calcs(outs, settings, out["stages"][-1]["ids"][:self.CALCS], out["labels"])
         out["position"] = len(ids) - 1
         return out
 

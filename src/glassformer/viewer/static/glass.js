@@ -103,7 +103,9 @@
     const kv = Math.floor(head / (CFG().n_heads / CFG().n_kv_heads));
     return axisIds(name, 'kv_head', CFG().n_kv_heads).indexOf(kv);
   }
-  function tokenLabel(i) { const t = TR().tokens[i]; return t === undefined ? `#${i}` : String(t); }
+  // Every token is drawn as the server's label of it (text.labels.token_label: ␣ for a space,
+  // ↵ for a newline); the raw tokens stay in the trace.
+  function tokenLabel(i) { const t = (P().labels || TR().tokens)[i]; return t === undefined ? `#${i}` : String(t); }
   function postNorm() { return CFG().norm_placement === 'post'; }
   // The probe that holds the residual stream after each addition of block i ('mid' after
   // attention, 'out' leaving the block) comes with the data (probes.STREAM_WIRING).
@@ -150,7 +152,7 @@
     return `[${parts.join(', ')}]`;
   }
   function pieceOf(id) {
-    for (const row of P().next || []) for (const c of row) if (c.id === id) return JSON.stringify(c.piece);
+    for (const row of P().next || []) for (const c of row) if (c.id === id) return `“${c.label}”`;
     return `#${id}`;
   }
   function vector(values, probeName, prefix, opts) {
@@ -230,9 +232,9 @@
   }
   function drawTokens() {
     const nav = clear($('tokens'));
-    TR().tokens.forEach((t, i) => {
+    TR().tokens.forEach((_, i) => {
       const b = el('button', { class: 'tok' + (i === state.token ? ' sel' : ''), type: 'button', style: { background: tokColor(i) } },
-        [el('span', { class: 'pos', text: String(TR().positions ? TR().positions[i] : i) }), String(t)]);
+        [el('span', { class: 'pos', text: String(TR().positions ? TR().positions[i] : i) }), tokenLabel(i)]);
       b.dataset.token = String(i);
       b.addEventListener('click', () => { state.token = i; drawTokens(); drawLanes(); drawNumbers(); drawNorm(); drawFlash(); drawSample(); });
       nav.append(b);
@@ -450,12 +452,13 @@
     if (!nx || !nx.length) { box.append(el('p', { class: 'muted', text: 'This trace holds no logits.' })); return; }
     nx.forEach((entry, t) => {
       const card = el('div', { class: 'next-card' });
-      card.append(el('h3', { text: `after “${TR().tokens.slice(0, t + 1).join(' ')}”`, title: TR().tokens.slice(0, t + 1).join(' ') }));
+      const upTo = range(t + 1).map(tokenLabel).join(' ');
+      card.append(el('h3', { text: `after “${upTo}”`, title: upTo }));
       card.append(el('div', { class: 'cand head' }, [el('span', { text: 'next' }), el('span', { text: '' }), el('span', { text: 'prob' }), el('span', { text: 'logit' })]));
       for (const c of entry) {
         const bar = el('div', { class: 'bar' }, el('span', { style: { width: `${(100 * c.prob).toFixed(1)}%`, background: tokColor(t) } }));
         card.append(el('div', { class: 'cand' }, [
-          el('span', { class: 'piece', text: c.piece, title: `id ${c.id}` }), bar,
+          el('span', { class: 'piece', text: c.label, title: `id ${c.id}` }), bar,
           num(c.prob, 'probs', [t, c.id]), num(c.logit, 'logits', [t, c.id]),
         ]));
       }
@@ -494,7 +497,7 @@
       root.append(svg('line', { x1: padL + 12, x2: padL + 34, y1: 18 + 16 * ki, y2: 18 + 16 * ki, stroke: col, 'stroke-width': 2.2, 'stroke-dasharray': dash }));
       root.append(svg('text', { x: padL + 40, y: 22 + 16 * ki, fill: col, 'font-size': 12, 'font-weight': 600, text: `${k}-norm` }));
     });
-    box.append(el('p', { class: 'note', text: `Token “${nm.tokens[t]}”${nm.about ? ' · ' + nm.about : ''}` }), root);
+    box.append(el('p', { class: 'note', text: `Token “${tokenLabel(t)}”${nm.about ? ' · ' + nm.about : ''}` }), root);
     const table = el('table', { class: 'grid' });
     table.append(el('tr', {}, [el('th', { text: '' })].concat(steps.map((s) => el('th', { text: s })))));
     const calc = (k, i) => nm.calc && nm.calc[k] && nm.calc[k][t] ? nm.calc[k][t][i] : null;
@@ -876,7 +879,7 @@
     const box = clear($('sample'));
     box.classList.remove('stale');
     Object.assign(box.dataset, { position: String(t), chosen: String(ans.chosen), settings: JSON.stringify(settings) });
-    const piece = (id) => { const s = ans.pieces[String(id)]; return s === undefined ? `#${id}` : String(s); };
+    const piece = (id) => { const s = (ans.labels || ans.pieces)[String(id)]; return s === undefined ? `#${id}` : String(s); };
     const grid = el('div', { class: 'stages' });
     for (const st of ans.stages) {
       const card = el('div', { class: 'stage-card' });
