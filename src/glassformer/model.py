@@ -139,6 +139,12 @@ def one_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1] and x.device.type == "cpu" and not torch.is_grad_enabled()
 
 
+def reads_held(x: torch.Tensor) -> bool:
+    """Whether a product over many rows may read a held joined copy instead of joining the weights
+    anew: inference on the CPU, not compiling (training and compiled graphs keep their own way)."""
+    return x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 def fresh_rows(held: tuple | None, weights, biases) -> tuple:
     """`held` if it was built from these weights as they are now (and for this thread count), else a
     new row-block copy: the weights side by side, transposed to (in, out), seen as one block of
@@ -213,6 +219,10 @@ def side_by_side(x: torch.Tensor, lins, held: tuple | None):
     if row:
         held = fresh_rows(held, [m.weight for m in lins], [m.bias for m in lins])
         return held_product(held, x).split(sizes, dim=-1), held
+    if held is not None and reads_held(x):  # a batched decode step: no concatenation per call
+        held = fresh_rows(held, [m.weight for m in lins], [m.bias for m in lins])
+        y = x @ held[1]  # (..., in) @ (in, sum of outs) -> (..., sum of outs)
+        return (y if held[3] is None else y + held[3]).split(sizes, dim=-1), held
     w = torch.cat([m.weight for m in lins])  # (sum of outs, in)
     b = None if lins[0].bias is None else torch.cat([m.bias for m in lins])
     return F.linear(x, w, b).split(sizes, dim=-1), held
@@ -355,7 +365,8 @@ class FeedForward(nn.Module):
 
     def gate_up(self, x):
         """SwiGLU's x·W_gate and x·W_up, (B, T, F) each: one product at one row where a joined copy is
-        held; over many rows each its own call, as the model has always trained."""
+        held; over many rows each its own call, as the model has always trained (and, at these
+        shapes, two (out, in) products over many rows beat one over the joined (in, out) copy)."""
         if one_row(x):
             (gate, up), held = side_by_side(x, (self.w_gate, self.w_up), self.held)
             if held is not self.held:
