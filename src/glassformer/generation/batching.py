@@ -147,11 +147,8 @@ class Ticket:
             self._events.append(event)
             self._cond.notify_all()
             waiters = list(self._waiters)
-        for loop, ready in waiters:
-            try:
-                loop.call_soon_threadsafe(ready.set)
-            except RuntimeError:  # that loop has closed: nobody waits there any more
-                pass
+        if waiters:
+            self._engine._wake(waiters)
 
     def _pop(self) -> Event | None:
         with self._cond:
@@ -203,6 +200,20 @@ class Ticket:
             self._engine._cancel(self)
 
 
+def wake_loops(wakes: dict) -> None:
+    """Set each loop's asyncio.Events, one call_soon_threadsafe per loop."""
+    for loop, events in wakes.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:  # that loop has closed: nobody waits there any more
+            pass
+
+
+def _set_all(events: list) -> None:
+    for ready in events:
+        ready.set()
+
+
 @dataclass
 class _Row:
     """A request in a cache row: its text so far, how much of it is in the cache, how it samples."""
@@ -251,6 +262,8 @@ class Engine:
         self._stopping = False
         self.steps = self.decode_steps = self.prefill_tokens = self.decode_tokens = self.moves = 0
         self.prefill_forwards = 0
+        self._wakes: dict | None = None  # while a step runs: loop -> the asyncio.Events its events set
+        self._stepper: int | None = None  # the thread running that step
         self.compile = bool(compile)
         self._compiled: dict[tuple[int, int], object] = {}  # (rows, slots read) -> its compiled decode step
         self._step_key, self.shapes = None, set()
@@ -321,11 +334,27 @@ class Engine:
             busy = bool(self.queue) or any(r is not None for r in self.rows)
         if not busy:
             return False
-        with torch.inference_mode():
-            self._prefill()
-            self._decode()
+        self._wakes, self._stepper = {}, threading.get_ident()
+        try:
+            with torch.inference_mode():
+                self._prefill()
+                self._decode()
+        finally:
+            wakes, self._wakes = self._wakes, None
+            wake_loops(wakes)
         self.steps += 1
         return True
+
+    def _wake(self, waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
+        """Wake asyncio waiters: gathered while this thread steps (one wake-up per loop per step, not
+        one per row: each is a write to the loop's pipe and a hand-over of the interpreter lock),
+        else at once (a cancel, a stop, an empty request)."""
+        wakes = self._wakes
+        if wakes is not None and threading.get_ident() == self._stepper:
+            for loop, ready in waiters:
+                wakes.setdefault(loop, []).append(ready)
+        else:
+            wake_loops({loop: [ready] for loop, ready in waiters})
 
     # ---- checks ------------------------------------------------------------------------
     def _check(self, r: Request) -> list[tuple[int, ...]]:
