@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 
@@ -23,3 +24,10 @@ def add_decode_arguments(ap, compile_help: str) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help=compile_help)
     ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds (a smoke run)")
+
+
+def timed(fn) -> float:
+    """Seconds one call of fn takes (wall clock)."""
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t

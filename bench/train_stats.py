@@ -15,26 +15,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from _common import write_json  # noqa: E402  (bench/ is the script's folder)
+from _common import timed, write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig, Transformer  # noqa: E402
 from glassformer.config import TrainConfig  # noqa: E402
 from glassformer.train.optim import make_optimizer  # noqa: E402
 from glassformer.train.stats import STATS_ROWS, layer_stats, weights_before  # noqa: E402
 from glassformer.train.step import train_step  # noqa: E402
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def main() -> None:

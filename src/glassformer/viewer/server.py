@@ -233,31 +233,25 @@ def explorer_router(explorer: Explorer) -> APIRouter:
     async def favicon() -> Response:
         return _send(204, b"", "image/x-icon")
 
-    @router.post("/api/trace")
-    async def trace(request: Request) -> Response:
+    async def answer(request: Request, work) -> Response:
+        """The body's JSON, `work(req)` -> (function, *args) run in the thread pool, its result or the error."""
         try:
-            text = _text_of(await _read_json(request), explorer)
-            return _json(200, await run_in_threadpool(explorer.payload, text))
+            fn, *args = work(await _read_json(request))
+            return _json(200, await run_in_threadpool(fn, *args))
         except Exception as e:
             return _error_for(e)
+
+    @router.post("/api/trace")
+    async def trace(request: Request) -> Response:
+        return await answer(request, lambda req: (explorer.payload, _text_of(req, explorer)))
 
     @router.post("/api/explain")
     async def explain(request: Request) -> Response:
-        try:
-            req = await _read_json(request)
-            text, (probe, index) = _text_of(req, explorer), _probe_of(req)
-            return _json(200, await run_in_threadpool(explorer.calculation, text, probe, index))
-        except Exception as e:
-            return _error_for(e)
+        return await answer(request, lambda req: (explorer.calculation, _text_of(req, explorer), *_probe_of(req)))
 
     @router.post("/api/sample")
     async def sample(request: Request) -> Response:
-        try:
-            req = await _read_json(request)
-            text, (position, settings) = _text_of(req, explorer), _sample_of(req)
-            return _json(200, await run_in_threadpool(explorer.sample, text, position, settings))
-        except Exception as e:
-            return _error_for(e)
+        return await answer(request, lambda req: (explorer.sample, _text_of(req, explorer), *_sample_of(req)))
 
     return router
 
