@@ -27,6 +27,9 @@ from ..tracing.stream import stream_rms
 from ..tracing.tiles import head_walk
 
 STATIC = Path(__file__).parent / "static"
+# The page's scripts in the order they run: glass.js first (its helpers, as window.Glass), then
+# each view that lives in a file of its own and registers with Glass.view.
+VIEW_SCRIPTS = ("glass.js",)
 FEATURE_CAP = 8  # numbers shown per vector (per head); glass.js uses the same cap
 TOP_K = 5  # next-token candidates shown per position
 EXPLAIN_LIMIT = 1200  # calculations stored in a saved page at most
@@ -353,8 +356,10 @@ def static_file(name: str) -> str:
 
 
 def render_html(payload: dict, *, inline: bool = True, title: str | None = None) -> str:
-    """The page. inline=True: one self-contained file; False: links /static/glass.{css,js}."""
-    css, js = static_file("glass.css"), static_file("glass.js")
+    """The page. inline=True: one self-contained file; False: links /static/glass.css and
+    each of VIEW_SCRIPTS."""
+    css = static_file("glass.css")
+    js = "\n".join(static_file(name) for name in VIEW_SCRIPTS)
     if inline:
         js_hash = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
         csp = (f"default-src 'none'; script-src 'sha256-{js_hash}'; style-src 'unsafe-inline'; "
@@ -364,7 +369,7 @@ def render_html(payload: dict, *, inline: bool = True, title: str | None = None)
         csp = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src data:; "
                "connect-src 'self'; base-uri 'none'; form-action 'none'")
         style = '<link rel="stylesheet" href="static/glass.css">'
-        script = '<script src="static/glass.js"></script>'
+        script = "".join(f'<script src="static/{name}"></script>' for name in VIEW_SCRIPTS)
     if title is None:
         title = f"glassformer · {payload.get('sentence', '')}"
     page = static_file("page.html")

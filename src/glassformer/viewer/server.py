@@ -21,12 +21,12 @@ from starlette.responses import Response
 
 from ..errors import UserError
 from ..serve.http import Limits, Server, json_bytes, make_app, plain_error
-from .render import _finite, build_payload, render_html, static_file, to_plain
+from .render import VIEW_SCRIPTS, _finite, build_payload, render_html, static_file, to_plain
 
 MAX_BODY = 64 * 1024  # bytes of one request body
 MAX_TEXT = 2000  # characters of one sentence
 LIMITS = Limits(max_body=MAX_BODY)  # the base's deadlines; the explorer's body limit
-STATIC_FILES = {"glass.css": "text/css; charset=utf-8", "glass.js": "text/javascript; charset=utf-8"}
+STATIC_FILES = {"glass.css": "text/css; charset=utf-8", **{name: "text/javascript; charset=utf-8" for name in VIEW_SCRIPTS}}
 
 
 class TooLarge(Exception):

@@ -236,7 +236,10 @@
       const b = el('button', { class: 'tok' + (i === state.token ? ' sel' : ''), type: 'button', style: { background: tokColor(i) } },
         [el('span', { class: 'pos', text: String(TR().positions ? TR().positions[i] : i) }), tokenLabel(i)]);
       b.dataset.token = String(i);
-      b.addEventListener('click', () => { state.token = i; drawTokens(); drawLanes(); drawNumbers(); drawNorm(); drawFlash(); drawSample(); });
+      b.addEventListener('click', () => {
+        state.token = i; drawTokens(); drawLanes(); drawNumbers(); drawNorm(); drawFlash(); drawSample();
+        eachView('onToken');
+      });
       nav.append(b);
     });
   }
@@ -933,9 +936,26 @@
     for (const f of sections) {
       try { f(); } catch (e) { console.error(e); message(`could not draw part of the page: ${e}`); }
     }
+    eachView('draw');
     if (P().message) message(P().message);
     document.body.dataset.ready = String(Number(document.body.dataset.ready || 0) + 1);
   }
-  state.token = defaultToken();
-  drawAll();
+  // The views in their own files (render.VIEW_SCRIPTS: tokenizer.js, generated.js, ...) run
+  // after this one and register with Glass.view({draw, onToken}); the page draws once they have.
+  const views = [];
+  function eachView(hook) {
+    for (const v of views) {
+      if (typeof v[hook] !== 'function') continue;
+      try { v[hook](); } catch (e) { console.error(e); message(`could not draw part of the page: ${e}`); }
+    }
+  }
+  window.Glass = Object.freeze({
+    el, svg, clear, append, fmt, fmtP, fmtInt, fmtBytes, tokColor, range, $, message, errorText,
+    state, P, TR, CFG, tokenLabel, showCalc, calcNum, drawAll,
+    setPayload(body) { state.payload = body; state.token = defaultToken(); state.history = []; state.current = null; drawAll(); },
+    view(v) { views.push(v); },
+  });
+  function start() { state.token = defaultToken(); drawAll(); }
+  if (document.readyState === 'loading') document.addEventListener('DOMContentLoaded', start);
+  else setTimeout(start, 0);
 })();
