@@ -313,6 +313,8 @@ class TrainConfig:
     """Write a metrics.jsonl line every N steps."""
     keep_last: int = 2
     """Checkpoints kept besides the best one."""
+    snapshot_every: int = 0
+    """Also keep a checkpoint every N steps for the explorer's checkpoint slider (`glassformer view --run`), exempt from --keep-last pruning (0 = off; docs/training.md#snapshots)."""
     compile: bool = False
     """torch.compile the model."""
     dtype: str = "auto"
@@ -347,7 +349,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("micro_batch", "seq_len", "max_steps", "warmup_steps", "eval_every", "eval_tokens",
-                     "keep_last", "log_every", "calibrate_steps", "threads"):
+                     "keep_last", "snapshot_every", "log_every", "calibrate_steps", "threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.time_budget < 0:
