@@ -175,3 +175,33 @@ def test_limits_and_a_server_without_sampler(served):
         assert status == 400 and "no sampling view" in json.loads(body)["error"]
     finally:
         server.stop()
+
+
+def test_every_stage_has_its_calculation(parts):
+    """Each drawn bar of the earlier stages opens a calculation whose result, recomputed from the
+    numbers it shows (the head's product for a raw logit), is that stage's value."""
+    model, tok, explorer = parts
+    for s in SETTINGS:
+        out = explorer.sample(TEXT, 5, s)
+        assert set(out["calcs"]) == set(STAGES[:-1])
+        for st in out["stages"][:-1]:
+            calcs = out["calcs"][st["name"]]
+            assert list(calcs) == [str(i) for i in st["ids"][:10]]
+            for i, v in zip(st["ids"][:10], st["values"]):
+                c = calcs[str(i)]
+                assert c["value"] == v and c["result"] == pytest.approx(v, rel=1e-5, abs=1e-6), (st["name"], s, c)
+                assert c["title"].endswith(f"= {float(v):.6g}") and out["labels"][str(i)] in c["title"]
+        logit = out["calcs"]["logits"]
+        first = next(iter(logit.values()))
+        assert f"summed over its {model.config.dim} features" in first["text"]
+    # The words of each stage's operation, with its numbers.
+    out = explorer.sample(TEXT, 5, SETTINGS[2])
+    i = out["stages"][5]["ids"][0]
+    assert "p_max · min_p" in out["calcs"]["min_p"][str(i)]["text"] and "renormalised" in out["calcs"]["top_p"][str(i)]["text"]
+    pen = out["stages"][1]
+    for i in pen["ids"][:10]:
+        said = out["calcs"]["repetition_penalty"][str(i)]["text"]
+        assert ("seen: " in said) == (i in pen["seen"]) and ("not seen yet" in said) == (i not in pen["seen"])
+    out = explorer.sample(TEXT, 5, SETTINGS[1])
+    i = out["stages"][3]["ids"][0]
+    assert "the 40-th largest is" in out["calcs"]["top_k"][str(i)]["text"]

@@ -34,7 +34,7 @@ from ..tracing.trace import trace
 from ..worked import model as worked
 from .cost_calc import cost_calcs
 from .render import cost_rows, flash_key, to_plain, write_html
-from .sample_calc import probability_calcs
+from .sample_calc import probability_calcs, stage_calcs
 from .server import Explorer
 
 TOP_K = 10  # logits kept per token in a trace for the page (the page shows 5)
@@ -358,27 +358,44 @@ class Sampler:
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
-        self.logits: OrderedDict = OrderedDict()  # ids -> (V,)
+        self.logits: OrderedDict = OrderedDict()  # ids -> ((V,) logits, (D,) the final norm's output)
+
+    def _run(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last position's logits (V,) and the head's input (D,), from one prefill."""
+        model, seen = self.model, []
+        if next(model.parameters()).device.type == "cpu":
+            model.hold_rows()  # as a generation session does: one-row products then match its bits
+        cache = KVCache.for_model(model, 1, cache_length(model, [ids], 1))
+        x = torch.tensor([ids], device=next(model.parameters()).device)  # (1, T)
+        hook = model.final_norm.register_forward_hook(lambda mod, args, out: seen.append(out[0, -1]))
+        try:
+            with torch.inference_mode():
+                logits = prefill(model, x, cache)[0]  # (V,)
+        finally:
+            hook.remove()
+        return logits, seen[-1]  # (V,), (D,)
 
     def _logits(self, ids: list[int]) -> torch.Tensor:
+        return self._kept(ids)[0]
+
+    def _kept(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         key = tuple(ids)
         if key not in self.logits:
-            model = self.model
-            if next(model.parameters()).device.type == "cpu":
-                model.hold_rows()  # as a generation session does: one-row products then match its bits
-            cache = KVCache.for_model(model, 1, cache_length(model, [ids], 1))
-            x = torch.tensor([ids], device=next(model.parameters()).device)  # (1, T)
-            with torch.inference_mode():
-                self.logits[key] = prefill(model, x, cache)[0]  # (V,)
+            self.logits[key] = self._run(ids)
             while len(self.logits) > self.KEPT:
                 self.logits.popitem(last=False)
         self.logits.move_to_end(key)
         return self.logits[key]
 
-    CALCS = 10  # probabilities of the last stage with their calculation (the page draws 10 bars)
+    def head_weight(self) -> torch.Tensor | None:
+        """The output head's weight (V, D) where it is a plain matrix (not a quantized one)."""
+        w = getattr(self.model.lm_head, "weight", None)
+        return w if isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_floating_point() else None
+
+    CALCS = 10  # bars of each stage with their calculation (the page draws 10 bars a stage)
 
     def __call__(self, ids: list[int], settings: dict) -> dict:
-        logits = self._logits(ids)
+        logits, hidden = self._kept(ids)
         filters = {k: v for k, v in settings.items() if k != "seed"}
         check_sampling(**filters)
         outs = stage_outputs(logits, ids, **filters)
@@ -387,6 +404,9 @@ class Sampler:
         out["pieces"] = {str(i): _piece(self.tokenizer, i) for i in sorted(shown)}
         out["labels"] = {i: token_label(piece) for i, piece in out["pieces"].items()}  # what the page draws
         out["calc"] = probability_calcs(outs, settings, out["stages"][-1]["ids"][:self.CALCS], out["labels"])
+        w = self.head_weight()
+        out["calcs"] = stage_calcs(outs, settings, out["stages"], out["labels"], None if w is None else (hidden, w),
+                                   position=len(ids) - 1, shown=self.CALCS)
         out["position"] = len(ids) - 1
         return out
 
