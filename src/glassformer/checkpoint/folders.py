@@ -169,10 +169,30 @@ def remove_leftovers(run: str | Path) -> list[str]:
     return removed
 
 
+SNAPSHOTS = "snapshots"  # run/snapshots: the names of the checkpoints --snapshot-every keeps, one a line
+
+
+def read_snapshots(run: str | Path) -> list[str]:
+    """The checkpoint names listed in run/snapshots (train --snapshot-every), in the file's order."""
+    p = Path(run) / SNAPSHOTS
+    if not p.is_file():
+        return []
+    return [ln.strip() for ln in p.read_text().splitlines() if ln.strip()]
+
+
+def add_snapshot(run: str | Path, name: str) -> None:
+    """List checkpoint `name` in run/snapshots (rewritten atomically), so prune keeps it."""
+    names = read_snapshots(run)
+    if name not in names:
+        atomic_text(Path(run) / SNAPSHOTS, "".join(n + "\n" for n in names + [name]))
+
+
 def prune(run: str | Path, keep_last: int, keep: set[str]) -> None:
-    """Keep the newest keep_last checkpoints and those named in keep (the best, the latest)."""
+    """Keep the newest keep_last checkpoints, those named in keep (the best, the latest) and the
+    snapshots (run/snapshots: the explorer's checkpoint slider reads them)."""
     found = complete_checkpoints(run)
     doomed = found[:-keep_last] if keep_last > 0 else found
+    keep = set(keep) | set(read_snapshots(run))
     for p in doomed:
         if p.name not in keep:
             shutil.rmtree(p, ignore_errors=True)
