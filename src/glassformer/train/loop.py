@@ -1,8 +1,8 @@
 """The training loop: one process or many (torchrun), exact resume, faults handled.
 
 `train(cfg)` is its table of contents: `start_run` (train/setup.py), then per step `one_step`
-(around train/step.py `train_step`), `fix_time_budget`, `log_step`, `evaluate_if_due`, a
-signal check; then `finish`, all sharing one `RunState` (train/runstate.py). A step's numbers
+(around train/step.py `train_step`), `fix_time_budget`, `log_step`, `evaluate_if_due`,
+`snapshot_if_due`, a signal check; then `finish`, all sharing one `RunState` (train/runstate.py). A step's numbers
 are a function of (seed, step, rank), so a resume repeats the run bit for bit (docs/training.md#the-loop).
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from .distributed import all_mean, all_sum, any_rank, full_states, teardown
 from .distributed import setup as setup_processes
-from ..checkpoint.folders import prune, read_pointer, write_pointer
+from ..checkpoint.folders import add_snapshot, prune, read_pointer, write_pointer
 from ..checkpoint.training import save_training
 from ..config import TrainConfig
 from ..errors import UserError
@@ -52,6 +52,7 @@ def train(cfg: TrainConfig) -> dict:
                     measure_if_due(run, before)
                     log_step(run)
                     evaluate_if_due(run)
+                    snapshot_if_due(run)
                     if any_rank(stop.signal is not None, d, run.device):
                         run.stop_reason = stop.signal or "signal"
                         break
@@ -174,6 +175,22 @@ def evaluate_if_due(run: RunState) -> None:
             run.bar.write(f"step {run.step}: held-out loss {run.last_val['loss']:.4f}, "
                           f"{run.last_val['bpb']:.4f} bits per byte")
         run.t_log, run.tok_log = time.perf_counter(), 0  # tokens/s measures training, not evaluation
+
+
+def snapshot_if_due(run: RunState) -> None:
+    """Every --snapshot-every steps: a checkpoint listed in run/snapshots, which pruning keeps (the
+    explorer's checkpoint slider, `glassformer view --run`). An evaluation's checkpoint of the same
+    step is listed, not written again; so is the last step's, which `finish` writes."""
+    every, step = run.cfg.snapshot_every, run.step
+    if not every or step % every:
+        return
+    evaluated = bool(run.cfg.eval_every and step % run.cfg.eval_every == 0)
+    calibrated = bool(run.plan and run.plan["calibrated_at"] == step)  # fix_time_budget's checkpoint
+    name = f"step-{step:06d}"
+    if not (run.done or evaluated or calibrated):  # the same on every rank: save_checkpoint is a collective
+        name = save_checkpoint(run, None, "snapshot")
+    if run.d.main:
+        add_snapshot(run.out, name)
 
 
 def evaluate(run: RunState) -> dict:
