@@ -286,7 +286,11 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate, reached after the warm-up."""
     min_lr: float = 3e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay (the last step)."""
+    schedule: str = "cosine"
+    """After the warm-up: 'cosine' (half a cosine from --lr to --min-lr) or 'wsd' (hold --lr, then a straight line to --min-lr over the last --decay-frac of the steps; docs/training.md#the-learning-rate-schedule)."""
+    decay_frac: float = 0.4
+    """With --schedule wsd: the share of all steps spent decaying at the end."""
     warmup_steps: int = 20
     """Steps of linear warm-up from 0 to lr."""
     weight_decay: float = 0.1
@@ -362,6 +366,10 @@ class TrainConfig:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0; got lr={self.lr}, min_lr={self.min_lr}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ValueError(f"schedule must be cosine or wsd, got {self.schedule!r}")
+        if not 0.0 < self.decay_frac <= 1.0:
+            raise ValueError(f"decay_frac must be in (0, 1] (a share of the steps), got {self.decay_frac}")
         if self.stats_every < -1:
             raise ValueError(f"stats_every must be -1 (the eval interval), 0 (off) or a number of steps, got {self.stats_every}")
         if not self.muon_lr > 0 or not 0.0 <= self.muon_momentum < 1.0:

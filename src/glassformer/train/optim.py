@@ -1,5 +1,5 @@
 """AdamW with one weight-decay rule (or Muon for the block matrices beside it), and the
-learning-rate schedule: linear warm-up, then cosine.
+learning-rate schedule: linear warm-up, then cosine or warm-up–stable–decay (wsd).
 
 Pure functions of the config and the step, so a resumed run recomputes the same rate at the
 same step and the schedule never depends on the clock.
@@ -114,18 +114,41 @@ def make_muon(model: torch.nn.Module, lr: float, muon_lr: float, momentum: float
     return Optimizers(muon, make_optimizer(rest, lr, weight_decay, betas, device))
 
 
-def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
-    """Rate for optimizer step `step` (0-based): (step+1)/warmup·lr, then cosine from lr to min_lr at `total`.
+SCHEDULES = ("cosine", "wsd")
 
-    >>> lr_at(0, 1.0, 0.1, 10, 100), lr_at(9, 1.0, 0.1, 10, 100), lr_at(100, 1.0, 0.1, 10, 100)
+
+def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int, schedule: str = "cosine",
+          decay_frac: float = 0.4) -> float:
+    """Rate for optimizer step `step` (0-based): (step+1)/warmup·lr, then the schedule down to min_lr at step total-1.
+
+    'cosine': half a cosine from lr to min_lr over all steps after the warm-up.
+    'wsd' (warm-up, stable, decay; the speedrun lineage's): lr held, then a straight line to
+    min_lr over the last decay_frac of the steps (decay_start gives where it starts).
+
+    >>> lr_at(0, 1.0, 0.1, 10, 100), lr_at(9, 1.0, 0.1, 10, 100), lr_at(99, 1.0, 0.1, 10, 100)
     (0.1, 1.0, 0.1)
+    >>> lr_at(59, 1.0, 0.0, 10, 100, "wsd", 0.4), lr_at(99, 1.0, 0.0, 10, 100, "wsd", 0.4)
+    (1.0, 0.0)
     """
     if step < warmup:
         return lr * (step + 1) / warmup
     if total <= warmup:
         return lr
+    if schedule == "wsd":
+        start = decay_start(warmup, total, decay_frac)
+        progress = min(1.0, max(0.0, (step - start) / max(1, total - 1 - start)))
+        return lr + (min_lr - lr) * progress
     progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def decay_start(warmup: int, total: int, decay_frac: float) -> int:
+    """The last step at the full rate under 'wsd': the decay_frac·total steps after it decay (never inside the warm-up).
+
+    >>> decay_start(10, 100, 0.4), decay_start(10, 100, 1.0)
+    (59, 10)
+    """
+    return max(warmup, total - 1 - round(decay_frac * total))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, value: float) -> None:
