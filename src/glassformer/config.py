@@ -15,7 +15,7 @@ from typing import Any
 
 NORMS = ("rms", "layer")
 PLACEMENTS = ("pre", "post")
-FFNS = ("swiglu", "relu", "gelu", "gelu_tanh")
+FFNS = ("swiglu", "relu", "gelu", "gelu_tanh", "none")
 POSITIONS = ("rope", "learned", "none")
 ATTENTIONS = ("sdpa", "naive", "tiled")
 ROPE_PAIRS = ("half", "interleaved")
@@ -25,6 +25,13 @@ ROPE_SCALINGS = ("llama3", "linear")
 def _swiglu_width(dim: int) -> int:
     """Llama's rule: 2/3 of 4·dim (so SwiGLU's three matrices cost what two would), rounded up to 32."""
     return 32 * math.ceil(int(8 * dim / 3) / 32)
+
+
+def _default_ffn_width(ffn: str, dim: int) -> int:
+    """F when none is given: SwiGLU's width, 4·dim for the others, 0 without a feed-forward."""
+    if ffn == "none":
+        return 0
+    return _swiglu_width(dim) if ffn == "swiglu" else 4 * dim
 
 
 @dataclass
@@ -44,7 +51,7 @@ class ModelConfig:
     head_dim: int | None = None
     """H: size of one head (None = dim // n_heads)."""
     ffn_dim: int | None = None
-    """F: feed-forward width (None = 8·dim/3 rounded up to 32 for SwiGLU, 4·dim otherwise)."""
+    """F: feed-forward width (None = 8·dim/3 rounded up to 32 for SwiGLU, 4·dim otherwise; 0 with ffn='none')."""
     max_seq_len: int = 256
     """Longest context the model accepts (positions 0 … max_seq_len-1)."""
     rope_theta: float = 10000.0
@@ -60,7 +67,7 @@ class ModelConfig:
     norm_placement: str = "pre"
     """'pre' (norm before each sublayer, Llama/GPT-2) or 'post' (after each addition, the 2017 Transformer)."""
     ffn: str = "swiglu"
-    """'swiglu', 'relu', 'gelu' or 'gelu_tanh'."""
+    """'swiglu', 'relu', 'gelu', 'gelu_tanh', or 'none': attention-only blocks, no feed-forward sublayer."""
     pos: str = "rope"
     """'rope', 'learned' (absolute, GPT-2) or 'none'."""
     tie_embeddings: bool = False
@@ -119,9 +126,9 @@ class ModelConfig:
                 f"RoPE turns features in pairs, so head_dim must be even (got {self.head_dim}): "
                 "change dim/n_heads or head_dim, or use pos='learned' or 'none'"
             )
-        if self.ffn_dim is None:
-            self.ffn_dim = _swiglu_width(self.dim) if self.ffn == "swiglu" else 4 * self.dim
-        if self.ffn_dim < 1:
+        if self.ffn_dim is None or self.ffn == "none":  # 'none' has no width: any value given describes nothing
+            self.ffn_dim = _default_ffn_width(self.ffn, self.dim)
+        if self.ffn_dim < 1 and self.ffn != "none":
             raise ValueError(f"ffn_dim must be a positive integer, got {self.ffn_dim}")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
@@ -146,6 +153,11 @@ class ModelConfig:
     def n_rep(self) -> int:
         """How many query heads share one key/value head (1 for MHA)."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def has_ffn(self) -> bool:
+        """Whether each block has a feed-forward sublayer (False for ffn='none', attention-only)."""
+        return self.ffn != "none"
 
     @property
     def q_dim(self) -> int:

@@ -393,8 +393,10 @@ class Block(nn.Module):
         self.cfg = cfg
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.ffn_norm = make_norm(cfg)
-        self.ffn = FeedForward(cfg)
+        # ffn='none': an attention-only block (Elhage et al., 2021, "A Mathematical Framework for
+        # Transformer Circuits"): no feed-forward norm or weights; the stream leaves after attention.
+        self.ffn_norm = make_norm(cfg) if cfg.has_ffn else None
+        self.ffn = FeedForward(cfg) if cfg.has_ffn else None
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None):
@@ -403,11 +405,15 @@ class Block(nn.Module):
             # Pre-norm: each sublayer reads a normalised copy; the stream itself is never normalised.
             a = self.attn(tap(n + ".attn_norm", self.attn_norm(x)), rope, q_pos, cache, key_mask, start)
             h = tap(n + ".resid_mid", x + dropout(self.drop, a))
+            if self.ffn is None:
+                return h
             f = self.ffn(tap(n + ".ffn_norm", self.ffn_norm(h)))
             return tap(n + ".resid_out", h + dropout(self.drop, f))
         # Post-norm (Vaswani et al., 2017): normalise the stream after each addition.
         h = tap(n + ".resid_mid", x + dropout(self.drop, self.attn(x, rope, q_pos, cache, key_mask, start)))
         h = tap(n + ".attn_norm", self.attn_norm(h))
+        if self.ffn is None:
+            return h
         y = tap(n + ".resid_out", h + dropout(self.drop, self.ffn(h)))
         return tap(n + ".ffn_norm", self.ffn_norm(y))
 
@@ -485,7 +491,8 @@ class Transformer(nn.Module):
         (Linear, side_by_side): what a generation session asks for; the forward stays the same."""
         for b in self.blocks:
             b.attn.hold_rows(on)
-            b.ffn.hold_rows(on)
+            if b.ffn is not None:
+                b.ffn.hold_rows(on)
         if isinstance(self.lm_head, Linear):
             self.lm_head.hold_rows(on)
 

@@ -66,15 +66,24 @@ STREAM_WIRING = {
 }
 
 
-def stream_probes(layer: int, norm_placement: str) -> dict[str, str]:
-    """Full probe names of STREAM_WIRING for block `layer`, with "in" resolved.
+def attention_only(row: dict[str, str]) -> dict[str, str]:
+    """A STREAM_WIRING row for blocks without a feed-forward (ffn='none'): the stream leaves the
+    block right after the attention addition (out = mid), and the ffn keys are absent."""
+    return {k: (row["mid"] if k == "out" else v) for k, v in row.items() if not k.startswith("ffn")}
+
+
+def stream_probes(layer: int, norm_placement: str, ffn: str = "swiglu") -> dict[str, str]:
+    """Full probe names of STREAM_WIRING for block `layer`, with "in" resolved; ffn: the config's
+    feed-forward kind ('none': attention_only's row).
 
     >>> stream_probes(1, "post")["in"], stream_probes(0, "pre")["attn_norm_reads"]
     ('blocks.0.ffn_norm', 'embed')
+    >>> stream_probes(1, "pre", "none")["in"]
+    'blocks.0.resid_mid'
     """
     if norm_placement not in STREAM_WIRING:
         raise ValueError(f"norm_placement must be one of {sorted(STREAM_WIRING)}, got {norm_placement!r}")
-    row = STREAM_WIRING[norm_placement]
+    row = STREAM_WIRING[norm_placement] if ffn != "none" else attention_only(STREAM_WIRING[norm_placement])
     enter = "embed" if layer == 0 else f"blocks.{layer - 1}.{row['out']}"
     out = {"in": enter}
     for key, leaf in row.items():
@@ -82,16 +91,18 @@ def stream_probes(layer: int, norm_placement: str) -> dict[str, str]:
     return out
 
 
-def stream_wiring(n_layers: int, norm_placement: str) -> list[dict[str, str]]:
+def stream_wiring(n_layers: int, norm_placement: str, ffn: str = "swiglu") -> list[dict[str, str]]:
     """stream_probes of every block, in order (the page receives this in its data)."""
-    return [stream_probes(i, norm_placement) for i in range(n_layers)]
+    return [stream_probes(i, norm_placement, ffn) for i in range(n_layers)]
 
 
-def final_norm_reads(n_layers: int, norm_placement: str) -> str:
+def final_norm_reads(n_layers: int, norm_placement: str, ffn: str = "swiglu") -> str:
     """The stream the final norm reads: the one leaving the last block."""
-    return stream_probes(n_layers - 1, norm_placement)["out"] if n_layers else "embed"
+    return stream_probes(n_layers - 1, norm_placement, ffn)["out"] if n_layers else "embed"
 
 
-def stream_points(n_layers: int, norm_placement: str) -> list[str]:
-    """The stream at the embedding, then after every addition: embed, mid and out of each block."""
-    return ["embed"] + [p for w in stream_wiring(n_layers, norm_placement) for p in (w["mid"], w["out"])]
+def stream_points(n_layers: int, norm_placement: str, ffn: str = "swiglu") -> list[str]:
+    """The stream at the embedding, then after every addition: embed, mid and out of each block
+    (mid alone where it is also out: an attention-only block has one addition)."""
+    wiring = stream_wiring(n_layers, norm_placement, ffn)
+    return ["embed"] + [p for w in wiring for p in dict.fromkeys((w["mid"], w["out"]))]

@@ -362,6 +362,9 @@ def _mismatches(cfg: ModelConfig, wants: dict[str, Any]) -> list[str]:
 
 def family_for(cfg: ModelConfig) -> Family:
     """The Hugging Face family that can hold this model exactly, or a UserError saying why none can."""
+    if not cfg.has_ffn:
+        raise UserError("ffn='none' (attention-only blocks): every Hugging Face family that glassformer writes "
+                        "(llama, mistral, qwen2, gpt2) has a feed-forward in each block: export refused")
     llama_wants = dict(norm="rms", norm_placement="pre", ffn="swiglu", pos="rope", bias=False)
     gpt2_wants = dict(
         norm="layer", norm_placement="pre", ffn=lambda f: f in _GPT2_ACT_OUT, pos="learned", bias=True,

@@ -71,6 +71,9 @@ def _llama_off(cfg: ModelConfig) -> list[str]:
 def gguf_arch(cfg: ModelConfig) -> str:
     """'llama', 'qwen2' or 'gpt2': the llama.cpp graph that computes exactly what cfg does, or a
     UserError naming every switch that none of them has."""
+    if not cfg.has_ffn:
+        raise UserError("ffn='none' (attention-only blocks): llama.cpp's llama, qwen2 and gpt2 graphs have a "
+                        "feed-forward in each block: export refused")
     if cfg.norm_placement == "post":
         raise UserError("post-norm models have no llama.cpp graph (llama.cpp's llama, qwen2 and gpt2 are pre-norm): export refused")
     later = _later_switches(cfg)

@@ -118,6 +118,8 @@ def crossover_seq(cfg: ModelConfig, kernel: str = "naive") -> int | None:
     keys, so if W is below that point the scores never overtake the FFN: None.
     """
     m, NH = ffn_matrices(cfg), cfg.q_dim
+    if not m:  # ffn='none': no feed-forward to pass
+        return None
     if kernel in ("naive", "sdpa"):
         return math.ceil(m * cfg.dim * cfg.ffn_dim / (2 * NH))
     ffn_per_token = 2 * m * cfg.dim * cfg.ffn_dim

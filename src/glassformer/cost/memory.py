@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from .flops import tiled_pairs
-from .params import num_weights
+from .params import num_weights, sublayers
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per weight (AdamW: m and v)
@@ -65,10 +65,11 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
     BT = B * T
     n_act, n_32 = _norm(cfg, BT)
     k_act, k_32, k_mask = _kernel(cfg, B, T, kernel)
-    ffn_saved = {"swiglu": 4, "gelu": 2, "gelu_tanh": 2, "relu": 1}[cfg.ffn]
+    ffn_saved = {"swiglu": 4, "gelu": 2, "gelu_tanh": 2, "relu": 1, "none": 0}[cfg.ffn]
+    S = sublayers(cfg)  # norms, sublayer inputs and dropout sites per block: 2, or 1 without a feed-forward
     parts_act = {  # in the training dtype
-        "norms": (2 * L + 1) * n_act,
-        "linear_in": (2 * L + 1) * BT * D,
+        "norms": (S * L + 1) * n_act,
+        "linear_in": (S * L + 1) * BT * D,
         # Q, K and V run as one product over their weights joined (model.Attention.qkv, the fused product over many rows): the
         # joined copy is an activation, kept for the input's gradient; it does not grow with B·T.
         "qkv_weight": L * (cfg.q_dim + 2 * cfg.kv_dim) * D,
@@ -77,10 +78,10 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
         "ffn": L * ffn_saved * BT * F,
         # Dropout keeps its noise per site (the embedding and both sublayers of every block):
         # a float tensor on the CPU; CUDA's fused dropout keeps a bool mask instead (1 byte).
-        "dropout": (2 * L + 1) * BT * D if cfg.dropout > 0 else 0,
+        "dropout": (S * L + 1) * BT * D if cfg.dropout > 0 else 0,
     }
     parts_32 = {  # fp32 whatever the dtype
-        "norms": (2 * L + 1) * n_32,
+        "norms": (S * L + 1) * n_32,
         "attn_kernel": L * k_32,
         "logits": BT * V,
         "rope": BT * cfg.head_dim if cfg.pos == "rope" else 0,

@@ -11,8 +11,16 @@ from ..config import ModelConfig
 
 
 def ffn_matrices(cfg: ModelConfig) -> int:
-    """3 for SwiGLU (up, gate, down), 2 for ReLU/GELU (up, down)."""
+    """3 for SwiGLU (up, gate, down), 2 for ReLU/GELU (up, down), 0 for ffn='none'."""
+    if not cfg.has_ffn:
+        return 0
     return 3 if cfg.ffn == "swiglu" else 2
+
+
+def sublayers(cfg: ModelConfig) -> int:
+    """Sublayers in one block, each with its norm, its addition and its dropout: 2, or 1 (attention
+    alone) for ffn='none'."""
+    return 2 if cfg.has_ffn else 1
 
 
 def norm_weights(cfg: ModelConfig) -> int:
@@ -33,8 +41,8 @@ def layer_weights(cfg: ModelConfig) -> dict[str, int]:
         "attn_bias": (NH + 2 * KH if qkv_bias else 0) + (D if cfg.bias else 0),
         "ffn": m * D * F,
         # up (and gate) biases are F wide, down's is D wide
-        "ffn_bias": ((m - 1) * F + D) if cfg.bias else 0,
-        "norms": 2 * norm_weights(cfg),
+        "ffn_bias": ((m - 1) * F + D) if cfg.bias and m else 0,
+        "norms": sublayers(cfg) * norm_weights(cfg),
     }
 
 

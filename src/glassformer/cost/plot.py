@@ -33,12 +33,13 @@ def plot_costs(cfg: ModelConfig, path, batch: int = 1, dtype: str = "bf16", memo
     dense = [sum(per_tok(T, p) for p in ("attn_qkv", "attn_o", "ffn", "lm_head")) for T in Ts]
     ffn = [per_tok(T, "ffn") for T in Ts]
     ax1.plot(Ts, dense, "k-", lw=2, label="products with weights (flat in T)")
-    ax1.plot(Ts, ffn, "k:", label="of which feed-forward")
+    if cfg.has_ffn:  # ffn='none': no feed-forward line (zeros on a log scale)
+        ax1.plot(Ts, ffn, "k:", label="of which feed-forward")
     for k, style in (("naive", "C3-"), ("tiled", "C1--"), ("causal", "C2-.")):
         sc = [2 * per_tok(T, "attn_scores", k) for T in Ts]
         ax1.plot(Ts, sc, style, label=f"attention scores, {k}" + (" (full T×T grid)" if k == "naive" else ""))
     cross = crossover_seq(cfg, "naive")
-    if cross <= Ts[-1]:
+    if cross is not None and cross <= Ts[-1]:
         ax1.axvline(cross, color="C3", alpha=0.3)
         ax1.text(cross * 0.9, ffn[0] * 0.25, f"full-grid scores\npass the FFN\nat T={cross:,}", fontsize=8,
                  color="C3", ha="right", bbox=dict(fc="white", ec="none", alpha=0.8))

@@ -192,7 +192,10 @@ def format_table(r: dict) -> str:
     add("forward FLOPs per token", f"{human(r['flops_per_token'], 'FLOP')} ({human(r['flops_per_token_no_scores'])} without scores)")
     add("training step FLOPs", f"{human(r['flops_train_step'], 'FLOP')} (3 × forward)")
     cs, cc = r["crossover_seq"], r["crossover_seq_causal"]
-    add("scores pass FFN at T", f"{cs:,} (full grid); {'never (window)' if cc is None else f'{cc:,}'} (causal pairs)")
+    if cs is None:
+        add("scores pass FFN at T", "no feed-forward (ffn='none')")
+    else:
+        add("scores pass FFN at T", f"{cs:,} (full grid); {'never (window)' if cc is None else f'{cc:,}'} (causal pairs)")
     add(f"activations ({i['attention']})", f"{human(r['activations'])} numbers, {human(r['activation_bytes'], 'B', 1024)}")
     add(f"training memory ({i['dtype']}, {i['optimizer']})", human(r["train_memory_bytes"], "B", 1024))
     for k, v in r["train_memory_by_part"].items():

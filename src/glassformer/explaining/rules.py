@@ -86,7 +86,7 @@ class Context:
     # ---- where each tensor comes from ------------------------------------------------
     def wire(self, i: int) -> dict[str, str]:
         """Block i's stream wiring for this trace's norm placement (probes.stream_probes)."""
-        return stream_probes(i, self.cfg["norm_placement"])
+        return stream_probes(i, self.cfg["norm_placement"], self.cfg.get("ffn", "swiglu"))
 
     def block_input(self, i: int) -> str:
         return self.wire(i)["in"]
@@ -190,7 +190,7 @@ def rule_ffn_norm(ctx, probe, idx):
 
 
 def rule_final_norm(ctx, probe, idx):
-    x = final_norm_reads(int(ctx.cfg["n_layers"]), ctx.cfg["norm_placement"])
+    x = final_norm_reads(int(ctx.cfg["n_layers"]), ctx.cfg["norm_placement"], ctx.cfg.get("ffn", "swiglu"))
     norm(ctx, probe, idx, x, "final_norm")
 
 

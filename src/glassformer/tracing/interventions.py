@@ -181,7 +181,7 @@ def logit_lens(model, ids) -> torch.Tensor:
     """(L, T, V) logits from the stream after each block, through the final norm and the LM head
     (nostalgebraist, 2020). The last one equals the model's own logits."""
     cfg = model.config
-    names = [w["out"] for w in stream_wiring(cfg.n_layers, cfg.norm_placement)]  # the stream leaving each block
+    names = [w["out"] for w in stream_wiring(cfg.n_layers, cfg.norm_placement, cfg.ffn)]  # the stream leaving each block
     _, seen = run_with(model, ids, {}, record=names)
     dev = next(model.parameters()).device
     stream = torch.stack([seen[n][0] for n in names]).to(dev)  # (L, T, D)

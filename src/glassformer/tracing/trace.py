@@ -239,7 +239,7 @@ def _record(model, ids, pos, layers, attention, tile_logs, tile) -> TraceRecorde
     # The stream entering each traced block (and the final norm) is kept too, so that explain
     # can start a calculation from it when the block before was not traced.
     feeds = {i - 1 for i in layers if i > 0} | {cfg.n_layers - 1}
-    rec = TraceRecorder(layers, also=[stream_probes(i, cfg.norm_placement)["out"] for i in feeds])
+    rec = TraceRecorder(layers, also=[stream_probes(i, cfg.norm_placement, cfg.ffn)["out"] for i in feeds])
     idx = torch.tensor([ids], device=next(model.parameters()).device)  # (1, T)
     with eval_mode(model), attention_kernel(model, attention, tile_logs, tile), recording(rec):
         model(idx, pos=pos)

@@ -73,8 +73,8 @@ class StatsRecorder:
     """A probes.Recorder that keeps, instead of tensors, the stream's mean RMS at each stream
     point and each attention layer's per-head entropy."""
 
-    def __init__(self, n_layers: int, norm_placement: str):
-        self.streams = set(stream_points(n_layers, norm_placement))
+    def __init__(self, n_layers: int, norm_placement: str, ffn: str = "swiglu"):
+        self.streams = set(stream_points(n_layers, norm_placement, ffn))
         self.weights = {f"blocks.{i}.attn.weights" for i in range(n_layers)}
         self.stream_rms: dict[str, float] = {}
         self.attn_entropy: dict[str, list[float]] = {}
@@ -119,7 +119,7 @@ def layer_stats(model, x: torch.Tensor, y: torch.Tensor, before: dict[str, torch
     import contextlib
 
     params = trainable(model)
-    rec = StatsRecorder(model.config.n_layers, model.config.norm_placement)
+    rec = StatsRecorder(model.config.n_layers, model.config.norm_placement, model.config.ffn)
     was_training, old = model.training, set_recorder(rec)
     model.eval()
     try:

@@ -37,7 +37,7 @@ def _formulas(cfg: ModelConfig, r: dict) -> dict[str, tuple[str, str]]:
         "params_by_part.attn_bias": f"L·({attn_bias})" if attn_bias != "0" else "0",
         "params_by_part.ffn": "L·m·D·F",
         "params_by_part.ffn_bias": "L·((m - 1)·F + D)" if cfg.bias else "0",
-        "params_by_part.norms": "(2·L + 1)·g",
+        "params_by_part.norms": "(2·L + 1)·g" if cfg.has_ffn else "(L + 1)·g",
         "params_by_part.lm_head": "0" if cfg.tie_embeddings else "V·D",
         "params": " + ".join(parts),
         "params_non_embedding": "params - embedding - positions",

@@ -269,7 +269,7 @@ def build_payload(
         "model_name": model_name, "labels": token_labels(trace["tokens"]), "next": nxt, "explain": explained,
         "costs": None if costs is None else (costs if "rows" in costs else cost_rows(costs)),
         "norm": norm, "vocab": vocab, "focus_token": focus, "flash_tile": flash_tile, "notes": notes,
-        "wiring": stream_wiring(int(cfg["n_layers"]), cfg["norm_placement"]),
+        "wiring": stream_wiring(int(cfg["n_layers"]), cfg["norm_placement"], cfg.get("ffn", "swiglu")),
         "rms": lane_rms(trace),
         "flash": _with_traced_tiles(trace, flash),
     })}

@@ -251,7 +251,9 @@
       steps.push({ label: `L${i} attention`, probe: `blocks.${i}.attn.out`, kind: 'attn', layer: i });
       steps.push({ label: `L${i} +`, probe: streamAfter(i, 'mid'), kind: 'stream', layer: i, part: 'mid' });
       steps.push({ label: `L${i} feed-forward`, probe: `blocks.${i}.ffn.down`, kind: 'ffn', layer: i });
-      steps.push({ label: `L${i} +`, probe: streamAfter(i, 'out'), kind: 'stream', layer: i, part: 'out' });
+      if (streamAfter(i, 'out') !== streamAfter(i, 'mid')) {  // an attention-only block (ffn none) has one addition
+        steps.push({ label: `L${i} +`, probe: streamAfter(i, 'out'), kind: 'stream', layer: i, part: 'out' });
+      }
     }
     steps.push({ label: 'final norm', probe: 'final_norm', kind: 'norm' });
     return steps.filter((s) => hasProbe(s.probe));
