@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import UserError
 from .options import add_base_argument, add_quantize_argument
 
 HELP = "the explorer: a local page that traces a sentence and shows every number of its computation"
@@ -10,9 +11,12 @@ DEFAULT_TEXT = "the cat sat on the mat"
 
 
 def add_arguments(p) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()  # one of them, or --run (with or without --checkpoint)
     src.add_argument("--checkpoint", metavar="CKPT", help="checkpoint, training run or Hugging Face folder, or a Hub name org/name[@revision]")
     src.add_argument("--worked", action="store_true", help="the walkthrough's one-head toy model ('I like cats too')")
+    p.add_argument("--run", metavar="RUN", default=None,
+                   help="a training run folder (train --out): adds the Training view, its curves and a checkpoint "
+                        "slider over the run's checkpoints; the model is --checkpoint's, else the run's latest")
     p.add_argument("--variant", default="one_head",
                    help="with --worked: one_head, two_blocks_pre, two_blocks_post, mha, gqa or mqa")
     p.add_argument("--host", default="127.0.0.1",
@@ -29,6 +33,10 @@ def build_explorer(args):
     from .options import apply_quantize, quantize_method
 
     quantize_method(args)  # before the weights are read
+    if not (args.checkpoint or args.worked or args.run):
+        raise UserError("give --checkpoint CKPT, --run RUN or --worked: the model the explorer shows")
+    if args.worked and args.run:
+        raise UserError("--run shows a training run's checkpoints; --worked is the walkthrough's toy model: give one")
     if args.worked:
         ex = source.worked_explorer(args.variant)
         if args.text:
@@ -36,8 +44,13 @@ def build_explorer(args):
         return ex
     from ..checkpoint.loading import load
 
-    model, tokenizer = load(args.checkpoint, base=args.base)
-    model = apply_quantize(model, args).to(args.device).eval()
+    def open_model(path):
+        model, tokenizer = load(path, base=args.base)
+        return apply_quantize(model, args).to(args.device).eval(), tokenizer
+
+    if args.run:
+        return source.run_explorer(args.run, open_model, args.text or DEFAULT_TEXT, checkpoint=args.checkpoint)
+    model, tokenizer = open_model(args.checkpoint)
     return source.explorer(model, tokenizer, args.text or DEFAULT_TEXT, model_name=str(args.checkpoint))
 
 
