@@ -1,7 +1,8 @@
 """`glassformer view`: the explorer's routes, served on the HTTP base of serve/http.py.
 
 It serves GET / (the page), GET /static/NAME (its own CSS and JavaScript, a fixed list),
-POST /api/trace, POST /api/explain and POST /api/sample (docs/viewer.md#the-servers-endpoints), nothing else.
+POST /api/trace, POST /api/explain and POST /api/sample, with `view --run` GET /api/run and POST
+/api/update (docs/viewer.md#the-servers-endpoints), nothing else.
 Loopback by default, size limits (413, 411), 404 for any other path, loopback Host names only,
 JSON with nosniff: docs/viewer.md#safety. `explorer_router` puts the same routes on another
 app (`glassformer serve --explorer`); `make_server` is `glassformer view`'s own server.
@@ -22,6 +23,7 @@ from starlette.responses import Response
 from ..errors import UserError
 from ..serve.http import Limits, Server, json_bytes, make_app, plain_error
 from .render import VIEW_SCRIPTS, _finite, build_payload, render_html, static_file, to_plain
+from .training import NotFound
 
 MAX_BODY = 64 * 1024  # bytes of one request body
 MAX_TEXT = 2000  # characters of one sentence
@@ -42,6 +44,9 @@ class Explorer:
     calculation (optional). as_dict(trace, digits) -> the dict form (optional).
     extras(ids, tokens, trace_dict, trace) -> more build_payload arguments: norm, costs, ... (optional).
     sampler(ids, settings) -> the sampling view of the token after ids (optional; source.Sampler).
+    run: a training.RunCheckpoints (`view --run`): a request may name one of its checkpoints, answered
+    by that checkpoint's own Explorer (so its own cache); checkpoint: the name of the one this traces.
+    additions(ids) -> more keys of the payload (optional; the run view's logit lens).
     """
 
     encode: Callable[[str], tuple[list[int], list[str]]]
@@ -52,6 +57,9 @@ class Explorer:
     extras: Callable[[list[int], list[str], dict, Any], dict] | None = None
     payload_args: dict = field(default_factory=dict)
     sampler: Callable[[list[int], dict], dict] | None = None
+    run: Any = None
+    checkpoint: str | None = None
+    additions: Callable[[list[int]], dict] | None = None
     cache_size: int = 8
     digits: int = 6  # decimals (or significant digits, as as_dict reads it) of the numbers sent
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -76,11 +84,19 @@ class Explorer:
             if self.extras is not None:
                 args.update(self.extras(ids, tokens, shown, tr))
             # The live page asks the server for calculations, so it needs only what it draws.
-            payload = build_payload(shown, mode="server", sentence=text, slim=True, **args)
+            payload = self._marked(build_payload(shown, mode="server", sentence=text, slim=True, **args), ids)
             self._cache[text] = (tr, payload)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
             return tr, payload
+
+    def _marked(self, payload: dict, ids: list[int]) -> dict:
+        """The payload with the run view's keys: the run and checkpoint it shows, the additions."""
+        if self.run is not None:  # the page's Training view shows which checkpoint this is
+            payload.update(run=self.run.name, checkpoint=self.checkpoint)
+        if self.additions is not None:
+            payload.update(self.additions(ids))
+        return payload
 
     @property
     def lock(self) -> threading.Lock:
@@ -88,10 +104,22 @@ class Explorer:
         anything else that runs the same model in this process (serve --explorer's engine) holds it too."""
         return self._lock
 
-    def payload(self, text: str) -> dict:
+    def at(self, checkpoint: str | None) -> "Explorer":
+        """The Explorer of the run's checkpoint named `checkpoint` (None, or this one's name: self)."""
+        if checkpoint is None or checkpoint == self.checkpoint:
+            return self
+        if self.run is None:
+            raise UserError("this explorer was opened without --run: there are no checkpoints to choose from")
+        return self.run.explorer(checkpoint)
+
+    def payload(self, text: str, checkpoint: str | None = None) -> dict:
+        if checkpoint is not None:
+            return self.at(checkpoint).payload(text)
         return self._traced(text)[1]
 
-    def calculation(self, text: str, probe: str, index: list[int]) -> Any:
+    def calculation(self, text: str, probe: str, index: list[int], checkpoint: str | None = None) -> Any:
+        if checkpoint is not None:
+            return self.at(checkpoint).calculation(text, probe, index)
         if self.explain is None:
             raise UserError("this server has no calculations to show")
         tr, _ = self._traced(text)
@@ -99,8 +127,30 @@ class Explorer:
             return to_plain(self.explain(tr, probe, index))
 
 
-    def sample(self, text: str, position: int, settings: dict) -> dict:
+    def training(self) -> dict:
+        """The Training view's data (training.RunCheckpoints.payload)."""
+        if self.run is None:
+            raise NotFound("this explorer was opened without --run: `glassformer view --run RUN` shows a training run")
+        return self.run.payload()
+
+    def update(self, step: int, param: str, index: list[int]) -> dict:
+        """One optimizer update of param[index] explained (explaining.optimizer.explain_update): the
+        update that follows the run's checkpoint at `step`."""
+        if self.run is None:
+            raise NotFound("this explorer was opened without --run: there is no training run to explain")
+        try:
+            from ..explaining.optimizer import explain_update
+        except ImportError:
+            raise UserError("this glassformer cannot explain optimizer updates yet "
+                            "(glassformer.explaining.optimizer.explain_update)") from None
+        with self._lock:
+            answer = explain_update(self.run.run, step, param, index).to_dict()
+            return to_plain({k: v for k, v in answer.items() if k not in UPDATE_TENSORS})
+
+    def sample(self, text: str, position: int, settings: dict, checkpoint: str | None = None) -> dict:
         """The sampling view of the token after `position` of `text` (sampling_stages' answer)."""
+        if checkpoint is not None:
+            return self.at(checkpoint).sample(text, position, settings)
         if self.sampler is None:
             raise UserError("this server has no sampling view")
         if len(text) > MAX_TEXT:
@@ -110,6 +160,9 @@ class Explorer:
             if not 0 <= position < len(ids):
                 raise UserError(f"position must be a token index in 0..{len(ids) - 1}, got {position}")
             return self.sampler(ids[:position + 1], settings)
+
+
+UPDATE_TENSORS = ("grad", "clipped", "new_param")  # explain_update's whole tensors (for tests): not sent
 
 
 class _HTTPError(Exception):
@@ -139,6 +192,8 @@ def _error_for(e: Exception) -> Response:
         return _json(e.status, {"error": e.message})
     if isinstance(e, TooLarge):
         return _json(413, {"error": str(e)})
+    if isinstance(e, NotFound):
+        return _json(404, {"error": str(e)})
     if isinstance(e, (UserError, ValueError, KeyError, IndexError)):
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return _json(400, {"error": msg})
@@ -168,6 +223,25 @@ def _text_of(req: dict, explorer: Explorer) -> str:
     if not isinstance(text, str):
         raise UserError("text must be a string")
     return text
+
+
+def _checkpoint_of(req: dict) -> str | None:
+    """The run checkpoint a request names ("checkpoint", e.g. "step-000100"); None when it names none."""
+    name = req.get("checkpoint")
+    if name is not None and not isinstance(name, str):
+        raise UserError("checkpoint must be the name of one of the run's checkpoints, e.g. step-000100")
+    return name
+
+
+def _update_of(req: dict) -> tuple[int, str, list[int]]:
+    """(step, param, index) of a /api/update request, each of the right type."""
+    step, param, index = req.get("step"), req.get("param"), req.get("index")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UserError("update needs a step: the step of one of the run's checkpoints")
+    if not isinstance(param, str) or not isinstance(index, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in index):
+        raise UserError("update needs a param (a weight's name) and an index (a list of integers)")
+    return step, param, index
 
 
 def _probe_of(req: dict) -> tuple[str, list[int]]:
@@ -243,17 +317,36 @@ def explorer_router(explorer: Explorer) -> APIRouter:
 
     @router.post("/api/trace")
     async def trace(request: Request) -> Response:
-        return await answer(request, lambda req: (explorer.payload, _text_of(req, explorer)))
+        return await answer(request, lambda req: (explorer.payload, _text_of(req, explorer), _checkpoint_of(req)))
 
     @router.post("/api/explain")
     async def explain(request: Request) -> Response:
-        return await answer(request, lambda req: (explorer.calculation, _text_of(req, explorer), *_probe_of(req)))
+        return await answer(request, lambda req: (explorer.calculation, _text_of(req, explorer), *_probe_of(req),
+                                                  _checkpoint_of(req)))
 
     @router.post("/api/sample")
     async def sample(request: Request) -> Response:
-        return await answer(request, lambda req: (explorer.sample, _text_of(req, explorer), *_sample_of(req)))
+        return await answer(request, lambda req: (explorer.sample, _text_of(req, explorer), *_sample_of(req),
+                                                  _checkpoint_of(req)))
+    run_routes(router, explorer, answer)
 
     return router
+
+
+def run_routes(router: APIRouter, explorer: Explorer, answer) -> None:
+    """The Training view's routes (`view --run`; 404 without a run): GET /api/run, its curves and
+    checkpoints; POST /api/update, one optimizer update explained. answer: explorer_router's."""
+
+    @router.get("/api/run")
+    async def run_view() -> Response:
+        try:
+            return _json(200, await run_in_threadpool(explorer.training))
+        except Exception as e:
+            return _error_for(e)
+
+    @router.post("/api/update")
+    async def update(request: Request) -> Response:
+        return await answer(request, lambda req: (explorer.update, *_update_of(req)))
 
 
 def make_explorer_app(explorer: Explorer, host: str = "127.0.0.1", port: int = 8000) -> FastAPI:

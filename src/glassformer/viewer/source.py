@@ -28,6 +28,7 @@ from ..kv_cache import KVCache
 from ..text.labels import token_label
 from ..tracing.analysis import norm_rms
 from ..tracing.format import FORMAT, FORMAT_VERSION, _tiles_json, as_trace, json_ready
+from ..tracing.interventions import logit_lens_top
 from ..tracing.stream import PLACEMENTS, placement_twins
 from ..tracing.tiles import head_walks, kernel_log
 from ..tracing.trace import trace
@@ -36,6 +37,7 @@ from .cost_calc import cost_calcs
 from .render import cost_rows, flash_key, to_plain, write_html
 from .sample_calc import probability_calcs, stage_calcs
 from .server import Explorer
+from .training import RunCheckpoints
 
 TOP_K = 10  # logits kept per token in a trace for the page (the page shows 5)
 
@@ -532,3 +534,52 @@ def write_trace_page(trace, path, model=None, tokenizer=None, sentence: str | No
         flash_tile=tiles[0].get("tile_size") if tiles else None,
         flash=flash_walks(tr, tile, len(tr.ids) - 1 if tr.query is None else tr.query) if complete else None,
     )
+
+
+# ----------------------------------------------------------------------------- a training run
+
+LENS_TOP = 3  # next tokens per block and token in the run view's logit lens
+
+
+def lens_view(model, tokenizer, ids: list[int]) -> dict:
+    """The logit lens of `ids` (tracing.interventions.logit_lens_top): per block and token the top
+    next tokens, their probabilities (4 digits) and their labels as the page draws tokens."""
+    out = logit_lens_top(model, ids, LENS_TOP, tokenizer)
+    out["probs"] = [[[round(p, 4) for p in row] for row in layer] for layer in out["probs"]]
+    out["labels"] = [[[token_label(p) for p in row] for row in layer] for layer in out.pop("tokens")]
+    return out
+
+
+def run_explorer(run, open_model, default_text: str, *, checkpoint=None) -> Explorer:
+    """The explorer of a training run (`glassformer view --run RUN`): the model of `checkpoint`
+    (default: the run's latest), and each other checkpoint of the run opened by its name when a
+    request names it (training.RunCheckpoints, checked against the run's list), every payload with
+    its checkpoint's logit lens. open_model(folder) -> (model, tokenizer), ready to run."""
+    from ..checkpoint.folders import complete_checkpoints, resolve
+
+    run = Path(run)
+    names = [p.name for p in complete_checkpoints(run)]
+    if not names:
+        raise UserError(f"{run} holds no complete training checkpoint: give --run the folder `glassformer train --out` wrote")
+    folder = resolve(run if checkpoint is None else checkpoint)
+    name = folder.name if folder.parent.resolve() == run.resolve() and folder.name in names else None
+
+    def opened(model, tokenizer, model_name: str) -> Explorer:
+        ex = explorer(model, tokenizer, default_text, model_name=model_name)
+        ex.additions = lambda ids: {"lens": lens_view(model, tokenizer, ids)}
+        return ex
+
+    model, tokenizer = open_model(folder)
+    main = opened(model, tokenizer, f"{run.name}/{name}" if name else str(checkpoint))
+
+    def open_one(other: str, path: Path) -> Explorer:
+        ex = opened(*open_model(path), f"{run.name}/{other}")
+        # One probe recorder in the process: every checkpoint's computations take turns on one lock.
+        ex._lock, ex.run, ex.checkpoint = main.lock, main.run, other
+        return ex
+
+    main.run = RunCheckpoints(run, open_one, params={k: list(v.shape) for k, v in model.state_dict().items()})
+    main.checkpoint = name
+    if name:
+        main.run.pin(name, main)
+    return main

@@ -200,7 +200,7 @@
     if (p.asked[key] === 'pending') return true;
     p.asked[key] = 'pending';
     fetch('api/explain', { method: 'POST', headers: { 'Content-Type': 'application/json' },
-      body: JSON.stringify({ text: p.sentence, probe: name, index }) })
+      body: JSON.stringify({ text: p.sentence, probe: name, index, checkpoint: p.checkpoint }) })
       .then(async (res) => {
         const body = await res.json();
         if (res.ok) merge(p, body);
@@ -722,7 +722,7 @@
     if (P().mode === 'server') {
       try {
         const res = await fetch('api/explain', { method: 'POST', headers: { 'Content-Type': 'application/json' },
-          body: JSON.stringify({ text: P().sentence, probe: probeName, index }) });
+          body: JSON.stringify({ text: P().sentence, probe: probeName, index, checkpoint: P().checkpoint }) });
         const body = await res.json();
         if (!res.ok) { showCalc({ title: `${probeName}${idxLabel(probeName, index)}`, text: errorText(body, res.status) }, fresh); return; }
         P().explain = P().explain || {};
@@ -853,7 +853,7 @@
     const settings = sampleSettings(), seq = ++sampleAsked;
     box.classList.add('stale');
     fetch('api/sample', { method: 'POST', headers: { 'Content-Type': 'application/json' },
-      body: JSON.stringify(Object.assign({ text: p.sentence, position: t }, settings)) })
+      body: JSON.stringify(Object.assign({ text: p.sentence, position: t, checkpoint: p.checkpoint }, settings)) })
       .then(async (res) => {
         const body = await res.json();
         if (seq !== sampleAsked || P() !== p) return; // a later move or sentence draws its own answer
@@ -912,7 +912,7 @@
     const text = $('sentence').value;
     $('busy').hidden = false; $('run').disabled = true;
     try {
-      const res = await fetch('api/trace', { method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ text }) });
+      const res = await fetch('api/trace', { method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ text, checkpoint: P().checkpoint }) });
       const body = await res.json();
       if (!res.ok) { message(errorText(body, res.status)); return; }
       message('');
