@@ -15,7 +15,8 @@ from . import __version__
 from .errors import UserError
 
 # The order `glassformer --help` lists them in.
-VERBS = ["prepare", "tokenize", "train", "eval", "generate", "chat", "serve", "convert", "trace", "worked", "view", "cost", "demo"]
+VERBS = ["prepare", "tokenize", "train", "eval", "generate", "chat", "serve", "convert", "trace", "explain", "worked", "view", "cost",
+         "demo"]
 
 
 def _verb_modules():
