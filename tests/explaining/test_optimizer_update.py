@@ -22,7 +22,7 @@ CLIP = 0.05  # small enough that every step clips
 ARGS = ["--preset", "tiny", "--max-steps", "3", "--batch-size", "4", "--micro-batch", "2", "--seq-len", "32",
         "--eval-every", "1", "--eval-tokens", "64", "--log-every", "1", "--warmup-steps", "1", "--dropout", "0.1",
         "--keep-last", "10", "--grad-clip", str(CLIP), "--no-progress", "--seed", "5", "--threads", "1",
-        "--stats-every", "0"]
+        "--stats-every", "1"]  # statistics at every step too: they must not move the next step
 
 
 def train_recording(data, out, optimizer: str) -> dict[int, dict]:
