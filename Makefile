@@ -50,6 +50,12 @@ test-llamacpp: venv
 	$(PIP) install -q "llama-cpp-python==0.3.36"
 	$(PY) -m pytest -m llamacpp
 
+# The teaching notebooks at full length (notebooks/README.md; the tests run them in fast mode):
+# each runs in notebooks-out/<name>/, its executed copy written to notebooks-out/<name>.ipynb.
+.PHONY: notebooks
+notebooks: venv
+	$(PY) scripts/run_notebooks.py --out notebooks-out
+
 bench: venv
 	$(PY) bench/run_all.py
 
