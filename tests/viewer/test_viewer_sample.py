@@ -205,3 +205,55 @@ def test_every_stage_has_its_calculation(parts):
     out = explorer.sample(TEXT, 5, SETTINGS[1])
     i = out["stages"][3]["ids"][0]
     assert "the 40-th largest is" in out["calcs"]["top_k"][str(i)]["text"]
+
+
+# ----------------------------------------------------------------------------- a saved page's grid
+
+GRID_TEXT = "The king and queen walk"  # 10 tokens: the page's other parts (calculations, walks) grow with its length
+
+
+def page_data(path) -> dict:
+    """The data block of a written page, as the page parses it."""
+    html = path.read_text(encoding="utf-8")
+    start = html.index('id="glass-data">') + len('id="glass-data">')
+    return json.loads(html[start:html.index("</script>", start)])
+
+
+@pytest.fixture(scope="module")
+def big_page(parts, tmp_path_factory):
+    """The saved page of a model with GPT-2's vocabulary size (50,257 ids; the tokenizer knows 300)."""
+    tok = parts[1]
+    model = reinit(tiny_model(vocab_size=50257), std=0.5)
+    path = source.write_page(tmp_path_factory.mktemp("grid") / "page.html", model, tok, GRID_TEXT, model_name="tiny")
+    return model, tok, path
+
+
+def test_saved_page_holds_the_servers_answers(big_page):
+    model, tok, path = big_page
+    assert path.stat().st_size < 5_000_000  # the issue's bound for a saved page
+    grid = page_data(path)["sampling"]
+    T = len(tok.encode(GRID_TEXT))
+    assert len(grid["temperature"]) <= 5 and len(grid["top_p"]) <= 5 and grid["positions"] == [T - 1, T // 2, 0]
+    assert len(grid["answers"]) == len(grid["temperature"]) * len(grid["top_p"]) * len(grid["positions"])
+    server = source.explorer(model, tok, GRID_TEXT, model_name="tiny")  # the server's sampler, a new one
+    for t in grid["positions"]:
+        for ti, temp in enumerate(grid["temperature"]):
+            for pi, top_p in enumerate(grid["top_p"]):
+                settings = source.grid_settings(temp, top_p)
+                want = server.sample(GRID_TEXT, t, settings)
+                got = source.expand_answer(grid, source.grid_key(t, ti, pi))
+                assert got == json.loads(json.dumps(source.compact_answer(want)))
+                assert got["chosen"] == want["chosen"]
+                for a, b in zip(got["stages"], want["stages"]):
+                    assert a["ids"] == b["ids"][:10] and a["values"] == b["values"][:10]
+                    assert a["rest"] == pytest.approx(b["rest"] + sum(b["probs"][10:]), abs=1e-6)
+                assert set(got["calcs"]) == set(STAGES[:-1]) and list(got["calc"]) == [str(i) for i in got["stages"][-1]["ids"]]
+    # Against an independent reference: the page's top-p 0.8 at temperature 0.8 is logits_to_probs of a full forward.
+    ids = tok.encode(GRID_TEXT)
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([ids]))[0][0, -1] / 0.8, -1)  # (V,)
+    p_sorted, order = probs.sort(descending=True)
+    keep = order[(p_sorted.cumsum(0) - p_sorted) < 0.8]
+    final = source.expand_answer(grid, source.grid_key(T - 1, 2, 1))["stages"][-1]
+    assert final["kept"] == len(keep) and final["ids"] == keep[:10].tolist()
+    assert final["values"] == pytest.approx((probs[keep[:10]] / probs[keep].sum()).tolist(), abs=1e-6)

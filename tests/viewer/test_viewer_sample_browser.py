@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from glassformer.generation import apply_repetition_penalty, generate, logits_to_probs
+from glassformer.generation.sampling_stages import STAGES
+from glassformer.viewer import source
 from glassformer.viewer.server import make_server
 
 from .test_viewer_browser import browser, open_page  # noqa: F401 (a fixture)
@@ -95,5 +97,63 @@ def test_moving_temperature_and_top_p(browser, server, parts):  # noqa: F811
     page.wait_for_function("document.querySelector('#explain-body .calc-title').textContent.startsWith('p(“')")
     assert "÷ temperature 0.7" in page.locator("#explain-body .calc-text").text_content()
     assert "✓" in page.locator("#explain-body").text_content()
+    click_every_stage(page)
+    assert page.events["errors"] == []
+    page.close()
+
+
+def click_every_stage(page) -> None:
+    """A bar of every stage opens that stage's calculation, recomputed equal to the bar's value (✓)."""
+    titles = []
+    for name in STAGES:
+        bar = page.locator(f'#sample .stage-card[data-stage="{name}"] .sample-bar').first
+        bar.click()
+        title = page.locator("#explain-body .calc-title").text_content()
+        assert bar.locator(".piece").text_content().lstrip("• ") in title
+        assert "✓" in page.locator("#explain-body").text_content(), (name, title)
+        titles.append(title)
+    assert len(set(titles)) >= 4  # each stage its own calculation (a disabled one repeats its input's)
+
+
+SAVED_TEXT = "The king and queen walk"
+
+
+@pytest.fixture(scope="module")
+def saved(parts, tmp_path_factory):  # noqa: F811
+    model, tok, _ = parts
+    return source.write_page(tmp_path_factory.mktemp("saved") / "page.html", model, tok, SAVED_TEXT, model_name="tiny")
+
+
+def test_saved_page_steps_over_its_grid(browser, saved, parts):  # noqa: F811
+    """A saved page's sliders step over the grid it holds and redraw the server's answers: the bars are
+    the sampler's probabilities and the draw generate's, with no server behind the page."""
+    model, tok, _ = parts
+    ids = tok.encode(SAVED_TEXT)
+    page = open_page(browser, saved.as_uri())
+    check(model, ids, drawn(page, "s.temperature === 1 && s.top_p === null"))
+    assert page.locator("#sample-top-k").is_disabled() and page.locator("#sample-seed").is_disabled()
+    page.focus("#sample-temperature")
+    page.keyboard.press("ArrowLeft")  # the grid's next temperature down: 0.8
+    got = drawn(page, "s.temperature === 0.8 && s.top_p === null")
+    assert page.locator("#sample-temperature-out").text_content() == "0.8"
+    check(model, ids, got)
+    page.focus("#sample-top-p")
+    for _ in range(3):
+        page.keyboard.press("ArrowLeft")  # 1 (off) -> 0.95 -> 0.9 -> 0.8
+    got = drawn(page, "s.temperature === 0.8 && s.top_p === 0.8")
+    check(model, ids, got)
+    click_every_stage(page)
+    # Another token the grid holds (the middle one), and one it does not.
+    mid = len(ids) // 2
+    page.locator(f'#tokens .tok[data-token="{mid}"]').click()
+    check(model, ids, drawn(page, f"s.top_p === 0.8 && Number(b.dataset.position) === {mid}"))
+    page.focus("#sample-temperature")
+    for _ in range(3):
+        page.keyboard.press("ArrowLeft")  # down to 0: greedy
+    got = drawn(page, f"s.temperature === 0 && Number(b.dataset.position) === {mid}")
+    want = next(generate(model, ids[:mid + 1], max_new_tokens=1, temperature=0))
+    assert [i for i, _ in got["stages"]["probs"]] == [got["chosen"]] == [want]
+    page.locator('#tokens .tok[data-token="1"]').click()
+    assert "holds the sampling view of tokens" in page.locator("#sample").text_content()
     assert page.events["errors"] == []
     page.close()

@@ -29,7 +29,7 @@ from ..tracing.tiles import head_walk
 STATIC = Path(__file__).parent / "static"
 # The page's scripts in the order they run: glass.js first (its helpers, as window.Glass), then
 # each view that lives in a file of its own and registers with Glass.view.
-VIEW_SCRIPTS = ("glass.js", "training.js")
+VIEW_SCRIPTS = ("glass.js", "tokenizer.js", "training.js")
 FEATURE_CAP = 8  # numbers shown per vector (per head); glass.js uses the same cap
 TOP_K = 5  # next-token candidates shown per position
 EXPLAIN_LIMIT = 1200  # calculations stored in a saved page at most
@@ -240,6 +240,8 @@ def build_payload(
     flash: dict | None = None,
     notes: list[str] | None = None,
     slim: bool = False,
+    sampling: dict | None = None,
+    tokenizer: dict | None = None,
 ) -> dict:
     """Everything the page draws, as one JSON-ready dict.
 
@@ -248,6 +250,8 @@ def build_payload(
     `explain(probe, index)` for this trace; norm: source.norm_table's output; costs: `cost_rows`;
     flash: source.flash_walks's output. The page reads the stream's probes from `wiring` and
     draws each token as its `labels` entry (text.labels.token_label: ␣ for a space, ↵ for a newline).
+    sampling: a saved page's grid of sampling answers (source.sample_grid); tokenizer: the
+    tokenizer view's steps for the sentence (source.tokenizer_view).
     """
     trace = _checked_trace(trace, mode)
     T = len(trace["tokens"])
@@ -271,7 +275,7 @@ def build_payload(
         "norm": norm, "vocab": vocab, "focus_token": focus, "flash_tile": flash_tile, "notes": notes,
         "wiring": stream_wiring(int(cfg["n_layers"]), cfg["norm_placement"], cfg.get("ffn", "swiglu")),
         "rms": lane_rms(trace),
-        "flash": _with_traced_tiles(trace, flash),
+        "flash": _with_traced_tiles(trace, flash), "sampling": sampling, "tokenizer": tokenizer,
     })}
 
 

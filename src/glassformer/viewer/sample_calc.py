@@ -106,8 +106,8 @@ def logit_calc(at: dict, i: int, label: str, head, position: int) -> dict:
     terms = " + ".join(f"{_g(a)}·{_g(b)}" for a, b in zip(h[:HEAD_TERMS].tolist(), w[:HEAD_TERMS].tolist()))
     more = f" + … ({h.numel() - HEAD_TERMS} more terms)" if h.numel() > HEAD_TERMS else ""
     z_again = float(h @ w)
-    return _calc(title, [f"logit z = h · W[{i}]: the final norm's output h at token {position} times the "
-                         f"output head's row of “{label}”, summed over its {h.numel()} features",
+    return _calc(title, [f"logit z = h · W[{i}]: the final norm's output at token {position} · the head's row, "
+                         f"summed over its {h.numel()} features",
                          f"= {terms}{more}", f"= {_g(z_again)}"], z_again, z)
 
 

@@ -44,6 +44,7 @@ class Explorer:
     calculation (optional). as_dict(trace, digits) -> the dict form (optional).
     extras(ids, tokens, trace_dict, trace) -> more build_payload arguments: norm, costs, ... (optional).
     sampler(ids, settings) -> the sampling view of the token after ids (optional; source.Sampler).
+    text_extras(text) -> more build_payload arguments from the sentence itself: the tokenizer view (optional).
     run: a training.RunCheckpoints (`view --run`): a request may name one of its checkpoints, answered
     by that checkpoint's own Explorer (so its own cache); checkpoint: the name of the one this traces.
     additions(ids) -> more keys of the payload (optional; the run view's logit lens).
@@ -57,6 +58,7 @@ class Explorer:
     extras: Callable[[list[int], list[str], dict, Any], dict] | None = None
     payload_args: dict = field(default_factory=dict)
     sampler: Callable[[list[int], dict], dict] | None = None
+    text_extras: Callable[[str], dict] | None = None
     run: Any = None
     checkpoint: str | None = None
     additions: Callable[[list[int]], dict] | None = None
@@ -83,6 +85,8 @@ class Explorer:
             args = dict(self.payload_args)
             if self.extras is not None:
                 args.update(self.extras(ids, tokens, shown, tr))
+            if self.text_extras is not None:
+                args.update(self.text_extras(text))
             # The live page asks the server for calculations, so it needs only what it draws.
             payload = self._marked(build_payload(shown, mode="server", sentence=text, slim=True, **args), ids)
             self._cache[text] = (tr, payload)

@@ -25,6 +25,7 @@ from ..generation.sampling_stages import sampling_stages, stage_outputs
 from ..generation.sampling import check_sampling
 from ..generation.session import cache_length, prefill
 from ..kv_cache import KVCache
+from ..text.bpe_steps import bpe_steps
 from ..text.labels import token_label
 from ..tracing.analysis import norm_rms
 from ..tracing.format import FORMAT, FORMAT_VERSION, _tiles_json, as_trace, json_ready
@@ -305,13 +306,15 @@ def page_args(model, tokenizer, text: str, *, model_name: str, mode: str = "stat
     )
     if mode == "static":
         args["explain"] = lambda probe, index: explain(tr, probe, index, model=model)
+        args["sampling"] = sample_grid(Sampler(model, tokenizer), ids, tr.query)
+    args["tokenizer"] = tokenizer_view(tokenizer, text)
     return tr, args
 
 
 def _piece(tokenizer, i: int) -> str:
     try:
         return str(tokenizer.id_to_piece(int(i)))
-    except (IndexError, KeyError, ValueError):
+    except (IndexError, KeyError, ValueError, UserError):  # an id past the tokenizer's (a model's padded vocabulary)
         return f"#{i}"
 
 
@@ -347,7 +350,8 @@ def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict
         return explain(tr, probe, index, model=model)
 
     return Explorer(encode=enc, trace=trace_fn, default_text=default_text, as_dict=page_dict,
-                    explain=calculation, extras=extras, sampler=Sampler(model, tokenizer))
+                    explain=calculation, extras=extras, sampler=Sampler(model, tokenizer),
+                    text_extras=lambda text: {"tokenizer": tokenizer_view(tokenizer, text)})
 
 
 class Sampler:
@@ -411,6 +415,130 @@ class Sampler:
                                    position=len(ids) - 1, shown=self.CALCS)
         out["position"] = len(ids) - 1
         return out
+
+
+# ----------------------------------------------------------------------------- a saved page's sampling grid
+
+# A saved page cannot ask the sampler, so it holds the sampler's answers for a grid of settings:
+# these temperatures × these top-p values (1: off), the other settings the plain sampler's,
+# for at most GRID_POSITIONS tokens (the focus token first). The page's two sliders step over
+# the grid. Each answer keeps the first SAMPLE_SHOWN ids of every stage (the bars the page
+# draws) and their calculations: 75 answers of a 50,257-token model are about 1.5 MB.
+GRID_TEMPERATURES = (0.0, 0.5, 0.8, 1.0, 1.5)
+GRID_TOP_P = (0.5, 0.8, 0.9, 0.95, 1.0)
+GRID_POSITIONS = 3
+GRID_DEFAULTS = {"top_k": None, "min_p": None, "repetition_penalty": 1.0, "seed": 0}
+SAMPLE_SHOWN = 10  # bars the page draws per stage (glass.js SAMPLE_SHOWN)
+
+
+def grid_positions(T: int, focus: int | None) -> list[int]:
+    """The tokens a saved page holds the sampling view of: the focus token (default the last),
+    then the last and the middle one, at most GRID_POSITIONS."""
+    focus = T - 1 if focus is None else focus
+    out: list[int] = []
+    for t in (focus, T - 1, T // 2, 0):
+        if t not in out and len(out) < GRID_POSITIONS:
+            out.append(t)
+    return out
+
+
+def grid_settings(temperature: float, top_p: float) -> dict:
+    """The /api/sample settings of one cell of the grid."""
+    return {"temperature": temperature, "top_p": None if top_p >= 1 else top_p, **GRID_DEFAULTS}
+
+
+def grid_key(position: int, ti: int, pi: int) -> str:
+    """The key of one answer in the grid (glass.js builds the same string)."""
+    return f"{position}|{ti}|{pi}"
+
+
+def compact_answer(ans: dict, shown: int = SAMPLE_SHOWN) -> dict:
+    """A /api/sample answer cut to what a saved page draws: the first `shown` ids of every stage
+    (rest: the mass of the others), their labels and calculations, the chosen id."""
+    stages = []
+    for st in ans["stages"]:
+        ids = st["ids"][:shown]
+        cut = {"name": st["name"], "kind": st["kind"], "ids": ids, "values": st["values"][:shown],
+               "probs": st["probs"][:shown], "kept": st["kept"], "rest": st["rest"] + sum(st["probs"][shown:])}
+        if "seen" in st:
+            cut["seen"] = [i for i in st["seen"] if i in set(ids)]
+        stages.append(cut)
+    keep = {str(i) for st in stages for i in st["ids"]} | {str(ans["chosen"])}
+    return {"stages": stages, "chosen": ans["chosen"], "position": ans["position"],
+            "labels": {i: v for i, v in ans["labels"].items() if i in keep},
+            "calc": {i: c for i, c in ans["calc"].items() if i in keep},
+            "calcs": {name: dict(list(row.items())[:shown]) for name, row in ans.get("calcs", {}).items()}}
+
+
+def sample_grid(sampler, ids: list[int], focus: int | None = None) -> dict:
+    """{'temperature', 'top_p', 'positions', 'defaults', 'shown', 'answers': {grid_key: answer},
+    'shared': [...]}: what a saved page's sampling view draws, computed by the server's Sampler.
+
+    An answer is compact_answer's with each stage and each stage's calculations stored once in
+    `shared` and named by their place in it (most repeat across the grid: the raw logits are
+    the same for every setting, the ÷T stage for every top-p); expand_answer puts them back."""
+    positions = grid_positions(len(ids), focus)
+    answers, shared, seen = {}, [], {}
+
+    def ref(obj) -> int:
+        key = json.dumps(obj, sort_keys=True)
+        if key not in seen:
+            seen[key] = len(shared)
+            shared.append(obj)
+        return seen[key]
+
+    for t in positions:
+        for ti, temp in enumerate(GRID_TEMPERATURES):
+            for pi, top_p in enumerate(GRID_TOP_P):
+                ans = compact_answer(sampler(ids[:t + 1], grid_settings(temp, top_p)))
+                ans["stages"] = [ref(st) for st in ans["stages"]]
+                ans["calcs"] = {name: ref(row) for name, row in ans["calcs"].items()}
+                answers[grid_key(t, ti, pi)] = ans
+    return {"temperature": list(GRID_TEMPERATURES), "top_p": list(GRID_TOP_P), "positions": positions,
+            "defaults": dict(GRID_DEFAULTS), "shown": SAMPLE_SHOWN, "answers": answers, "shared": shared}
+
+
+def expand_answer(grid: dict, key: str) -> dict:
+    """One answer of sample_grid with its shared parts put back (as glass.js does): compact_answer's."""
+    ans = grid["answers"][key]
+    return {**ans, "stages": [grid["shared"][r] for r in ans["stages"]],
+            "calcs": {name: grid["shared"][r] for name, r in ans["calcs"].items()}}
+
+
+# ----------------------------------------------------------------------------- the tokenizer view
+
+
+def tokenizer_view(tokenizer, text: str) -> dict:
+    """What the tokenizer view draws for `text` (text.bpe_steps): its UTF-8 bytes, the chunks, each
+    merge with the pieces after it, the ids; every piece as token_label draws it (␣, ↵). A tokenizer
+    that is not byte-level BPE gets {'text', 'error'}: the view shows why."""
+    try:
+        steps = bpe_steps(tokenizer, text)
+    except UserError as e:
+        return {"text": text, "error": str(e).replace("--steps shows", "the tokenizer view shows")
+                .replace("; drop --steps to see its tokens", "")}
+    except (AttributeError, TypeError, ValueError, KeyError) as e:  # no tokenizer.json behind it
+        return {"text": text, "error": f"the tokenizer view shows byte-level BPE tokenizers only "
+                                       f"(this tokenizer has no BPE merges to show: {type(e).__name__})"}
+    return {"text": text, "label": token_label(text), "ids": steps.ids, "bytes": list(text.encode("utf-8")),
+            "chunks": [_chunk_view(tokenizer, c) for c in steps.chunks]}
+
+
+def _chunk_view(tokenizer, chunk) -> dict:
+    """One chunk: its bytes, then the pieces after each merge (replayed: the leftmost pair merges)."""
+    pieces = [bytes([b]) for b in chunk.raw]
+    merges = []
+    for m in chunk.merges:
+        i = next((j for j in range(len(pieces) - 1) if pieces[j] == m.left and pieces[j + 1] == m.right), None)
+        if i is None:  # symbols that are not single bytes (byte fallback, unknown token): merges listed only
+            merges.append({"rank": m.rank, "left": token_label(m.left), "right": token_label(m.right)})
+            continue
+        pieces[i:i + 2] = [m.left + m.right]  # two pieces -> one
+        merges.append({"rank": m.rank, "left": token_label(m.left), "right": token_label(m.right), "at": i,
+                       "pieces": [token_label(x) for x in pieces]})
+    return {"text": chunk.text, "label": token_label(chunk.text), "bytes": list(chunk.raw), "added": chunk.added,
+            "start": [token_label(bytes([b])) for b in chunk.raw] if not chunk.added else [token_label(chunk.text)],
+            "merges": merges, "ids": chunk.ids, "pieces": [token_label(_piece(tokenizer, i)) for i in chunk.ids]}
 
 
 class LiveParts:
@@ -527,12 +655,18 @@ def write_trace_page(trace, path, model=None, tokenizer=None, sentence: str | No
         pieces = lambda i: known.get(i, f"#{i}")  # noqa: E731
     tiles = [p for n, p in d["probes"].items() if n.endswith(".tiles")]
     tile = tiles[0].get("tile_size") if tiles else flash_tile(len(tr.ids))
+    extra = {}
+    if model is not None and tokenizer is not None:  # the sampling grid needs the model, the tokenizer view its merges
+        extra["sampling"] = sample_grid(Sampler(model.eval(), tokenizer), list(tr.ids), tr.query)
+        if sentence is not None:
+            extra["tokenizer"] = tokenizer_view(tokenizer, sentence)
     return write_html(
         path, d, sentence=sentence, model_name=cfg.to_dict().get("name") or "traced model", pieces=pieces,
         explain=lambda probe, index: explain(tr, probe, index, model=model), norm=norm,
         costs=costs_view(cfg, len(tr.ids)), focus_token=tr.query,
         flash_tile=tiles[0].get("tile_size") if tiles else None,
         flash=flash_walks(tr, tile, len(tr.ids) - 1 if tr.query is None else tr.query) if complete else None,
+        **extra,
     )
 
 

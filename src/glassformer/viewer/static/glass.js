@@ -834,23 +834,48 @@
   const STAGE_TITLES = { logits: 'raw logits', repetition_penalty: 'repetition penalty', temperature: '÷ temperature',
     top_k: 'top-k cut', top_p: 'top-p cumulative cut', min_p: 'min-p threshold', probs: 'renormalised probabilities' };
   let sampleAsked = 0, sampleTimer = null;
+  // A saved page holds the sampler's answers for a grid of settings (viewer/source.py sample_grid):
+  // its temperature and top-p sliders step over the grid's values (the slider's value is the index),
+  // and the other controls rest at the grid's defaults. SLIDERS: [slider, the grid's values].
+  const GRID_SLIDERS = [['sample-temperature', 'temperature'], ['sample-top-p', 'top_p']];
+  const liveRanges = {}; // each slider's range as page.html sets it, for a live page
+  function sampleGrid() { const p = P(); return p.mode !== 'server' && p.sampling ? p.sampling : null; }
+  function setSliders(grid) {
+    for (const [id, key] of GRID_SLIDERS) {
+      const input = $(id), onGrid = input.dataset.grid === '1';
+      if (!liveRanges[id]) liveRanges[id] = { min: input.min, max: input.max, step: input.step, value: input.value };
+      if (grid && !onGrid) {
+        const values = grid[key], at = values.indexOf(Number(liveRanges[id].value));
+        Object.assign(input, { min: '0', max: String(values.length - 1), step: '1' });
+        input.value = String(at >= 0 ? at : values.length - 1);
+        input.dataset.grid = '1';
+      } else if (!grid && onGrid) {
+        Object.assign(input, liveRanges[id]);
+        delete input.dataset.grid;
+      }
+    }
+  }
   function sampleSettings() {
     const whole = (id) => Math.max(0, Math.floor(Number($(id).value) || 0));
+    const grid = sampleGrid();
+    if (grid) {
+      const p = grid.top_p[whole('sample-top-p')];
+      return Object.assign({ temperature: grid.temperature[whole('sample-temperature')], top_p: p < 1 ? p : null }, grid.defaults);
+    }
     const k = whole('sample-top-k'), p = Number($('sample-top-p').value), m = Number($('sample-min-p').value);
     return { temperature: Number($('sample-temperature').value), top_k: k > 0 ? k : null, top_p: p < 1 ? p : null,
       min_p: m > 0 ? m : null, repetition_penalty: Number($('sample-penalty').value), seed: whole('sample-seed') };
   }
   function drawSample() {
+    const box = $('sample'), t = state.token, p = P(), grid = sampleGrid(), live = p.mode === 'server';
+    setSliders(grid);
+    const settings = sampleSettings();
     for (const [input, out] of SAMPLE_OUTPUTS) $(out).textContent = $(input).value;
-    const box = $('sample'), t = state.token, p = P();
+    if (grid) { $('sample-temperature-out').textContent = fmt(settings.temperature); $('sample-top-p-out').textContent = fmt(settings.top_p === null ? 1 : settings.top_p); }
     $('sample-token').textContent = `next after token ${t}: ${tokenLabel(t)}`;
-    const live = p.mode === 'server';
-    $('sample-controls').querySelectorAll('input').forEach((i) => { i.disabled = !live; });
-    if (!live) {
-      clear(box).append(el('p', { class: 'muted', text: 'The sampling view asks the server: run `glassformer view` to move its controls.' }));
-      return;
-    }
-    const settings = sampleSettings(), seq = ++sampleAsked;
+    $('sample-controls').querySelectorAll('input').forEach((i) => { i.disabled = !live && !(grid && i.dataset.grid === '1'); });
+    if (!live) { drawSavedSample(box, grid, settings, t); return; }
+    const seq = ++sampleAsked;
     box.classList.add('stale');
     fetch('api/sample', { method: 'POST', headers: { 'Content-Type': 'application/json' },
       body: JSON.stringify(Object.assign({ text: p.sentence, position: t, checkpoint: p.checkpoint }, settings)) })
@@ -862,6 +887,24 @@
       })
       .catch((e) => { if (seq === sampleAsked) message(`could not reach the server: ${e}`); });
   }
+  // A saved page draws the grid's answer for the sliders' settings (the server's, stored when the page was written).
+  function drawSavedSample(box, grid, settings, t) {
+    if (!grid) {
+      clear(box).append(el('p', { class: 'muted', text: 'The sampling view asks the server: run `glassformer view` to move its controls.' }));
+      return;
+    }
+    const key = `${t}|${$('sample-temperature').value}|${$('sample-top-p').value}`, held = grid.answers[key];
+    if (!held) {
+      const which = grid.positions.map((i) => `${i} (${tokenLabel(i)})`).join(', ');
+      clear(box).append(el('p', { class: 'muted', text: `This saved page holds the sampling view of tokens ${which}: select one of them, or run \`glassformer view\` for any token.` }));
+      return;
+    }
+    // Each stage and each stage's calculations are stored once (grid.shared) and named by their place.
+    const ans = Object.assign({}, held, { stages: held.stages.map((r) => grid.shared[r]),
+      calcs: Object.fromEntries(Object.entries(held.calcs).map(([name, r]) => [name, grid.shared[r]])) });
+    drawStages(ans, settings, t);
+    box.append(el('p', { class: 'note', text: `A saved page: the sliders step over the ${grid.temperature.length} × ${grid.top_p.length} settings it holds (temperature ${grid.temperature.map(fmt).join(', ')}; top-p ${grid.top_p.map(fmt).join(', ')}, 1 off); top-k and min-p off, repetition penalty 1, seed 0; each stage's first ${grid.shown} ids. Run \`glassformer view\` for any setting.` }));
+  }
   function stageRow(st, j, ans, seen, piece) {
     const id = st.ids[j], prob = st.probs[j], val = st.values[j], top = st.probs[0] || 1;
     const cls = 'cand sample-bar' + (st.name === 'probs' && id === ans.chosen ? ' chosen' : '') + (seen.has(id) ? ' seen' : '');
@@ -870,8 +913,9 @@
       el('div', { class: 'bar' }, el('span', { style: { width: `${(100 * prob / top).toFixed(1)}%` } })),
       el('span', { class: 'val', text: fmt(val) })]);
     Object.assign(row.dataset, { id: String(id), prob: String(prob), value: String(val) });
-    const calc = st.name === 'probs' && ans.calc ? ans.calc[String(id)] : null;
-    if (calc) { // its calculation, stage by stage, as the server wrote it: on a click or Enter
+    // Its calculation as the server wrote it (the last stage's: the whole chain; another's: that stage's step).
+    const calc = st.name === 'probs' ? (ans.calc || {})[String(id)] : ((ans.calcs || {})[st.name] || {})[String(id)];
+    if (calc) { // shown on a click or Enter
       Object.assign(row, { tabIndex: 0 });
       row.setAttribute('role', 'button');
       row.classList.add('clickable');
