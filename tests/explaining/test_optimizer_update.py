@@ -155,3 +155,24 @@ def test_the_cli_prints_the_calculation(runs, capsys, tmp_path):
     assert "equals the optimizer's step bitwise" in out and "clipping active" in out
     assert main(["explain", "--run", str(tmp_path / "none"), "--step", "1", "--param", "x", "--index", "0"]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_the_float32_helpers_round_as_torchs_kernels():
+    """lerp32 is torch.lerp's CPU kernel and fma32 torch.add(alpha=)'s (Muon's last step), element
+    by element, bitwise; a multiply and an add rounded apart would miss some of them."""
+    import numpy as np
+
+    from glassformer.explaining.optimizer import fma32, lerp32
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(512, generator=g) * 1e-3, torch.randn(512, generator=g) * 1e-3  # 512: no scalar tail
+    for w in (0.05, 0.95):
+        want = torch.lerp(a, b, w)
+        got = torch.tensor([float(lerp32(x, y, w)) for x, y in zip(a.tolist(), b.tolist())])
+        assert torch.equal(got, want), w
+    alpha = float(np.float32(-0.0123))
+    want = torch.add(b, a, alpha=alpha)
+    got = torch.tensor([float(fma32(x, alpha, y)) for x, y in zip(a.tolist(), b.tolist())])
+    apart = torch.tensor([float(np.float32(x) * np.float32(alpha) + np.float32(y))  # float32 throughout
+                          for x, y in zip(a.tolist(), b.tolist())])
+    assert torch.equal(got, want) and not torch.equal(apart, want)

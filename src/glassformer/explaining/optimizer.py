@@ -169,10 +169,14 @@ class _Calc:
         return operand(label or s["label"], s["value"], "step", None, [k])
 
 
+WHAT = {"grad": "a gradient, recomputed from the checkpoint", "state": "the optimizer's state in the checkpoint"}
+
+
 def _op(label: str, value, source: str = "const", name: str | None = None, index=None, what: str = "") -> dict:
+    """An operand; `what` (or the source's own words) is what the page shows when it is pointed at."""
     o = operand(label, float(value), source, name, index)
-    if what:
-        o["what"] = what
+    if what or source in WHAT:
+        o["what"] = what or WHAT[source]
     return o
 
 
@@ -525,7 +529,7 @@ def _muon_steps(c: _Calc, rec: _Recorder, name: str, idx: list[int], g_k: int, l
     (na, nb, nc), steps = grp["ns_coefficients"], grp["ns_steps"]
     ko = c.add("O", f"NS(U)[{', '.join(map(str, idx))}]: X = U/‖U‖ in bfloat16" + (", transposed (taller than wide)" if
                rows > cols else "") + f", then {steps} times X ← a·X + (b·A + c·A²)·X with A = X·Xᵀ, "
-               f"(a, b, c) = ({na:g}, {nb:g}, {nc:g}) (torch.optim.Muon's Newton–Schulz of the whole matrix)",
+               f"(a, b, c) = ({fmt(na, 5)}, {fmt(nb, 5)}, {fmt(nc, 5)}) (torch.optim.Muon's Newton–Schulz of the whole matrix)",
                [c.ref(ku), c.ref(kn)], float(O[i]), op="newton_schulz")
     kw = _decay_step(c, b["param"][i], lr, wd, lr_k, name, idx)
     ka = c.add("lr′", f"lr · √max(1, rows/cols) with rows, cols = {rows}, {cols} (Muon's shape scale), float64",
