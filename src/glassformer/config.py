@@ -15,7 +15,7 @@ from typing import Any
 
 NORMS = ("rms", "layer")
 PLACEMENTS = ("pre", "post")
-FFNS = ("swiglu", "relu", "gelu", "gelu_tanh", "none")
+FFNS = ("swiglu", "relu", "relu2", "gelu", "gelu_tanh", "none")
 POSITIONS = ("rope", "learned", "none")
 ATTENTIONS = ("sdpa", "naive", "tiled")
 ROPE_PAIRS = ("half", "interleaved")
@@ -67,7 +67,7 @@ class ModelConfig:
     norm_placement: str = "pre"
     """'pre' (norm before each sublayer, Llama/GPT-2) or 'post' (after each addition, the 2017 Transformer)."""
     ffn: str = "swiglu"
-    """'swiglu', 'relu', 'gelu', 'gelu_tanh', or 'none': attention-only blocks, no feed-forward sublayer."""
+    """'swiglu', 'relu', 'relu2' (relu(x)², nanochat), 'gelu', 'gelu_tanh', or 'none': attention-only blocks, no feed-forward sublayer."""
     pos: str = "rope"
     """'rope', 'learned' (absolute, GPT-2) or 'none'."""
     tie_embeddings: bool = False
@@ -86,6 +86,15 @@ class ModelConfig:
     """Tile size (queries and keys) for the 'tiled' kernel."""
     init_std: float = 0.02
     """Standard deviation of the initial weights (residual projections get std/sqrt(2L))."""
+    qk_norm: bool = False
+    """RMS-normalise each head's query and key, with no weight as nanochat and modded-nanogpt do (Qwen3 and
+    OLMo 2 give it one); after the projection, before RoPE (Qwen3's place; nanochat's, after it, gives the same
+    numbers up to rounding, the rotation keeping the norm); docs/model.md#speedrun-switches."""
+    logit_softcap: float | None = None
+    """None, or C: the head's logits become C·tanh(logits/C) (Gemma 2, modded-nanogpt), in training and generation alike."""
+    value_embeddings: bool = False
+    """Value embeddings (modded-nanogpt, nanochat): a (V, K·H) table per layer, on every other layer ending with
+    the last, whose row for the token is added to that layer's V."""
     quantization: dict | None = None
     """None (float weights), or how the weights are stored, e.g. {'method': 'int8_weight_only',
     'granularity': 'per_channel'} (convert/quantize.py, docs/quantize.md)."""
@@ -136,6 +145,7 @@ class ModelConfig:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        self._check_speedrun_switches()
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be None or a positive integer, got {self.sliding_window}")
         if self.rope_scaling is not None:
@@ -148,6 +158,16 @@ class ModelConfig:
             if "factor" not in self.rope_scaling:
                 raise ValueError("rope_scaling needs a 'factor'")
 
+    def _check_speedrun_switches(self) -> None:
+        """qk_norm and value_embeddings are booleans; logit_softcap is None or a positive number (made a float)."""
+        if self.logit_softcap is not None:
+            if isinstance(self.logit_softcap, bool) or not isinstance(self.logit_softcap, (int, float)) or not self.logit_softcap > 0:
+                raise ValueError(f"logit_softcap must be None (off) or a positive number such as 15.0, got {self.logit_softcap!r}")
+            self.logit_softcap = float(self.logit_softcap)
+        for name in ("qk_norm", "value_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
     # ---- derived sizes -------------------------------------------------------------
     @property
     def n_rep(self) -> int:
@@ -158,6 +178,13 @@ class ModelConfig:
     def has_ffn(self) -> bool:
         """Whether each block has a feed-forward sublayer (False for ffn='none', attention-only)."""
         return self.ffn != "none"
+
+    @property
+    def value_embed_layers(self) -> list[int]:
+        """The layers with a value embedding: every other one, ending with the last (nanochat's has_ve)."""
+        if not self.value_embeddings:
+            return []
+        return [i for i in range(self.n_layers) if i % 2 == (self.n_layers - 1) % 2]
 
     @property
     def q_dim(self) -> int:

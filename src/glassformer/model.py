@@ -48,6 +48,20 @@ def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
+def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / √(mean(x²) + ε) over each head's H features, with no weight: QK norm (nanochat's
+    `norm(q), norm(k)`), in fp32 whatever the input dtype. x: (B, T, heads, H)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (B, T, heads, H)
+    return y.to(x.dtype)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap · tanh(logits / cap): logits squashed smoothly into (−cap, cap), about unchanged where
+    |logit| ≪ cap (Gemma 2, Team et al., 2024; modded-nanogpt's head)."""
+    return cap * torch.tanh(logits / cap)
+
+
 # ----------------------------------------------------------------------------- RoPE
 
 
@@ -276,17 +290,23 @@ class Attention(nn.Module):
         self.wv = Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
         self.wo = Linear(cfg.q_dim, cfg.dim, bias=cfg.bias)
         self.kernel = get_kernel(cfg.attention, cfg.attention_tile)
+        self.ve: nn.Embedding | None = None  # value embeddings (V, K·H): set by Transformer on value_embed_layers
 
     def set_kernel(self, name: str) -> None:
         self.kernel = get_kernel(name, self.cfg.attention_tile)
 
-    def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None):
+    def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None, idx=None):
         cfg, n = self.cfg, self.name
         B, T, _ = x.shape
         q, k, v = self.qkv(x)  # (B, T, N·H), (B, T, K·H), (B, T, K·H)
         q = tap(n + ".q", q.view(B, T, cfg.n_heads, cfg.head_dim))  # (B, T, N, H)
         k = tap(n + ".k", k.view(B, T, cfg.n_kv_heads, cfg.head_dim))  # (B, T, K, H)
+        if self.ve is not None:  # v = x·W_V + the token's row of this layer's value embedding
+            v = v + tap(n + ".ve", self.ve(idx).view(B, T, cfg.n_kv_heads, cfg.head_dim)).view(B, T, -1)  # (B, T, K·H)
         v = tap(n + ".v", v.view(B, T, cfg.n_kv_heads, cfg.head_dim))  # (B, T, K, H)
+        if cfg.qk_norm:  # before RoPE (Qwen3's order; a weightless norm commutes with the rotation anyway)
+            q = tap(n + ".q_norm", head_rms_norm(q, cfg.norm_eps))
+            k = tap(n + ".k_norm", head_rms_norm(k, cfg.norm_eps))
         if rope is not None:  # rope: rope_tables' cos and signed sin, (B, T, 1, H) each
             q = tap(n + ".q_rot", rotate(q, *rope, cfg.rope_pairs))
             k = tap(n + ".k_rot", rotate(k, *rope, cfg.rope_pairs))
@@ -329,11 +349,13 @@ class Attention(nn.Module):
 
 
 def ffn_activation(kind: str, up: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """The feed-forward's nonlinearity: silu(gate)·up for SwiGLU, else relu/gelu of up."""
+    """The feed-forward's nonlinearity: silu(gate)·up for SwiGLU, else relu/relu²/gelu of up."""
     if kind == "swiglu":
         return F.silu(gate) * up
     if kind == "relu":
         return F.relu(up)
+    if kind == "relu2":  # squared ReLU (So et al., 2021, Primer; nanochat's MLP)
+        return F.relu(up).square()
     if kind == "gelu":
         return F.gelu(up)
     return F.gelu(up, approximate="tanh")
@@ -399,18 +421,18 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg) if cfg.has_ffn else None
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None):
+    def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None, idx=None):
         n = self.name
         if self.cfg.norm_placement == "pre":
             # Pre-norm: each sublayer reads a normalised copy; the stream itself is never normalised.
-            a = self.attn(tap(n + ".attn_norm", self.attn_norm(x)), rope, q_pos, cache, key_mask, start)
+            a = self.attn(tap(n + ".attn_norm", self.attn_norm(x)), rope, q_pos, cache, key_mask, start, idx)
             h = tap(n + ".resid_mid", x + dropout(self.drop, a))
             if self.ffn is None:
                 return h
             f = self.ffn(tap(n + ".ffn_norm", self.ffn_norm(h)))
             return tap(n + ".resid_out", h + dropout(self.drop, f))
         # Post-norm (Vaswani et al., 2017): normalise the stream after each addition.
-        h = tap(n + ".resid_mid", x + dropout(self.drop, self.attn(x, rope, q_pos, cache, key_mask, start)))
+        h = tap(n + ".resid_mid", x + dropout(self.drop, self.attn(x, rope, q_pos, cache, key_mask, start, idx)))
         h = tap(n + ".attn_norm", self.attn_norm(h))
         if self.ffn is None:
             return h
@@ -436,6 +458,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = make_norm(cfg)
         self.lm_head = Head(cfg.dim, cfg.vocab_size, bias=False)
+        for i in cfg.value_embed_layers:  # state_dict key blocks.{i}.attn.ve.weight
+            self.blocks[i].attn.ve = nn.Embedding(cfg.vocab_size, cfg.kv_dim)
         for path, m in self.named_modules():  # probe prefixes are module paths, as TransformerLens names its hooks
             if isinstance(m, (Block, Attention, FeedForward)):
                 m.name = path
@@ -522,17 +546,25 @@ class Transformer(nn.Module):
         x = tap("embed", dropout(self.drop, x))
         rope = rope_tables(*rope_angles(q_pos, self.rope_inv_freq), cfg.rope_pairs) if cfg.pos == "rope" else None
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, q_pos, None if cache is None else cache.layer(i), padding_mask, start)
+            x = block(x, rope, q_pos, None if cache is None else cache.layer(i), padding_mask, start, idx)
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at.to(x.device)][:, None]  # (B, 1, D)
         x = tap("final_norm", self.final_norm(x))
-        logits = tap("logits", self.lm_head(x))  # (B, T, V)
+        logits = tap("logits", self.unembed(x))  # (B, T, V)
         if wants("probs"):
             tap("probs", torch.softmax(logits.float(), dim=-1))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        """The head: final-norm output (..., D) -> logits (..., V), soft-capped when logit_softcap is set
+        (the logit lens reads the same function)."""
+        cap = self.config.logit_softcap
+        if cap is None:
+            return self.lm_head(x)
+        return softcap(tap("head.uncapped", self.lm_head(x)), cap)  # (..., V)
 
     def _positions(self, pos, B: int, T: int, device) -> torch.Tensor:
         steps = torch.arange(T, device=device)  # (T,)

@@ -360,8 +360,27 @@ def _mismatches(cfg: ModelConfig, wants: dict[str, Any]) -> list[str]:
     return out
 
 
+def _speedrun_off(cfg: ModelConfig) -> list[str]:
+    """The speedrun switches (docs/model.md#speedrun-switches) that no family glassformer writes holds, by name."""
+    off = []
+    if cfg.qk_norm:
+        off.append("qk_norm (llama, mistral, qwen2 and gpt2 normalise no query or key; Qwen3's q_norm/k_norm has "
+                   "a weight, and glassformer writes no qwen3 family)")
+    if cfg.logit_softcap is not None:
+        off.append(f"logit_softcap={cfg.logit_softcap} (no soft cap on the logits in llama, mistral, qwen2 or gpt2)")
+    if cfg.value_embeddings:
+        off.append("value_embeddings (no family adds a token table to the values)")
+    if cfg.ffn == "relu2":
+        off.append("ffn='relu2' (squared ReLU: llama-like families have SwiGLU, gpt2 GELU or ReLU)")
+    return off
+
+
 def family_for(cfg: ModelConfig) -> Family:
     """The Hugging Face family that can hold this model exactly, or a UserError saying why none can."""
+    speedrun = _speedrun_off(cfg)
+    if speedrun:
+        raise UserError(f"{'; '.join(speedrun)}: no Hugging Face family glassformer writes can hold it; "
+                        "train without it to export to Hugging Face")
     if not cfg.has_ffn:
         raise UserError("ffn='none' (attention-only blocks): every Hugging Face family that glassformer writes "
                         "(llama, mistral, qwen2, gpt2) has a feed-forward in each block: export refused")

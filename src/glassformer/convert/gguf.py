@@ -47,6 +47,21 @@ def _later_switches(cfg: ModelConfig) -> list[str]:
             if f.name not in KNOWN_FIELDS and getattr(cfg, f.name) != f.default]
 
 
+def _speedrun_off(cfg: ModelConfig) -> list[str]:
+    """The speedrun switches (docs/model.md#speedrun-switches) that no graph glassformer writes holds, by name."""
+    off = []
+    if cfg.qk_norm:
+        off.append("qk_norm (llama.cpp's llama, qwen2 and gpt2 graphs normalise no query or key; its qwen3 graph's "
+                   "q/k norm has a weight, which glassformer does not write)")
+    if cfg.logit_softcap is not None:
+        off.append(f"logit_softcap={cfg.logit_softcap} (no soft cap on the logits in llama.cpp's llama, qwen2 or gpt2 graph)")
+    if cfg.value_embeddings:
+        off.append("value_embeddings (no llama.cpp graph adds a token table to the values)")
+    if cfg.ffn == "relu2":
+        off.append("ffn='relu2' (squared ReLU: llama.cpp's llama graph has SwiGLU, its gpt2 graph GELU)")
+    return off
+
+
 def _gpt2_off(cfg: ModelConfig) -> list[str]:
     """What keeps cfg off llama.cpp's gpt2 graph (empty: it fits)."""
     wants = {"norm": "layer", "pos": "learned", "bias": True, "ffn": "gelu_tanh", "n_kv_heads": cfg.n_heads,
@@ -76,6 +91,10 @@ def gguf_arch(cfg: ModelConfig) -> str:
                         "feed-forward in each block: export refused")
     if cfg.norm_placement == "post":
         raise UserError("post-norm models have no llama.cpp graph (llama.cpp's llama, qwen2 and gpt2 are pre-norm): export refused")
+    speedrun = _speedrun_off(cfg)
+    if speedrun:
+        raise UserError(f"{'; '.join(speedrun)}: no place for it in a GGUF file llama.cpp can run; "
+                        "train without it to export to GGUF: export refused")
     later = _later_switches(cfg)
     if later:
         raise UserError(f"llama.cpp has no equivalent of {', '.join(later)}: export refused")

@@ -11,7 +11,7 @@ from ..config import ModelConfig
 
 
 def ffn_matrices(cfg: ModelConfig) -> int:
-    """3 for SwiGLU (up, gate, down), 2 for ReLU/GELU (up, down), 0 for ffn='none'."""
+    """3 for SwiGLU (up, gate, down), 2 for ReLU/ReLU²/GELU (up, down), 0 for ffn='none'."""
     if not cfg.has_ffn:
         return 0
     return 3 if cfg.ffn == "swiglu" else 2
@@ -57,6 +57,10 @@ def weights(cfg: ModelConfig) -> dict[str, int]:
     parts = {
         "embedding": V * D,
         "positions": cfg.max_seq_len * D if cfg.pos == "learned" else 0,
+        # value embeddings: a (V, K·H) table on each of cfg.value_embed_layers (qk_norm and the
+        # softcap have no weights). Looked up, not multiplied; counted outside "embedding", as
+        # Transformer.num_params(non_embedding=True) counts them.
+        "value_embeddings": len(cfg.value_embed_layers) * V * cfg.kv_dim,
         **{k: L * v for k, v in per.items()},
         "final_norm": norm_weights(cfg),
         # A tied head is the embedding matrix itself: no weights of its own.

@@ -3,6 +3,8 @@ Each rule adds steps to ctx.steps, the last the explained number, following mode
 and post-norm; the stream wiring comes from probes.STREAM_WIRING (docs/trace-format.md#probe-entries):
     x → (norm) → q,k,v → q_rot,k_rot → scores → weights → z → out;  resid_mid = x + out
     mid → (norm) → up,gate → act → down;  resid_out = mid + down
+The speedrun switches (docs/model.md#speedrun-switches) add q_norm,k_norm between q,k and their
+rotation (qk_norm), ve into v (value_embeddings), and head.uncapped before logits (logit_softcap).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from . import lora, quantized
 from .steps import Steps, fmt, operand
 
 _SYMBOL = {"attn.out": "attn_out", "attn.scores": "s", "attn.weights": "w", "logits": "logit", "probs": "p",
-           "ffn.up": "up", "ffn.gate": "gate", "ffn.act": "act", "ffn.down": "down"}
+           "ffn.up": "up", "ffn.gate": "gate", "ffn.act": "act", "ffn.down": "down", "head.uncapped": "raw"}
 
 
 class Context:
@@ -198,14 +200,45 @@ def _qkv(which: str, W: str):
     def rule(ctx, probe, idx):
         i = _layer(probe)
         t, h, j = idx
-        linear(ctx, ctx.lab(probe, idx), ctx.attn_input(i), t, int(ctx.cfg["dim"]),
+        label = ctx.lab(probe, idx)
+        ve = f"blocks.{i}.attn.ve"
+        with_ve = which == "wv" and ve in ctx.tr.probes
+        if with_ve:  # v = x·W_V + ve: the product first, then the value embedding's row added
+            label = f"x·W_V{label[len(ctx.lab(probe, [])):]}"
+        linear(ctx, label, ctx.attn_input(i), t, int(ctx.cfg["dim"]),
                f"blocks.{i}.attn.{which}.weight", h * ctx.H + j, W, f"blocks.{i}.attn.{which}.bias")
+        if with_ve:
+            s = ctx.steps
+            s.sum(ctx.lab(probe, idx), "x·W_V + ve", [[s.ref(len(s.steps) - 1)], [ctx.p(ve, idx)]], wide=False)
     return rule
+
+
+def rule_ve(ctx, probe, idx):
+    """A value embedding: the token's row of layer i's table, at kv head h's feature j."""
+    i = _layer(probe)
+    t, h, j = idx
+    c = h * ctx.H + j
+    ctx.steps.sum(ctx.lab(probe, idx), f"E_ve[{ctx.names[t]}][{c}]",
+                  [[ctx.w(f"blocks.{i}.attn.ve.weight", [ctx.tr.ids[t], c], f"E_ve[{ctx.names[t]}][{c}]")]], wide=False)
+
+
+def rule_qk_norm(ctx, probe, idx):
+    """QK norm: q[j] / √(Σ_d q[d]²/H + ε) over the head's H features, no weight (model.head_rms_norm)."""
+    t, h, j = idx
+    src = probe[: -len("_norm")]  # blocks.i.attn.q or .k
+    s = ctx.steps
+    xs = [ctx.p(src, [t, h, d]) for d in range(ctx.H)]
+    inv_h = operand("H", ctx.H, power=-1)
+    r = s.sum(f"RMS({ctx.lab(src, [t, h])})", "√(Σ_d x[d]²/H + ε)", [[x, x, inv_h] for x in xs], post="sqrt",
+              fixed=[[operand("ε", float(ctx.cfg["norm_eps"]))]])
+    s.sum(ctx.lab(probe, idx), f"x[{j}] / RMS", [[xs[j], s.ref(r, power=-1)]], wide=False)
 
 
 def rule_rope(ctx, probe, idx):
     t, h, j = idx
     src = probe[: -len("_rot")]  # blocks.i.attn.q or .k
+    if ctx.cfg.get("qk_norm"):  # the rotation turns the normalised q, k
+        src += "_norm"
     half = ctx.H // 2
     if ctx.cfg["rope_pairs"] == "half":
         p, ia, ib, first = j % half, j % half, j % half + half, j < half
@@ -222,7 +255,7 @@ def rule_rope(ctx, probe, idx):
     angle = float(np.float32(pos) * np.float32(omega))
     cos, sin = operand("cos θ", math.cos(angle)), operand("sin θ", math.sin(angle))
     a, b = ctx.p(src, [t, h, ia]), ctx.p(src, [t, h, ib])
-    sym = "q" if src.endswith(".q") else "k"
+    sym = "q" if src.rsplit(".", 1)[-1].startswith("q") else "k"
     if first:
         s.sum(ctx.lab(probe, idx), f"{sym}[{ia}]·cos θ − {sym}[{ib}]·sin θ",
               [[a, cos], [b, sin, operand("−1", -1.0)]], wide=False)
@@ -232,8 +265,11 @@ def rule_rope(ctx, probe, idx):
 
 
 def _qk(ctx, i):
-    rope = ctx.cfg["pos"] == "rope"
-    return (f"blocks.{i}.attn.q_rot", f"blocks.{i}.attn.k_rot") if rope else (f"blocks.{i}.attn.q", f"blocks.{i}.attn.k")
+    if ctx.cfg["pos"] == "rope":
+        return f"blocks.{i}.attn.q_rot", f"blocks.{i}.attn.k_rot"
+    if ctx.cfg.get("qk_norm"):
+        return f"blocks.{i}.attn.q_norm", f"blocks.{i}.attn.k_norm"
+    return f"blocks.{i}.attn.q", f"blocks.{i}.attn.k"
 
 
 def rule_scores(ctx, probe, idx):
@@ -322,6 +358,8 @@ def rule_act(ctx, probe, idx):
         g = s.sum(f"silu(gate[{ctx.names[idx[0]]}][{idx[1]}])", "gate·σ(gate)",
                   [[ctx.p(f"blocks.{i}.ffn.gate", idx)]], post="silu", wide=False)
         s.sum(ctx.lab(probe, idx), "silu(gate)·up", [[s.ref(g), up]], wide=False)
+    elif kind == "relu2":
+        s.sum(ctx.lab(probe, idx), "relu(up)²", [[up]], post="relu2", wide=False)
     else:
         s.sum(ctx.lab(probe, idx), f"{kind}(up)", [[up]], post=kind, wide=False)
 
@@ -333,10 +371,22 @@ def rule_down(ctx, probe, idx):
            f"blocks.{i}.ffn.w_down.weight", d, "W_down", f"blocks.{i}.ffn.w_down.bias")
 
 
-def rule_logits(ctx, probe, idx):
+def rule_head(ctx, probe, idx):
+    """The head's product f·W_U: the logits themselves, or with logit_softcap what the cap squashes."""
     t, v = idx
     fs = [ctx.p("final_norm", [t, i]) for i in range(int(ctx.cfg["dim"]))]
     product(ctx, ctx.lab(probe, idx), fs, "lm_head.weight", v, "W_U", ctx.vocab(v), x="f")
+
+
+def rule_logits(ctx, probe, idx):
+    cap = ctx.cfg.get("logit_softcap")
+    if cap is None:
+        rule_head(ctx, probe, idx)
+        return
+    s = ctx.steps  # logit = C·tanh(raw / C) (model.softcap)
+    th = s.sum(f"tanh(raw / C)[{ctx.names[idx[0]]}][{ctx.vocab(idx[1])}]", "tanh(raw · 1/C)",
+               [[ctx.p("head.uncapped", idx), operand("1/C", 1.0 / float(cap))]], post="tanh", wide=False)
+    s.sum(ctx.lab(probe, idx), "C · tanh(raw / C)", [[operand("C", float(cap)), s.ref(th)]], wide=False)
 
 
 def rule_probs(ctx, probe, idx):
@@ -365,6 +415,9 @@ RULES = {
     "attn.q": _qkv("wq", "W_Q"),
     "attn.k": _qkv("wk", "W_K"),
     "attn.v": _qkv("wv", "W_V"),
+    "attn.ve": rule_ve,
+    "attn.q_norm": rule_qk_norm,
+    "attn.k_norm": rule_qk_norm,
     "attn.q_rot": rule_rope,
     "attn.k_rot": rule_rope,
     "attn.scores": rule_scores,
@@ -380,5 +433,6 @@ RULES = {
     "resid_out": rule_resid_out,
     "final_norm": rule_final_norm,
     "logits": rule_logits,
+    "uncapped": rule_head,
     "probs": rule_probs,
 }

@@ -83,6 +83,8 @@ POST = {
     None: lambda x: x,
     "sqrt": math.sqrt,
     "relu": lambda x: max(x, 0.0),
+    "relu2": lambda x: max(x, 0.0) ** 2,
+    "tanh": math.tanh,
     "gelu": _gelu,
     "gelu_tanh": _gelu_tanh,
     "silu": lambda x: x / (1.0 + math.exp(-x)) if x > -700 else 0.0,

@@ -186,7 +186,7 @@ def logit_lens(model, ids) -> torch.Tensor:
     dev = next(model.parameters()).device
     stream = torch.stack([seen[n][0] for n in names]).to(dev)  # (L, T, D)
     w = model.lm_head.weight
-    return model.lm_head(model.final_norm(stream.to(w.dtype))).float().cpu()  # (L, T, V)
+    return model.unembed(model.final_norm(stream.to(w.dtype))).float().cpu()  # (L, T, V), soft-capped as the model's
 
 
 def logit_lens_top(model, ids, top: int = 5, tokenizer=None) -> dict:

@@ -29,6 +29,10 @@ _AXES = {
     "k": ["token", "kv_head", "feature"],
     "k_rot": ["token", "kv_head", "feature"],
     "v": ["token", "kv_head", "feature"],
+    "q_norm": ["token", "head", "feature"],
+    "k_norm": ["token", "kv_head", "feature"],
+    "ve": ["token", "kv_head", "feature"],
+    "uncapped": ["token", "vocab"],
     "scores": ["token", "head", "key"],
     "weights": ["token", "head", "key"],
     "logits": ["token", "vocab"],
@@ -127,10 +131,11 @@ def attention_kernel(model, name: str | None, tile_logs: dict[int, list] | None 
 
 
 def weight_matrix(model, name: str) -> torch.Tensor:
-    """The weight called `name` (a state_dict key) in math layout: [in, out] for a Linear, as is otherwise."""
+    """The weight called `name` (a state_dict key) in math layout: [in, out] for a Linear, as is otherwise
+    (token tables: embed, pos_embed, a layer's value embedding attn.ve, (rows, width))."""
     w = model.state_dict()[name] if name != "lm_head.weight" else model.lm_head.weight
     w = w.detach().float().cpu()
-    if w.dim() == 2 and not name.startswith(("embed.", "pos_embed.")):
+    if w.dim() == 2 and not name.startswith(("embed.", "pos_embed.")) and not name.endswith(".ve.weight"):
         w = w.t()  # nn.Linear stores (out, in); x @ W wants (in, out)
     return w.contiguous()
 
@@ -274,7 +279,7 @@ def _cut_vocab(found: dict[str, Probe], top_k: int | None, vocab_size: int) -> N
     found["logits"].extra["logsumexp"] = torch.logsumexp(lg.double(), -1).tolist()
     if top_k is not None and top_k < vocab_size:
         top = lg.topk(top_k, dim=-1).indices  # (T, k)
-        for n in ("logits", "probs"):
+        for n in ("logits", "probs", "head.uncapped"):  # the cap is monotonic: the same top k
             if n in found:
                 found[n].data = found[n].data.gather(-1, top)
                 found[n].index["vocab"] = top.tolist()

@@ -18,7 +18,7 @@ SYMBOLS = {  # symbol -> what it stands for
     "L": "layers", "D": "model width", "N": "query heads", "K": "KV heads", "H": "head size",
     "F": "feed-forward width", "V": "vocabulary", "S": "context (max_seq_len)", "B": "rows in the batch",
     "T": "tokens per row", "m": "feed-forward matrices (3 SwiGLU, 2 otherwise)", "b": "bytes per number",
-    "g": "weights per norm (γ, and β with biases)",
+    "g": "weights per norm (γ, and β with biases)", "E": "layers with a value embedding (value_embeddings)",
 }
 
 
@@ -30,6 +30,7 @@ def _formulas(cfg: ModelConfig, r: dict) -> dict[str, tuple[str, str]]:
     f = {
         "params_by_part.embedding": "V·D",
         "params_by_part.positions": "S·D" if cfg.pos == "learned" else "0",
+        "params_by_part.value_embeddings": "E·V·K·H",
         "params_by_part.attn_q": "L·D·N·H",
         "params_by_part.attn_k": "L·D·K·H",
         "params_by_part.attn_v": "L·D·K·H",
@@ -64,7 +65,7 @@ def _values(cfg: ModelConfig, r: dict) -> dict[str, Any]:
     v: dict[str, Any] = {
         "L": cfg.n_layers, "D": cfg.dim, "N": cfg.n_heads, "K": cfg.n_kv_heads, "H": cfg.head_dim,
         "F": cfg.ffn_dim, "V": cfg.vocab_size, "S": cfg.max_seq_len, "B": inp["batch"], "T": inp["seq"],
-        "m": ffn_matrices(cfg), "b": dtype_bytes(inp["dtype"]), "g": norm_weights(cfg),
+        "m": ffn_matrices(cfg), "b": dtype_bytes(inp["dtype"]), "g": norm_weights(cfg), "E": len(cfg.value_embed_layers),
         "params": r["params"], "flops_forward": r["flops_forward"],
     }
     return v
