@@ -20,7 +20,7 @@ from glassformer.tracing.interventions import logit_lens_top
 from glassformer.tracing.trace import trace
 from glassformer.viewer.server import make_explorer_app
 
-from ..support import data  # noqa: F401  (a fixture)
+from ..support import make_prepared
 
 TEXT = "the cat sat on the mat"
 STEPS, EVERY, SNAP = 24, 12, 6
@@ -40,23 +40,37 @@ def run_explorer(run, *flags):
     return view.build_explorer(p.parse_args(["--run", str(run), *flags]))
 
 
-@pytest.fixture(scope="module")
-def trained(data, tmp_path_factory, one_thread):  # noqa: F811
-    """A tiny run of 24 steps, a snapshot every 6, evaluations at 12 and 24, --keep-last 1; its explorer."""
-    run = tmp_path_factory.mktemp("training") / "run"
-    train_run(data, run)
+@pytest.fixture(scope="session")
+def training_run(tmp_path_factory):
+    """(prepared data, run folder): a tiny run of 24 steps, a snapshot every 6, evaluations at 12
+    and 24, --keep-last 1; trained once for this file and the browser test's."""
+    root = tmp_path_factory.mktemp("training")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = make_prepared(root / "data")
+        train_run(data, root / "run")
+    finally:
+        torch.set_num_threads(n)
+    return data, root / "run"
+
+
+@pytest.fixture(scope="session")
+def trained(training_run):
+    """The run folder and its explorer (`view --run RUN`), shared with the browser test."""
+    run = training_run[1]
     return run, run_explorer(run)
 
 
 @pytest.fixture(scope="module")
-def client(trained):
+def client(trained, one_thread):
     from starlette.testclient import TestClient
 
     return TestClient(make_explorer_app(trained[1]), base_url="http://127.0.0.1", raise_server_exceptions=False)
 
 
-def test_snapshots_survive_pruning_and_a_resume(trained, data, tmp_path):  # noqa: F811
-    run, _ = trained
+def test_snapshots_survive_pruning_and_a_resume(training_run, tmp_path):
+    data, run = training_run
     assert sorted(p.name for p in run.glob("step-*")) == NAMES
     assert (run / SNAPSHOTS).read_text().split() == NAMES
     # Without the list, --keep-last 1 keeps only the newest (and the best, which is it here).
@@ -172,3 +186,16 @@ def test_view_run_options(trained, capsys):
     assert ex.checkpoint == "step-000012" and ex.payload(TEXT)["checkpoint"] == "step-000012"
     with pytest.raises(Exception, match="holds no complete training checkpoint"):
         run_explorer(run / "step-000012")
+
+
+def test_one_update_explained_through_the_route(trained, client):
+    """POST /api/update answers explaining.optimizer.explain_update's calculation (its whole
+    tensors left out), the update after the named checkpoint, equal to the optimizer's bitwise."""
+    res = client.post("/api/update", json={"step": 12, "param": "blocks.0.attn.wq.weight", "index": [0, 1]})
+    assert res.status_code == 200, res.text
+    got = res.json()
+    assert got["bitwise"] is True and got["summary"]["update_step"] == 13
+    assert got["probe"] == "blocks.0.attn.wq.weight" and got["index"] == [0, 1]
+    assert not {"grad", "clipped", "new_param"} & set(got)
+    res = client.post("/api/update", json={"step": 7, "param": "blocks.0.attn.wq.weight", "index": [0, 1]})
+    assert res.status_code == 400

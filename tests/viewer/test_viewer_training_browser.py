@@ -16,7 +16,7 @@ from glassformer.tracing.trace import trace
 from glassformer.viewer.server import make_server
 
 from .test_viewer_browser import browser, open_page  # noqa: F401 (a fixture)
-from .test_viewer_training import TEXT, data, trained  # noqa: F401 (fixtures)
+from .test_viewer_training import TEXT, trained, training_run  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.browser
 
