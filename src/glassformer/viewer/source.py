@@ -517,9 +517,9 @@ def tokenizer_view(tokenizer, text: str) -> dict:
     except UserError as e:
         return {"text": text, "error": str(e).replace("--steps shows", "the tokenizer view shows")
                 .replace("; drop --steps to see its tokens", "")}
-    except (AttributeError, TypeError, ValueError, KeyError) as e:  # no tokenizer.json behind it
-        return {"text": text, "error": f"the tokenizer view shows byte-level BPE tokenizers only "
-                                       f"(this tokenizer has no BPE merges to show: {type(e).__name__})"}
+    except (AttributeError, TypeError, ValueError, KeyError):  # no tokenizer.json behind it (a word vocabulary)
+        return {"text": text, "error": f"the tokenizer view shows byte-level BPE tokenizers only: this one "
+                                       f"({type(tokenizer).__name__}) has no BPE merges to show"}
     return {"text": text, "label": token_label(text), "ids": steps.ids, "bytes": list(text.encode("utf-8")),
             "chunks": [_chunk_view(tokenizer, c) for c in steps.chunks]}
 
