@@ -94,7 +94,7 @@ def test_the_recomputed_gradient_is_the_one_training_used(runs, data):  # noqa: 
         assert torch.equal(e.clipped, seen[step + 1]["grads"][name])  # bitwise: the gradient the optimizer got
         assert e.summary["grad_norm"] == seen[step + 1]["grad_norm"]
         assert e.summary["accum"] == 2 and len(e.summary["micro_losses"]) == 2
-        assert all(e.summary["checks"].values())
+        assert all(e.summary["checks"].values()) and e.summary["in_run"]
         assert torch.allclose(e.grad, direct_gradient(data, run, step, name), rtol=1e-4, atol=1e-7)
 
 
@@ -129,6 +129,8 @@ def test_the_clipping_scale_is_max_norm_over_the_norm(runs):
     scale = next(st for st in e.steps if st["label"] == "s")
     assert scale["value"] == s["clip_scale"]
     assert torch.allclose(e.clipped, e.grad * (CLIP / s["grad_norm"]), rtol=1e-5, atol=0)
+    last = explain_update(runs["muon"][0], 3, "blocks.0.attn.wq.weight", (0, 0))  # after the run's last step
+    assert not last.summary["in_run"] and "would take next" in last.summary["note"]
 
 
 @pytest.mark.parametrize("step, name, index, words", [

@@ -595,7 +595,10 @@ def _explanation(rs: RunState, rec: _Recorder, name: str, idx: list[int], note: 
     lr_k = _lr_step(c, rs, rec.group)
     info = (_muon_steps if kind == "muon" else _adamw_steps)(c, rec, name, idx, ghat_k, lr_k)
     value = float(rec.after["param"][tuple(idx)])
-    summary = {"run": str(rs.out), "step": rs.step - 1, "update_step": rs.step, "loss": rs.last.loss,
+    in_run = rs.total_steps is None or rs.step <= rs.total_steps
+    if not in_run:  # the last checkpoint: its next update is the one the run would have taken
+        note = (note + "; " if note else "") + f"the run ended at step {rs.step - 1}: this is the update it would take next"
+    summary = {"in_run": in_run, "run": str(rs.out), "step": rs.step - 1, "update_step": rs.step, "loss": rs.last.loss,
                "micro_losses": list(rec.losses), "accum": rs.accum, "micro_batch": rs.micro, "seq_len": rs.seq_len,
                "grad_norm": rs.last.grad_norm, "grad_clip": rs.cfg.grad_clip, "clip_scale": scale,
                "clipping": scale < 1.0, "lr": rs.lr, "group_lr": rec.group["lr"], "value_hex": float(value).hex(),
