@@ -37,6 +37,9 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per new token instead of the text: row, id, token, bytes, logprob, "
                         "top (K from --logprobs, default 0)")
+    p.add_argument("--html", metavar="FILE", default=None,
+                   help="also write the explorer's page of the prompt and its continuation to FILE (.html), its "
+                        "generated-text view filled in (one --prompt, at most 64 new tokens; docs/viewer.md#generated-text)")
 
 
 def add_sampling_arguments(p, max_new_tokens: int = 200) -> None:
@@ -153,6 +156,42 @@ def _summary(made: int, seconds: float, marks: list[tuple[float, int]], compiled
     return summary
 
 
+def _check_html(args) -> None:
+    """--html draws one prompt's continuation: what it cannot be combined with, said before any loading."""
+    from ..errors import UserError
+    from ..viewer.generated import MAX_TOKENS
+
+    if not args.html.lower().endswith((".html", ".htm")):
+        raise UserError(f"--html writes a page: give a file name ending in .html, got {args.html!r}")
+    if args.prompts_file is not None or args.num_samples != 1:
+        raise UserError("--html draws one text: give --prompt (not --prompts-file) and --num-samples 1")
+    others = [flag for flag, on in (("--json", args.json), ("--logprobs", args.logprobs is not None), ("--stop", args.stop),
+                                    ("--compile", args.compile), ("--context-policy slide", args.context_policy != "error")) if on]
+    if others:
+        raise UserError(f"--html cannot be combined with {', '.join(others)}: the page shows each token's probabilities itself")
+    if not 1 <= args.max_new_tokens <= MAX_TOKENS:
+        raise UserError(f"--html draws at most {MAX_TOKENS} new tokens: give --max-new-tokens {MAX_TOKENS} or fewer "
+                        f"(got {args.max_new_tokens})")
+
+
+def _write_page(args, prompt: str) -> int:
+    """--html: the prompt continued by glassformer.generate (the same tokens as without --html), printed,
+    and drawn as the explorer's self-contained page (viewer.source.write_generated_page)."""
+    from ..viewer.source import write_generated_page
+
+    _check_html(args)
+    model, tok = _load_model(args)
+    settings = dict(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    path, part = write_generated_page(args.html, model, tok, prompt, args.max_new_tokens, settings,
+                                      model_name=str(args.checkpoint))
+    sys.stdout.write(part["text"] + "\n")
+    sys.stdout.flush()
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): {len(part['tokens'])} new tokens; "
+          f"open it in a browser", file=sys.stderr)
+    return 0
+
+
 def run(args) -> int:
     import time
 
@@ -161,6 +200,8 @@ def run(args) -> int:
 
     _check_args(args)
     prompts = _prompts(args)
+    if args.html is not None:
+        return _write_page(args, prompts[0])
     model, tok = _load_model(args)
     rows = [tok.encode(p) for p in prompts for _ in range(args.num_samples)]
     if any(not r for r in rows):

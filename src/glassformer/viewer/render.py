@@ -29,7 +29,7 @@ from ..tracing.tiles import head_walk
 STATIC = Path(__file__).parent / "static"
 # The page's scripts in the order they run: glass.js first (its helpers, as window.Glass), then
 # each view that lives in a file of its own and registers with Glass.view.
-VIEW_SCRIPTS = ("glass.js", "tokenizer.js", "training.js")
+VIEW_SCRIPTS = ("glass.js", "tokenizer.js", "generated.js", "training.js")
 FEATURE_CAP = 8  # numbers shown per vector (per head); glass.js uses the same cap
 TOP_K = 5  # next-token candidates shown per position
 EXPLAIN_LIMIT = 1200  # calculations stored in a saved page at most
@@ -242,6 +242,7 @@ def build_payload(
     slim: bool = False,
     sampling: dict | None = None,
     tokenizer: dict | None = None,
+    generated: dict | None = None,
 ) -> dict:
     """Everything the page draws, as one JSON-ready dict.
 
@@ -251,7 +252,8 @@ def build_payload(
     flash: source.flash_walks's output. The page reads the stream's probes from `wiring` and
     draws each token as its `labels` entry (text.labels.token_label: ␣ for a space, ↵ for a newline).
     sampling: a saved page's grid of sampling answers (source.sample_grid); tokenizer: the
-    tokenizer view's steps for the sentence (source.tokenizer_view).
+    tokenizer view's steps for the sentence (source.tokenizer_view); generated: the generated-text
+    view's data (viewer/generated.generated_part), None for a sentence that was not generated.
     """
     trace = _checked_trace(trace, mode)
     T = len(trace["tokens"])
@@ -276,6 +278,7 @@ def build_payload(
         "wiring": stream_wiring(int(cfg["n_layers"]), cfg["norm_placement"], cfg.get("ffn", "swiglu")),
         "rms": lane_rms(trace),
         "flash": _with_traced_tiles(trace, flash), "sampling": sampling, "tokenizer": tokenizer,
+        "generated": generated,
     })}
 
 

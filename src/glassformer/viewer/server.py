@@ -1,8 +1,8 @@
 """`glassformer view`: the explorer's routes, served on the HTTP base of serve/http.py.
 
 It serves GET / (the page), GET /static/NAME (its own CSS and JavaScript, a fixed list),
-POST /api/trace, POST /api/explain and POST /api/sample, with `view --run` GET /api/run and POST
-/api/update (docs/viewer.md#the-servers-endpoints), nothing else.
+POST /api/trace, POST /api/explain, POST /api/sample and POST /api/generate, with `view --run` GET /api/run
+and POST /api/update (docs/viewer.md#the-servers-endpoints), nothing else.
 Loopback by default, size limits (413, 411), 404 for any other path, loopback Host names only,
 JSON with nosniff: docs/viewer.md#safety. `explorer_router` puts the same routes on another
 app (`glassformer serve --explorer`); `make_server` is `glassformer view`'s own server.
@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from ..errors import UserError
 from ..serve.http import Limits, Server, json_bytes, make_app, plain_error
+from .generated import MAX_TOKENS
 from .render import VIEW_SCRIPTS, _finite, build_payload, render_html, static_file, to_plain
 from .training import NotFound
 
@@ -48,6 +49,8 @@ class Explorer:
     run: a training.RunCheckpoints (`view --run`): a request may name one of its checkpoints, answered
     by that checkpoint's own Explorer (so its own cache); checkpoint: the name of the one this traces.
     additions(ids) -> more keys of the payload (optional; the run view's logit lens).
+    generator(text, ids, tokens, max_tokens, settings) -> (ids, tokens, generated part, text): the text
+    continued by `generate` and the generated-text view's data (optional; source.generation).
     """
 
     encode: Callable[[str], tuple[list[int], list[str]]]
@@ -62,6 +65,7 @@ class Explorer:
     run: Any = None
     checkpoint: str | None = None
     additions: Callable[[list[int]], dict] | None = None
+    generator: Callable[[str, list[int], list[str], int, dict], tuple] | None = None
     cache_size: int = 8
     digits: int = 6  # decimals (or significant digits, as as_dict reads it) of the numbers sent
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -80,19 +84,27 @@ class Explorer:
             ids, tokens = self.encode(text)
             if not ids:
                 raise UserError("the sentence is empty: type a few words")
-            tr = self.trace(ids, tokens)
-            shown = self.as_dict(tr, self.digits) if self.as_dict else tr
-            args = dict(self.payload_args)
-            if self.extras is not None:
-                args.update(self.extras(ids, tokens, shown, tr))
-            if self.text_extras is not None:
-                args.update(self.text_extras(text))
-            # The live page asks the server for calculations, so it needs only what it draws.
-            payload = self._marked(build_payload(shown, mode="server", sentence=text, slim=True, **args), ids)
-            self._cache[text] = (tr, payload)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-            return tr, payload
+            return self._keep(text, self._built(ids, tokens, text))
+
+    def _built(self, ids: list[int], tokens: list[str], text: str) -> tuple[Any, dict]:
+        """(trace, payload) of these ids, `text` their sentence (the caller holds the lock)."""
+        tr = self.trace(ids, tokens)
+        shown = self.as_dict(tr, self.digits) if self.as_dict else tr
+        args = dict(self.payload_args)
+        if self.extras is not None:
+            args.update(self.extras(ids, tokens, shown, tr))
+        if self.text_extras is not None:
+            args.update(self.text_extras(text))
+        # The live page asks the server for calculations, so it needs only what it draws.
+        return tr, self._marked(build_payload(shown, mode="server", sentence=text, slim=True, **args), ids)
+
+    def _keep(self, text: str, hit: tuple[Any, dict]) -> tuple[Any, dict]:
+        """Keep (trace, payload) of `text` for the next few requests (the caller holds the lock)."""
+        self._cache[text] = hit
+        self._cache.move_to_end(text)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return hit
 
     def _marked(self, payload: dict, ids: list[int]) -> dict:
         """The payload with the run view's keys: the run and checkpoint it shows, the additions."""
@@ -164,6 +176,23 @@ class Explorer:
             if not 0 <= position < len(ids):
                 raise UserError(f"position must be a token index in 0..{len(ids) - 1}, got {position}")
             return self.sampler(ids[:position + 1], settings)
+
+    def generation(self, text: str, max_tokens: int, settings: dict) -> dict:
+        """The page's payload for `text` continued by `generate` (up to max_tokens new tokens with
+        these settings), its `generated` part the generated-text view's data."""
+        if self.generator is None:
+            raise UserError("this server cannot generate")
+        if len(text) > MAX_TEXT:
+            raise TooLarge(f"the sentence has {len(text)} characters; the limit is {MAX_TEXT}")
+        with self._lock:
+            ids, tokens = self.encode(text)
+            if not ids:
+                raise UserError("the sentence is empty: type a few words")
+            ids, tokens, part, full = self.generator(text, ids, tokens, max_tokens, settings)
+            hit = self._built(ids, tokens, full)
+            if part.get("roundtrip"):  # the other views re-read the text: the same ids, the same trace
+                self._keep(full, hit)
+        return {**hit[1], "generated": part}
 
 
 UPDATE_TENSORS = ("grad", "clipped", "new_param")  # explain_update's whole tensors (for tests): not sent
@@ -259,18 +288,26 @@ def _probe_of(req: dict) -> tuple[str, list[int]]:
 SAMPLE_NUMBERS = {"temperature": 1.0, "top_p": None, "min_p": None, "repetition_penalty": 1.0}  # and defaults
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _sample_of(req: dict) -> tuple[int, dict]:
     """(position, sampling settings) of a /api/sample request, each of the right type; their
     ranges are the sampler's own check (check_sampling)."""
-    def number(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-    def integer(x):
-        return isinstance(x, int) and not isinstance(x, bool)
-
     position = req.get("position")
-    if not integer(position):
+    if not _integer(position):
         raise UserError("sample needs a position: the index of the token whose next token is sampled")
+    return position, _settings_of(req)
+
+
+def _settings_of(req: dict) -> dict:
+    """The sampling settings of a request (defaults where absent), each of the right type."""
+    number, integer = _number, _integer
     settings = {k: req.get(k, d) for k, d in SAMPLE_NUMBERS.items()}
     settings.update(top_k=req.get("top_k"), seed=req.get("seed", 0))
     for k, v in settings.items():
@@ -279,7 +316,23 @@ def _sample_of(req: dict) -> tuple[int, dict]:
             raise UserError(f"{k} must be {'an integer' if k in ('top_k', 'seed') else 'a number'}, got {v!r}")
     if not 0 <= settings["seed"] < 2 ** 63:
         raise UserError(f"seed must be in 0..2^63-1, got {settings['seed']}")
-    return position, settings
+    return settings
+
+
+GENERATE_FIELDS = ("text", "max_tokens", *SAMPLE_NUMBERS, "top_k", "seed")
+GENERATE_TOKENS = 20  # new tokens when a request names no max_tokens
+
+
+def _generate_of(req: dict) -> tuple[int, dict]:
+    """(max_tokens, sampling settings) of a /api/generate request: known fields only, each of the
+    right type, max_tokens within 1..MAX_TOKENS (the ranges of the rest: the sampler's check)."""
+    unknown = sorted(set(req) - set(GENERATE_FIELDS))
+    if unknown:
+        raise UserError(f"generate takes {', '.join(GENERATE_FIELDS)}; unknown field {unknown[0]!r}")
+    n = req.get("max_tokens", GENERATE_TOKENS)
+    if not _integer(n) or not 1 <= n <= MAX_TOKENS:
+        raise UserError(f"max_tokens must be an integer in 1..{MAX_TOKENS}, got {n!r}")
+    return n, _settings_of(req)
 
 
 def explorer_router(explorer: Explorer) -> APIRouter:
@@ -333,6 +386,10 @@ def explorer_router(explorer: Explorer) -> APIRouter:
         return await answer(request, lambda req: (explorer.sample, _text_of(req, explorer), *_sample_of(req),
                                                   _checkpoint_of(req)))
     run_routes(router, explorer, answer)
+
+    @router.post("/api/generate")
+    async def generate(request: Request) -> Response:
+        return await answer(request, lambda req: (explorer.generation, _text_of(req, explorer), *_generate_of(req)))
 
     return router
 

@@ -35,6 +35,7 @@ from ..tracing.tiles import head_walks, kernel_log
 from ..tracing.trace import trace
 from ..worked import model as worked
 from .cost_calc import cost_calcs
+from .generated import EXPLAIN_LIMIT, check_max_tokens, full_logits, generated_part, new_tokens
 from .render import cost_rows, flash_key, to_plain, write_html
 from .sample_calc import probability_calcs, stage_calcs
 from .server import Explorer
@@ -293,9 +294,11 @@ def costs_view(cfg, T: int) -> dict | None:
 
 
 def page_args(model, tokenizer, text: str, *, model_name: str, mode: str = "static", norm: dict | None = None,
-              focus: int | None = None, vocab: list[str] | None = None) -> tuple[Any, dict]:
-    """(trace, build_payload keyword arguments) for one sentence."""
-    ids, tokens = encode(tokenizer, text, model.config.max_seq_len)
+              focus: int | None = None, vocab: list[str] | None = None,
+              known: tuple[list[int], list[str]] | None = None) -> tuple[Any, dict]:
+    """(trace, build_payload keyword arguments) for one sentence (known: its ids and tokens, when
+    they are not the text's encoding: a generated continuation)."""
+    ids, tokens = known if known is not None else encode(tokenizer, text, model.config.max_seq_len)
     focus = focus if focus is not None and focus < len(ids) else None
     tr = trace_for_page(model, ids, tokens, focus)
     args: dict[str, Any] = dict(
@@ -322,6 +325,58 @@ def write_page(path, model, tokenizer, text: str, *, model_name: str, **kw):
     """Trace `text` and write the self-contained page to `path`; returns the path."""
     tr, args = page_args(model, tokenizer, text, model_name=model_name, **kw)
     return write_html(path, tr, **args)
+
+
+def generation(model, tokenizer, prompt: str, ids: list[int], tokens: list[str], max_tokens: int,
+               settings: dict) -> tuple[list[int], list[str], dict, str]:
+    """(ids, tokens, generated part, text): the prompt (its ids and tokens) continued by
+    glassformer.generate with these settings (up to max_tokens, stopping at the end-of-text token as
+    `glassformer generate` does), and the generated-text view's data (viewer/generated.py) from
+    one full forward over the whole text."""
+    check_max_tokens(max_tokens, len(ids), model.config.max_seq_len)
+    check_sampling(**{k: v for k, v in settings.items() if k != "seed"})
+    eot = getattr(tokenizer, "eot_id", None)
+    new = new_tokens(model, ids, max_tokens, settings, None if eot is None else [eot])
+    every = ids + new
+    # The text as generate's stream writes it: the prompt, then the new tokens decoded (a word
+    # tokenizer that joins words decodes the whole text instead).
+    text = tokenizer.decode(every) if tokenizer.decode(ids) == prompt else prompt + tokenizer.decode(new)
+    try:
+        roundtrip = list(tokenizer.encode(text)) == every
+    except Exception:  # a word vocabulary that cannot read its own output back
+        roundtrip = False
+    part = generated_part(full_logits(model, every), ids, new, settings, functools.partial(_piece, tokenizer),
+                          text=text, roundtrip=roundtrip, max_tokens=max_tokens)
+    return every, tokens + tokens_of(tokenizer, new), part, text
+
+
+GENERATED_NORM_ROWS = 16  # tokens whose RMS calculations a generated page stores (~35 kB a token)
+
+
+def write_generated_page(path, model, tokenizer, prompt: str, max_tokens: int, settings: dict, *,
+                         model_name: str) -> tuple[Path, dict]:
+    """`glassformer generate --html`: `prompt` continued by generate, as one self-contained page with
+    the generated-text view filled in; returns (the path, the generated part)."""
+    model.eval()
+    ids, tokens = encode(tokenizer, prompt, model.config.max_seq_len)
+    every, tokens, part, text = generation(model, tokenizer, prompt, ids, tokens, max_tokens, settings)
+    tr, args = page_args(model, tokenizer, text, model_name=model_name, known=(every, tokens))
+    _lighter(args, len(every))
+    return write_html(path, tr, generated=part, explain_limit=EXPLAIN_LIMIT, **args), part
+
+
+def _lighter(args: dict, T: int) -> None:
+    """A generated text is long for a saved page: it stores fewer calculations (EXPLAIN_LIMIT, of
+    ~2.6 kB each), the first quarter of the tile walks (the focus row's first) and the RMS
+    calculations of the last GENERATED_NORM_ROWS tokens only (their numbers are drawn, not linked);
+    `glassformer view` computes the rest."""
+    walks = list(args["flash"]["walks"].items())
+    kept = dict(walks[:max(1, len(walks) // 4)])
+    args["flash"] = {**args["flash"], "walks": kept, "left_out": args["flash"].get("left_out", 0) + len(walks) - len(kept)}
+    norm = args.get("norm")
+    if norm and norm.get("calc"):
+        first = T - GENERATED_NORM_ROWS
+        norm["calc"] = {kind: [row if t >= first else [] for t, row in enumerate(rows)] for kind, rows in norm["calc"].items()}
 
 
 def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict | None = None, vocab=None, focus=None):
@@ -351,7 +406,8 @@ def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict
 
     return Explorer(encode=enc, trace=trace_fn, default_text=default_text, as_dict=page_dict,
                     explain=calculation, extras=extras, sampler=Sampler(model, tokenizer),
-                    text_extras=lambda text: {"tokenizer": tokenizer_view(tokenizer, text)})
+                    text_extras=lambda text: {"tokenizer": tokenizer_view(tokenizer, text)},
+                    generator=functools.partial(generation, model, tokenizer))
 
 
 class Sampler:
