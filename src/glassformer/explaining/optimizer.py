@@ -384,8 +384,10 @@ class _Recorder:
 
 
 def _loss_step(c: _Calc, rec: _Recorder, run: RunState) -> None:
-    """The step's loss from its micro-batches' (plain data; a conversation run's masked mean has no per-batch mean)."""
+    """The step's loss from its micro-batches' (a conversation run's masked mean has no per-batch mean)."""
     if len(rec.losses) != run.accum:
+        c.add("loss", f"Σ ℓ over the step's unmasked targets / n, their count (the masked mean over {run.accum} "
+                      f"micro-batches, drawn from (seed {run.cfg.seed}, step {run.step - 1}))", [], run.last.loss, op="mean")
         return
     ops = [_op(f"ℓ_{m + 1}", v, what=f"micro-batch {m + 1}'s mean cross-entropy") for m, v in enumerate(rec.losses)]
     c.add("loss", f"Σ_m ℓ_m / {run.accum}, the mean over the step's micro-batches of {run.micro} rows × {run.seq_len} "
