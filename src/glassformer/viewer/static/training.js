@@ -12,7 +12,8 @@
   const G = window.Glass;
   const { el, svg, clear, fmt, $ } = G;
   const STAT_TITLES = { grad_norm: 'gradient norm', update_rms_ratio: 'update RMS / weight RMS',
-    stream_rms: 'residual stream RMS', attn_entropy: 'attention entropy (nats) per head' };
+    stream_rms: 'residual stream RMS', attn_entropy: 'attention entropy (nats) per head',
+    induction_score: 'induction score per head (demo --induction)' };
   const view = { data: null, asked: false, kind: null, group: 'all', seq: 0, timer: null, drawn: 0 };
 
   // ------------------------------------------------------------------ the section's frame
@@ -26,7 +27,8 @@
       el('div', { class: 'controls' }, [
         el('label', { for: 'train-ckpt' }, 'checkpoint'),
         el('input', { id: 'train-ckpt', type: 'range', min: '0', max: '0', step: '1', value: '0', 'aria-label': 'checkpoint' }),
-        el('span', { id: 'train-ckpt-out', class: 'pill' })]),
+        el('span', { id: 'train-ckpt-out', class: 'pill' }),
+        el('button', { id: 'train-reload', type: 'button', text: '↻ re-read the run', title: 'a run still training: its new lines and checkpoints' })]),
       el('div', { id: 'train-ckpts', class: 'ckpts' }),
       el('div', { class: 'train-charts' }, [el('div', { id: 'train-loss', class: 'train-chart' }), el('div', { id: 'train-bpb', class: 'train-chart' })]),
       el('h3', { text: 'Per-layer statistics' }),
@@ -48,6 +50,7 @@
       view.timer = setTimeout(() => goTo(names()[Number(slider.value)]), 120); // a dragged slider asks once it rests
     });
     $('train-update').addEventListener('click', askUpdate);
+    $('train-reload').addEventListener('click', () => { view.asked = false; fetchRun(); });
     return sec;
   }
 
