@@ -7,7 +7,8 @@ HELP = "explain one optimizer update of a training run's weight, number by numbe
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--run", required=True, metavar="RUN", help="a training run's folder (what `glassformer train --out` wrote)")
+    p.add_argument("--run", required=True, metavar="RUN",
+                   help="a training run's folder (what `glassformer train --out` wrote)")
     p.add_argument("--step", required=True, type=int, metavar="S",
                    help="a checkpoint step of the run: the update explained is the next one, step S+1")
     p.add_argument("--param", required=True, metavar="NAME",
@@ -15,7 +16,8 @@ def add_arguments(p) -> None:
     p.add_argument("--index", required=True, metavar="I,J", help="the element: one index per axis, e.g. 3,5")
     p.add_argument("--data", metavar="DIR", default=None,
                    help="the prepared data folder the run trained on, when it has moved (default: the run's own)")
-    p.add_argument("--json", action="store_true", help="print the calculation as one JSON object (what POST /api/update answers)")
+    p.add_argument("--json", action="store_true",
+                   help="print the calculation as one JSON object (what POST /api/update answers)")
 
 
 def run(args) -> int:

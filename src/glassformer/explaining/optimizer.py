@@ -3,12 +3,14 @@
     explain_update(run, step, param, index) -> UpdateExplanation
 
 run: a run folder (what `glassformer train --out` wrote); step: a checkpoint step S in it
-(`step-00000S/`); the update explained is the NEXT one, step S+1: the checkpoint's weights and
-optimizer state are loaded, the gradient of step S+1 is recomputed from the run's data and
-(seed, step) through the training code's own functions (train/loop.py `step_inputs`,
-train/step.py `backward_step` and `clip_gradients`): every micro-batch, the accumulation, the
-global gradient norm and the clipping scale; then the run's own optimizer takes the step, and the
-update of the element `param[index]` is written out with the optimizer's formula in float32:
+(`step-00000S/`); the update explained is the NEXT one, step S+1. The checkpoint's weights and
+optimizer state are loaded as --resume loads them (train/setup.py's functions) and the training
+loop's own step runs once (train/loop.py `one_step`: the schedule's rate, the batch drawn from
+(seed, step), dropout seeded from them, train_step's micro-batches, accumulation, global norm,
+clipping and the optimizer's step), at the run's thread count; hooks note each micro-batch's
+gradient of the weight, every weight's gradient before clipping and the micro-batch losses, and
+the optimizer is wrapped to note the weight's state around its step, none changing a number.
+Then the update of the element `param[index]` is written out with the optimizer's formula in float32:
 AdamW (moments, bias corrections 1 − β^t, the schedule's learning rate, decoupled weight decay,
 eps) or Muon (momentum buffer, Nesterov's look-ahead, the Newton–Schulz orthogonalisation of
 the whole matrix, the shape scale). The formula's value is compared with the optimizer's
@@ -22,8 +24,9 @@ the explain format the explorer's showCalc draws:
     {"title", "probe": param, "index", "label", "value": the new element as the optimizer wrote it,
      "result": the formula's value, "bitwise": bool, "text", "steps": [{"label", "op", "formula",
      "operands": [{"label", "source", "name", "index", "value"}], "value", "text"}],
-     "summary": {"step", "update_step", "optimizer", "loss", "micro_losses", "grad_norm",
-                 "grad_clip", "clip_scale", "lr", "accum"}}
+     "summary": {"step", "update_step", "in_run", "optimizer", "loss", "micro_losses", "accum",
+                 "grad_norm", "grad_clip", "clip_scale", "clipping", "lr", "group_lr", "checks",
+                 "value_hex", "note", and the optimizer's settings}}
 For tests it also holds the full recomputed gradient (`grad`, before clipping), the clipped
 gradient (`clipped`) and the new parameter tensor (`new_param`).
 Bad input (no such run, step, parameter or index) raises UserError saying what to give.
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
@@ -225,7 +228,8 @@ def _device(name: str) -> tuple[torch.device, str]:
     try:
         return resolve_device(name), ""
     except UserError:
-        return torch.device("cpu"), f"the run trained on {name}, which this machine lacks: recomputed on the CPU, so not bitwise"
+        return torch.device("cpu"), (f"the run trained on {name}, which this machine lacks: recomputed on the CPU, "
+                                     "so not bitwise")
 
 
 def _prepared(data: Path) -> dict:
@@ -421,12 +425,14 @@ def _norm_step(c: _Calc, rec: _Recorder, run: RunState) -> tuple[int, bool]:
     if len(norms) > 8:
         rest = math.sqrt(sum(v * v for _, v in norms[8:]))
         ops.append(_op(f"√Σ‖g‖² of the other {len(norms) - 8} weights", rest))
-    k = c.add("‖g‖", "√(Σ over every trained weight of ‖g_weight‖²), before clipping (torch.nn.utils.clip_grad_norm_)",
+    k = c.add("‖g‖", "√(Σ over every trained weight of ‖g_weight‖²), before clipping "
+                     "(torch.nn.utils.clip_grad_norm_)",
               ops, run.last.grad_norm, op="norm", note=_same(total, run.last.grad_norm, "the global norm"))
     return k, f32(total).tobytes() == f32(run.last.grad_norm).tobytes()
 
 
-def _clip_steps(c: _Calc, rec: _Recorder, run: RunState, name: str, idx: list[int], g_k: int, n_k: int) -> tuple[int, float, bool]:
+def _clip_steps(c: _Calc, rec: _Recorder, run: RunState, name: str, idx: list[int], g_k: int,
+                n_k: int) -> tuple[int, float, bool]:
     """s = min(1, max_norm/(‖g‖ + 1e−6)) in float32 as clip_grad_norm_ computes it, and ĝ[i] = g[i]·s."""
     clip = run.cfg.grad_clip
     max_norm = clip if clip > 0 else math.inf
@@ -477,8 +483,10 @@ def _adamw_steps(c: _Calc, rec: _Recorder, name: str, idx: list[int], g_k: int, 
     v0 = f32(b["exp_avg_sq"][i]) if "exp_avg_sq" in b else f32(0)
     kt = c.add("t", "the weight's update count, this one included", [_op("t − 1", t - 1, "state", f"{name}.step")], t,
                op="count")
-    k1 = c.add("1 − β₁ᵗ", "1 − β₁^t in float64 (the bias correction of m)", [_op("β₁", b1), c.ref(kt)], 1 - b1 ** t, op="f64")
-    k2 = c.add("1 − β₂ᵗ", "1 − β₂^t in float64 (the bias correction of v)", [_op("β₂", b2), c.ref(kt)], 1 - b2 ** t, op="f64")
+    k1 = c.add("1 − β₁ᵗ", "1 − β₁^t in float64 (the bias correction of m)", [_op("β₁", b1), c.ref(kt)],
+               1 - b1 ** t, op="f64")
+    k2 = c.add("1 − β₂ᵗ", "1 − β₂^t in float64 (the bias correction of v)", [_op("β₂", b2), c.ref(kt)],
+               1 - b2 ** t, op="f64")
     kw = _decay_step(c, b["param"][i], lr, wd, lr_k, name, idx)
     m = lerp32(m0, g, 1 - b1)
     km = c.add("m", "m + (1 − β₁)·(ĝ − m), one fused multiply-add (the kernel's lerp)",
@@ -531,7 +539,8 @@ def _muon_steps(c: _Calc, rec: _Recorder, name: str, idx: list[int], g_k: int, l
     (na, nb, nc), steps = grp["ns_coefficients"], grp["ns_steps"]
     ko = c.add("O", f"NS(U)[{', '.join(map(str, idx))}]: X = U/‖U‖ in bfloat16" + (", transposed (taller than wide)" if
                rows > cols else "") + f", then {steps} times X ← a·X + (b·A + c·A²)·X with A = X·Xᵀ, "
-               f"(a, b, c) = ({fmt(na, 5)}, {fmt(nb, 5)}, {fmt(nc, 5)}) (torch.optim.Muon's Newton–Schulz of the whole matrix)",
+               f"(a, b, c) = ({fmt(na, 5)}, {fmt(nb, 5)}, {fmt(nc, 5)}) "
+               "(torch.optim.Muon's Newton–Schulz of the whole matrix)",
                [c.ref(ku), c.ref(kn)], float(O[i]), op="newton_schulz")
     kw = _decay_step(c, b["param"][i], lr, wd, lr_k, name, idx)
     ka = c.add("lr′", f"lr · √max(1, rows/cols) with rows, cols = {rows}, {cols} (Muon's shape scale), float64",
@@ -540,7 +549,8 @@ def _muon_steps(c: _Calc, rec: _Recorder, name: str, idx: list[int], g_k: int, l
     c.add(_label(name, idx), "w′ − lr′·O, one fused multiply-add", [c.ref(kw), c.ref(ka), c.ref(ko)], new, op="fma")
     whole = b["param"].mul(1 - lr * wd).add(O, alpha=-adj)
     return {"optimizer": "muon", "momentum": mu, "nesterov": grp["nesterov"], "weight_decay": wd, "shape_scale": adj / lr,
-            "ns_steps": steps, "ns_coefficients": list(grp["ns_coefficients"]), "matrix_equal": torch.equal(whole, a["param"])}
+            "ns_steps": steps, "ns_coefficients": list(grp["ns_coefficients"]),
+            "matrix_equal": torch.equal(whole, a["param"])}
 
 
 def _label(name: str, idx: list[int]) -> str:
