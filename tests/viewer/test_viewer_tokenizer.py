@@ -38,8 +38,16 @@ def test_view_ends_in_the_library_ids(parts, text):  # noqa: F811
 
 
 def test_a_tokenizer_that_is_not_byte_level_bpe_is_said_so():
-    view = source.tokenizer_view(worked.TOKENIZER, "I like cats")
-    assert set(view) == {"text", "error"} and "byte-level BPE" in view["error"]
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    word_piece = HFTokenizer(WordLevel({"I": 0, "like": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    word_piece.pre_tokenizer = Whitespace()
+    for tok, words in ((worked.TOKENIZER, "has no BPE merges"), (word_piece, "this is a WordLevel tokenizer")):
+        view = source.tokenizer_view(tok, "I like cats")
+        assert set(view) == {"text", "error"} and "byte-level BPE" in view["error"] and words in view["error"]
+        assert "--steps" not in view["error"]
 
 
 @pytest.fixture(scope="module")
