@@ -128,7 +128,7 @@ def test_api_generate_answers_and_refuses_bad_input(parts, served):
     bad = [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": MAX_TOKENS + 1}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
            ({"temperature": "hot"}, "temperature"), ({"top_k": 0}, "top-k"), ({"top_p": 1.5}, "top-p"),
            ({"seed": -1}, "seed"), ({"seed": True}, "seed"), ({"steps": 3}, "unknown field"),
-           ({"text": long, "max_tokens": 64}, "context"), ({"text": "   "}, "empty"), ({"text": 3}, "text")]
+           ({"text": long, "max_tokens": 64}, "context"), ({"checkpoint": "step-000100"}, "--run"), ({"text": "   "}, "empty"), ({"text": 3}, "text")]
     for extra, words in bad:
         status, _, body = post_json(served, "/api/generate", {"text": PROMPT, **extra})
         assert status == 400, extra

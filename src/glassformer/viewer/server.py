@@ -177,9 +177,11 @@ class Explorer:
                 raise UserError(f"position must be a token index in 0..{len(ids) - 1}, got {position}")
             return self.sampler(ids[:position + 1], settings)
 
-    def generation(self, text: str, max_tokens: int, settings: dict) -> dict:
+    def generation(self, text: str, max_tokens: int, settings: dict, checkpoint: str | None = None) -> dict:
         """The page's payload for `text` continued by `generate` (up to max_tokens new tokens with
         these settings), its `generated` part the generated-text view's data."""
+        if checkpoint is not None:
+            return self.at(checkpoint).generation(text, max_tokens, settings)
         if self.generator is None:
             raise UserError("this server cannot generate")
         if len(text) > MAX_TEXT:
@@ -319,7 +321,7 @@ def _settings_of(req: dict) -> dict:
     return settings
 
 
-GENERATE_FIELDS = ("text", "max_tokens", *SAMPLE_NUMBERS, "top_k", "seed")
+GENERATE_FIELDS = ("text", "max_tokens", *SAMPLE_NUMBERS, "top_k", "seed", "checkpoint")
 GENERATE_TOKENS = 20  # new tokens when a request names no max_tokens
 
 
@@ -389,7 +391,8 @@ def explorer_router(explorer: Explorer) -> APIRouter:
 
     @router.post("/api/generate")
     async def generate(request: Request) -> Response:
-        return await answer(request, lambda req: (explorer.generation, _text_of(req, explorer), *_generate_of(req)))
+        return await answer(request, lambda req: (explorer.generation, _text_of(req, explorer), *_generate_of(req),
+                                                  _checkpoint_of(req)))
 
     return router
 

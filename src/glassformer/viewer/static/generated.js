@@ -41,7 +41,8 @@
     const v = (id) => Number($(id).value);
     const k = Math.floor(v('gen-top-k')) || 0, p = v('gen-top-p');
     return { text: $('sentence').value, max_tokens: Math.floor(v('gen-max')), temperature: v('gen-temperature'),
-      top_k: k > 0 ? k : null, top_p: p > 0 && p < 1 ? p : null, seed: Math.floor(v('gen-seed')) || 0 };
+      top_k: k > 0 ? k : null, top_p: p > 0 && p < 1 ? p : null, seed: Math.floor(v('gen-seed')) || 0,
+      checkpoint: P().checkpoint }; // view --run: the checkpoint the page shows
   }
   async function ask() {
     if (P().mode !== 'server') return;
@@ -200,7 +201,7 @@
     }
     try {
       const res = await fetch('api/explain', { method: 'POST', headers: { 'Content-Type': 'application/json' },
-        body: JSON.stringify({ text: p.sentence, probe: name, index }) });
+        body: JSON.stringify({ text: p.sentence, probe: name, index, checkpoint: p.checkpoint }) });
       const body = await res.json();
       if (!res.ok) { showCalc({ title, text: errorText(body, res.status) }, true); return; }
       p.explain = p.explain || {};
