@@ -108,12 +108,17 @@ def checkpoint_list(run: str | Path, records: list[dict] | None = None) -> list[
     return out
 
 
+def run_name(run: Path) -> str:
+    """The run folder's name as the page shows it (`--run .` too: the folder's own name)."""
+    return run.resolve().name or str(run)
+
+
 def training_payload(run: str | Path) -> dict:
     """What the Training view draws (GET /api/run): {'run', 'curves', 'stats', 'checkpoints'}."""
     run = Path(run)
     path = run / "metrics.jsonl"
     records = read_metrics(path) if path.is_file() else []
-    return {"run": run.name, "curves": loss_curves(records), "stats": stats_curves(records),
+    return {"run": run_name(run), "curves": loss_curves(records), "stats": stats_curves(records),
             "checkpoints": checkpoint_list(run, records)}
 
 
@@ -126,7 +131,7 @@ class RunCheckpoints:
 
     def __init__(self, run: str | Path, open_one: Callable[[str, Path], Any], params: dict | None = None):
         self.run, self.open_one, self.params = Path(run), open_one, params or {}
-        self.name = self.run.name
+        self.name = run_name(self.run)
         self.opened: OrderedDict = OrderedDict()  # name -> Explorer
         self.pinned: dict = {}  # name -> Explorer: the one the page opened with, never dropped
         self._lock = threading.Lock()
