@@ -39,7 +39,7 @@ from .generated import EXPLAIN_LIMIT, check_max_tokens, full_logits, generated_p
 from .render import cost_rows, flash_key, to_plain, write_html
 from .sample_calc import probability_calcs, stage_calcs
 from .server import Explorer
-from .training import RunCheckpoints
+from .training import RunCheckpoints, run_name
 
 TOP_K = 10  # logits kept per token in a trace for the page (the page shows 5)
 
@@ -760,10 +760,11 @@ def run_explorer(run, open_model, default_text: str, *, checkpoint=None) -> Expl
         return ex
 
     model, tokenizer = open_model(folder)
-    main = opened(model, tokenizer, f"{run.name}/{name}" if name else str(checkpoint))
+    title = run_name(run)
+    main = opened(model, tokenizer, f"{title}/{name}" if name else str(checkpoint))
 
     def open_one(other: str, path: Path) -> Explorer:
-        ex = opened(*open_model(path), f"{run.name}/{other}")
+        ex = opened(*open_model(path), f"{title}/{other}")
         # One probe recorder in the process: every checkpoint's computations take turns on one lock.
         ex._lock, ex.run, ex.checkpoint = main.lock, main.run, other
         return ex
