@@ -15,6 +15,7 @@ from glassformer import KVCache, ModelConfig, Transformer, explain
 from glassformer.convert.families import family_for
 from glassformer.convert.gguf import gguf_arch
 from glassformer.cost.flops import forward_flops
+from glassformer.cost.memory import activations
 from glassformer.cost.params import weights
 from glassformer.errors import UserError
 from glassformer.tracing.interventions import logit_lens
@@ -168,6 +169,34 @@ def test_weights_and_flops_counted(switched):
     with torch.no_grad(), FlopCounterMode(display=False) as fc:
         naive(IDS)
     assert forward_flops(cfg, 1, IDS.shape[1], "naive")["total"] == fc.get_total_flops()
+
+
+def _saved_elements(model, B, T) -> int:
+    """Floating-point elements autograd keeps for backward in one training forward, each storage once."""
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip and t.dtype.is_floating_point:
+            seen.setdefault(st.data_ptr(), st.nbytes() // t.element_size())
+        return t
+
+    idx = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, idx)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name,off", [("qk_norm", dict(qk_norm=False)), ("logit_softcap", dict(logit_softcap=None)),
+                                      ("relu2", dict(ffn="relu"))])
+def test_activations_counted(name, off):
+    """What the switch adds to the saved activations, estimated (cost.activations) and measured, agree exactly."""
+    cfg = ModelConfig.from_preset("tiny", **SWITCHES[name])
+    base = cfg.replace(**off)
+    measured = _saved_elements(Transformer(cfg).train(), 2, 32) - _saved_elements(Transformer(base).train(), 2, 32)
+    assert measured > 0
+    assert activations(cfg, 2, 32)["total"] - activations(base, 2, 32)["total"] == measured
 
 
 @pytest.mark.parametrize("name", list(NAMES))

@@ -65,7 +65,8 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
     BT = B * T
     n_act, n_32 = _norm(cfg, BT)
     k_act, k_32, k_mask = _kernel(cfg, B, T, kernel)
-    ffn_saved = {"swiglu": 4, "gelu": 2, "gelu_tanh": 2, "relu": 1, "none": 0}[cfg.ffn]
+    # relu² keeps relu's output (for both backwards) and the square (w_down's input)
+    ffn_saved = {"swiglu": 4, "gelu": 2, "gelu_tanh": 2, "relu": 1, "relu2": 2, "none": 0}[cfg.ffn]
     S = sublayers(cfg)  # norms, sublayer inputs and dropout sites per block: 2, or 1 without a feed-forward
     parts_act = {  # in the training dtype
         "norms": (S * L + 1) * n_act,
@@ -81,9 +82,10 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
         "dropout": (S * L + 1) * BT * D if cfg.dropout > 0 else 0,
     }
     parts_32 = {  # fp32 whatever the dtype
-        "norms": (S * L + 1) * n_32,
+        # qk_norm: 1/rms of every head's query and key row
+        "norms": (S * L + 1) * n_32 + (L * BT * (cfg.n_heads + cfg.n_kv_heads) if cfg.qk_norm else 0),
         "attn_kernel": L * k_32,
-        "logits": BT * V,
+        "logits": BT * V * (2 if cfg.logit_softcap is not None else 1),  # the soft cap keeps its input and tanh's output
         "rope": BT * cfg.head_dim if cfg.pos == "rope" else 0,
     }
     order = ("norms", "linear_in", "qkv_weight", "attn_z", "attn_kernel", "ffn", "dropout", "logits", "rope")
