@@ -815,7 +815,7 @@
     }
     if (typeof r.result === 'number' && typeof r.value === 'number') {
       const same = Math.abs(r.result - r.value) <= 1e-5 * (1 + Math.abs(r.value));
-      const ref = r.key ? 'glassformer.cost’s figure' : 'the traced value';
+      const ref = r.ref || (r.key ? 'glassformer.cost’s figure' : 'the traced value');
       body.append(el('p', { class: same ? 'ok' : 'bad', text: `recomputed ${fmt(r.result)} ${same ? '= ' + ref + ' ✓' : '≠ ' + ref + ' ' + fmt(r.value)}` }));
     }
   }
@@ -919,8 +919,9 @@
       Object.assign(row, { tabIndex: 0 });
       row.setAttribute('role', 'button');
       row.classList.add('clickable');
-      row.addEventListener('click', () => showCalc(calc, true));
-      row.addEventListener('keydown', (ev) => { if (ev.key === 'Enter' || ev.key === ' ') { ev.preventDefault(); showCalc(calc, true); } });
+      const shown = Object.assign({ ref: 'the sampler’s value' }, calc);
+      row.addEventListener('click', () => showCalc(shown, true));
+      row.addEventListener('keydown', (ev) => { if (ev.key === 'Enter' || ev.key === ' ') { ev.preventDefault(); showCalc(shown, true); } });
     }
     return row;
   }
