@@ -106,7 +106,9 @@
     if (at >= 0) slider.value = String(at);
     const out = $('train-ckpt-out');
     if (at >= 0) out.textContent = describe(list[at]);
-    else out.textContent = current() ? current() : 'the --checkpoint model (not one of this run\u2019s checkpoints): move the slider to open one';
+    else if (current()) out.textContent = current();
+    else if (G.P().run) out.textContent = 'the --checkpoint model (not one of this run\u2019s checkpoints): move the slider to open one';
+    else out.textContent = 'this answer names no checkpoint (the model the page opened with): move the slider to open one';
     const box = clear($('train-ckpts'));
     list.forEach((c, i) => {
       const b = el('button', { type: 'button', class: 'ckpt' + (i === at ? ' sel' : '') + (c.snapshot ? ' snap' : ''),
