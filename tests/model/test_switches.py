@@ -351,3 +351,21 @@ def test_the_trace_holds_the_new_probes(traced):
     assert tuple(tr["blocks.2.attn.k_norm"].shape) == (T, cfg.n_kv_heads, cfg.head_dim)
     assert "blocks.0.attn.ve" in tr.probes and "blocks.1.attn.ve" not in tr.probes
     assert tuple(tr["head.uncapped"].shape) == (T, cfg.vocab_size)
+
+
+def test_explain_from_a_trace_file_with_weights_and_top_k(tmp_path):
+    """A trace written to JSON with its weights and only the top 5 logits explains the capped logit and
+    the value embedding without the model."""
+    from glassformer.tracing.format import as_trace
+
+    model = tiny_model(**SWITCHES["all"])
+    tr = trace(model, IDS[0].tolist(), top_k=5, with_weights=True)
+    path = tmp_path / "t.json"
+    tr.to_json(path)
+    back = as_trace(str(path))
+    v = back.probe("logits").index["vocab"][4][0]  # the largest logit at token 4
+    assert back.probe("head.uncapped").index["vocab"][4] == back.probe("logits").index["vocab"][4]
+    e = explain(back, "logits", (4, v))
+    assert _recomputed(e, back) == pytest.approx(back.value("logits", [4, v]), rel=1e-5)
+    e = explain(back, "blocks.2.attn.v", (3, 1, 2))
+    assert _recomputed(e, back) == pytest.approx(back.value("blocks.2.attn.v", [3, 1, 2]), rel=1e-5, abs=1e-6)
