@@ -424,18 +424,18 @@ class Sampler:
 
     def _run(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The last position's logits (V,) and the head's input (D,), from one prefill."""
-        model, seen = self.model, []
+        model, caught = self.model, []  # the final norm's output, caught on its way to the head
         if next(model.parameters()).device.type == "cpu":
             model.hold_rows()  # as a generation session does: one-row products then match its bits
         cache = KVCache.for_model(model, 1, cache_length(model, [ids], 1))
         x = torch.tensor([ids], device=next(model.parameters()).device)  # (1, T)
-        hook = model.final_norm.register_forward_hook(lambda mod, args, out: seen.append(out[0, -1]))
+        hook = model.final_norm.register_forward_hook(lambda mod, args, out: caught.append(out[0, -1]))
         try:
             with torch.inference_mode():
                 logits = prefill(model, x, cache)[0]  # (V,)
         finally:
             hook.remove()
-        return logits, seen[-1]  # (V,), (D,)
+        return logits, caught[-1]  # (V,), (D,)
 
     def _logits(self, ids: list[int]) -> torch.Tensor:
         return self._kept(ids)[0]
