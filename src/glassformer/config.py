@@ -277,6 +277,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 # context that holds several turns of a conversation from text/dialogue.py.
 PRESETS["chat"] = {**PRESETS["small"], "max_seq_len": 256}
 
+# The induction-heads demo's model (`glassformer demo --induction`, docs/training.md#the-induction-heads-demo):
+# two attention-only layers (Olsson et al., 2022), a byte vocabulary, one repeat block of context.
+PRESETS["induction"] = dict(vocab_size=257, dim=64, n_layers=2, n_heads=4, ffn="none", max_seq_len=64)
+
 # The reference shape that the benchmarks compare against Hugging Face on (15.7M weights).
 REFERENCE_SHAPE = dict(
     vocab_size=8192, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=2048,

@@ -71,8 +71,8 @@ def load_mask(folder: str | Path, split: str, n_tokens: int) -> TokenFile | None
     aligned with its n_tokens tokens."""
     path = Path(folder) / f"{split}.mask.bin"
     if not path.is_file():
-        if "chat" in read_meta(folder):
-            raise UserError(f"{folder} holds conversation data but no {path.name}: prepare it again")
+        if "chat" in read_meta(folder) or "block" in read_meta(folder):
+            raise UserError(f"{folder} holds conversation or block data but no {path.name}: prepare it again")
         return None
     mask = TokenFile(path, "uint8")
     if len(mask) != n_tokens:
@@ -81,8 +81,9 @@ def load_mask(folder: str | Path, split: str, n_tokens: int) -> TokenFile | None
 
 
 def chat_block(meta: dict) -> int | None:
-    """The window block of a conversation folder (context+1 tokens), None for plain data."""
-    return meta["context"] + 1 if "chat" in meta else None
+    """The window block of a conversation folder (context+1 tokens), or a folder's own "block"
+    (the induction demo's repeat blocks, train/induction.py), None for plain data."""
+    return meta["context"] + 1 if "chat" in meta else meta.get("block")
 
 
 def batch_generator(seed: int, step: int) -> torch.Generator:
