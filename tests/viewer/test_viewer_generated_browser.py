@@ -14,7 +14,7 @@ from glassformer.tracing.trace import trace
 from glassformer.viewer import source
 from glassformer.viewer.server import make_server
 
-from .test_viewer_browser import browser, open_page  # noqa: F401 (a fixture)
+from .test_viewer_browser import HOSTILE, browser, open_page  # noqa: F401 (a fixture)
 from .test_viewer_generated import N, PROMPT, SETTINGS, full_forward, parts, reference_tokens  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.browser
@@ -61,8 +61,7 @@ def check_tokens(model, tok, got, want):
 
 def open_step(page, j: int, n: int) -> int:
     """Enter on the j-th new token: its step opens; returns its query position."""
-    page.locator(f'#view-generated .gen-tok[data-index="{j}"]').focus()
-    page.keyboard.press("Enter")
+    page.locator(f'#view-generated .gen-tok[data-index="{j}"]').press("Enter")  # focused, then the key
     page.wait_for_selector(f'#gen-detail[data-index="{j}"]')
     detail = page.locator("#gen-detail")
     assert int(detail.get_attribute("data-position")) == n + j
@@ -106,10 +105,17 @@ def test_generate_from_the_page(browser, server, parts, seeded):  # noqa: F811
     page.wait_for_function("document.querySelector('#explain-body .calc-title').textContent.startsWith('p(')")
     assert "the traced value ✓" in page.locator("#explain-body").text_content()
 
-    page.keyboard.press("Escape")
-    page.locator(f'#view-generated .gen-tok[data-index="{j}"]').focus()
-    page.keyboard.press("ArrowRight")  # the arrows walk the tokens
-    page.wait_for_selector(f'#gen-detail[data-index="{j + 1}"]')
+    k = j + 1 if j + 1 < len(want) else j - 1
+    page.locator(f'#view-generated .gen-tok[data-index="{j}"]').press("ArrowRight" if k > j else "ArrowLeft")
+    page.wait_for_selector(f'#gen-detail[data-index="{k}"]')  # the arrows walk the tokens
+
+    # A prompt that is itself HTML is drawn as text, token by token, and runs nothing.
+    page.fill("#sentence", HOSTILE)
+    page.fill("#gen-max", "3")
+    page.click("#generate")
+    page.wait_for_function(f"document.querySelector('#view-generated .gen-prompt') && "
+                           f"document.querySelector('#view-generated .gen-text').textContent.includes('onerror')")
+    assert page.locator("#view-generated img").count() == 0 and page.evaluate("window.__alerted") == 0
     assert not page.events["errors"] and not page.events["dialogs"]
 
 
