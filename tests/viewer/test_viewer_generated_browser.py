@@ -113,8 +113,8 @@ def test_generate_from_the_page(browser, server, parts, seeded):  # noqa: F811
     page.fill("#sentence", HOSTILE)
     page.fill("#gen-max", "3")
     page.click("#generate")
-    page.wait_for_function(f"document.querySelector('#view-generated .gen-prompt') && "
-                           f"document.querySelector('#view-generated .gen-text').textContent.includes('onerror')")
+    page.wait_for_function("document.querySelector('#view-generated .gen-prompt') && "
+                           "document.querySelector('#view-generated .gen-text').textContent.includes('onerror')")
     assert page.locator("#view-generated img").count() == 0 and page.evaluate("window.__alerted") == 0
     assert not page.events["errors"] and not page.events["dialogs"]
 
