@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import shutil
 
 import pytest
 
@@ -73,10 +75,14 @@ def test_shape_of_a_teaching_notebook(path):
     assert sum("assert " in c for c in code) >= len(exercises)
 
 
+EXECUTED: dict[str, object] = {}  # name -> the executed notebook, for the browser test after these
+
+
 @pytest.mark.parametrize("path", PATHS, ids=NAMES)
 def test_runs_in_fast_mode(path, tmp_path):
     nb = _read(path)
     runner.run_notebook(nb, tmp_path, fast=True, timeout=300)  # raises at the first cell that raises
+    EXECUTED[path.stem] = nb
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert "fast mode" in "".join(o.get("text", "") for o in outputs)
@@ -99,3 +105,38 @@ def _check_fast_training(folder):
     assert config["dim"] == 64 and config["n_layers"] == 2  # the tiny preset
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 30
+
+
+def _inline_pages(nb) -> list[str]:
+    return [o["data"]["text/html"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if "<iframe srcdoc=" in o.get("data", {}).get("text/html", "")]
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("name", ["01-worked-by-hand", "02-train-shakespeare"])
+def test_the_inline_page_draws_in_a_browser(name, tmp_path):
+    """The page shown in the notebook's output draws inside its iframe, under its own CSP (no
+    bypass), with no script error: the toy model's page and the trained model's."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    exe = next((p for p in (os.environ.get("GLASSFORMER_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"))
+                if p and os.access(p, os.X_OK)), None)
+    if exe is None:
+        pytest.skip("no Chromium found: run scripts/ensure_browser.sh to enable browser tests")
+    nb = EXECUTED.get(name)
+    if nb is None:  # run alone (-k): execute it here
+        nb = _read(REPO / "notebooks" / f"{name}.ipynb")
+        runner.run_notebook(nb, tmp_path / "work", fast=True, timeout=300)
+    host = tmp_path / "output.html"  # the output cell as a notebook front-end holds it
+    host.write_text("<!doctype html><html><body>" + _inline_pages(nb)[-1] + "</body></html>", encoding="utf-8")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--headless", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(host.as_uri())
+            frame = page.frames[1]
+            frame.wait_for_selector("body[data-ready]", timeout=30_000)
+            assert frame.locator("#numbers .num").count() > 0 and not errors
+        finally:
+            browser.close()
