@@ -128,4 +128,7 @@ def test_saved_page_draws_the_same(browser, parts, seeded, tmp_path):  # noqa: F
     assert page.locator("#generate-form").count() == 0  # a saved page cannot generate
     open_step(page, j, len(tok.encode(PROMPT)))
     assert page.locator('#gen-detail .stage-card[data-stage="probs"] .sample-bar.chosen').count() == 1
+    page.locator('#view-generated .gen-tok[data-index="0"]').click()  # a click opens a step too
+    page.wait_for_selector('#gen-detail[data-index="0"]')
+    assert page.locator("#gen-detail .gen-row tr[data-key]").count() == len(tok.encode(PROMPT))  # the prompt's row
     assert not page.events["errors"] and not [r for r in page.events["requests"] if not r.startswith("file:")]
