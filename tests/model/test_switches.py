@@ -369,3 +369,18 @@ def test_explain_from_a_trace_file_with_weights_and_top_k(tmp_path):
     assert _recomputed(e, back) == pytest.approx(back.value("logits", [4, v]), rel=1e-5)
     e = explain(back, "blocks.2.attn.v", (3, 1, 2))
     assert _recomputed(e, back) == pytest.approx(back.value("blocks.2.attn.v", [3, 1, 2]), rel=1e-5, abs=1e-6)
+
+
+def test_pooling_kv_heads_pools_the_value_tables_too():
+    """convert --kv-heads on a model with value embeddings: each new value head is the mean of its
+    group's old ones, the value table's share included."""
+    from glassformer.convert.heads import convert_kv_heads
+
+    model = tiny_model(value_embeddings=True, n_layers=3)  # 2 KV heads
+    pooled = convert_kv_heads(model, 1)
+    assert pooled.blocks[0].attn.ve.weight.shape == (512, pooled.config.kv_dim)
+    old, new = trace(model, IDS[0].tolist()), trace(pooled, IDS[0].tolist())
+    for i in (0, 2):  # the layers with a value table
+        torch.testing.assert_close(new[f"blocks.{i}.attn.ve"][:, 0], old[f"blocks.{i}.attn.ve"].mean(1), rtol=1e-5, atol=1e-6)
+    # layer 0 reads the same input in both models: its whole v (x·W_V + ve) is the group's mean
+    torch.testing.assert_close(new["blocks.0.attn.v"][:, 0], old["blocks.0.attn.v"].mean(1), rtol=1e-5, atol=1e-6)

@@ -46,6 +46,10 @@ def convert_kv_heads(model: Transformer, n_kv_heads: int) -> Transformer:
             if old.bias is not None:
                 lin.bias.copy_(pool_heads(old.bias, cfg.n_kv_heads, n_kv_heads, cfg.head_dim))
             setattr(attn, name, lin)
+        if attn.ve is not None:  # v = x·W_V + ve: pooling V's heads pools the value table's columns alike
+            old = attn.ve.weight  # (V, K·H)
+            attn.ve = torch.nn.Embedding(old.shape[0], n_kv_heads * cfg.head_dim, device=old.device, dtype=old.dtype)
+            attn.ve.weight.copy_(pool_heads(old.t(), cfg.n_kv_heads, n_kv_heads, cfg.head_dim).t())  # (V, K'·H)
     for b in new.blocks:
         b.cfg = b.ffn.cfg = new.config
     return new
