@@ -19,6 +19,7 @@ from glassformer.tracing.trace import trace
 from ..cost.test_cost import counted_flops, real_parts, saved_for_backward
 from ..explaining.test_explain import check
 from ..support import greedy_by_full_forward, greedy_cached, reinit
+from ..viewer.test_viewer_browser import browser  # noqa: F401  (the Chromium fixture)
 
 IDS = [7, 300, 42, 7, 511, 12, 99, 3]
 PLACEMENTS = ["pre", "post"]
@@ -165,3 +166,22 @@ def test_export_refuses_it_by_name():
     for refuse in (family_for, gguf_arch):
         with pytest.raises(UserError, match="ffn='none'"):
             refuse(cfg)
+
+
+@pytest.mark.browser
+def test_the_explorer_draws_one_addition_a_block(browser, tmp_path):
+    from glassformer.viewer import render
+
+    from ..support import fixture_trace
+    from ..viewer.test_viewer_browser import open_page
+
+    m = none_model()
+    out = render.write_html(tmp_path / "page.html", fixture_trace(m, IDS[:4], list("abcd")), sentence="a b c d")
+    page = open_page(browser, out.as_uri())
+    cols = page.locator("#lanes .col-label").all_text_contents()
+    assert cols == ["embed", "L0 attention", "+", "L1 attention", "+", "final norm"]
+    shown = page.locator('#lanes .rms[data-probe="blocks.1.resid_mid"]').first
+    shown.click()
+    assert "RMS of blocks.1.resid_mid" in page.locator("#explain-body").text_content()
+    assert page.events["errors"] == []
+    page.close()

@@ -107,7 +107,7 @@ def run_induction(args) -> int:
     out = Path(args.out) / "induction"
     data, run_dir = out / "data", out / "run"
     print(f"== 1/3 data: blocks of {RECIPE['T']} tokens, random segments of {RECIPE['lo']}-{RECIPE['hi']} "
-          f"written twice", flush=True)
+          f"written again and again", flush=True)
     _induction_data(data)
     print(f"\n== 2/3 training a two-layer attention-only model for {steps} steps on {args.device}", flush=True)
     if run_dir.exists():
@@ -161,9 +161,19 @@ def _induction_report(run_dir) -> None:
         print(f"{row['step']:>6}  {val.get(row['step'], float('nan')):>13.4f}  {row['induction_score']:>15.3f}  {prev:.3f}")
     drawn = plot_induction(read_metrics(metrics), rows, run_dir / "induction.png", found)
     print(f"\nthe induction score jumps at step {found['jump_step']} ({_pair(found['score_around_jump'])}); "
-          f"the held-out loss drops at step {found['drop_step']} ({_pair(found['val_loss_around_drop'])})")
+          f"the held-out loss drops at step {found['drop_step']} ({_pair(found['val_loss_around_drop'])})"
+          + _apart(found, rows))
     print(f"run folder: {run_dir} (metrics.jsonl, induction.json" + (", induction.png" if drawn else "") + ", snapshots)")
     print(f"next: glassformer view --run {run_dir} --text '{RECIPE['view_text']}'")
+
+
+def _apart(found: dict, rows: list[dict]) -> str:
+    """', within one evaluation interval' when the two steps are that close."""
+    a, b = found["jump_step"], found["drop_step"]
+    if a is None or b is None or len(rows) < 2:
+        return ""
+    every = rows[1]["step"] - rows[0]["step"]
+    return ": the same step" if a == b else (f": within one evaluation interval ({every} steps)" if abs(a - b) <= every else "")
 
 
 def _pair(v) -> str:

@@ -29,9 +29,9 @@ ALPHABET = "".join(chr(c) for c in range(33, 127))  # the 94 printable ASCII cha
 # The demo's recipe (`glassformer demo --induction`; the model is the `induction` preset). T: the
 # block's context; lo, hi: segment lengths; eval_L: |r| of the held-out rows the score is taken on.
 RECIPE = {
-    "T": 64, "lo": 16, "hi": 24, "train_blocks": 4096, "val_blocks": 64, "data_seed": 0,
-    "steps": 1500, "every": 25, "batch_size": 16, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 20,
-    "eval_tokens": 16 * 65, "eval_rows": 16, "eval_L": 20, "eval_seed": 1,
+    "T": 64, "lo": 8, "hi": 24, "train_blocks": 4096, "val_blocks": 64, "data_seed": 0,
+    "steps": 800, "every": 25, "batch_size": 16, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 20,
+    "eval_tokens": 16 * 65, "eval_rows": 16, "eval_L": 16, "eval_seed": 1,
     "view_text": "q7XkR2mfPzA9cLw4q7XkR2mfPzA9cLw4",
 }
 
@@ -282,14 +282,16 @@ def plot_induction(records: list[dict], rows: list[dict], png: str | Path, found
         ax.plot(*zip(*val), "o-", color="C0", ms=3, lw=1.5, label="held-out loss")
     ax.set(xlabel="step", ylabel="loss (nats per scored token)")
     right = ax.twinx()
-    right.plot([r["step"] for r in rows], [r["induction_score"] for r in rows], "s-", color="C3", ms=3,
-               label="induction score")
-    right.set(ylabel="induction score (attention on i − L + 1)", ylim=(0, 1))
+    steps = [r["step"] for r in rows]
+    right.plot(steps, [r["induction_score"] for r in rows], "s-", color="C3", ms=3, label="induction score (layer 1)")
+    right.plot(steps, [max(r["previous_token_heads"]["blocks.0.attn"]) for r in rows], "--", color="C2", lw=1,
+               label="previous-token score (layer 0)")
+    right.set(ylabel="attention score (best head)", ylim=(0, 1))
     for key, style in (("jump_step", "--"), ("drop_step", ":")):
         if found.get(key) is not None:
             ax.axvline(found[key], color="gray", ls=style, lw=1)
     lines = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    ax.legend(lines, [ln.get_label() for ln in lines], loc="center right", fontsize=8)
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="center left", fontsize=8)
     ax.set_title(f"induction score jumps at step {found.get('jump_step')}, held-out loss drops at {found.get('drop_step')}",
                  fontsize=9)
     fig.tight_layout()

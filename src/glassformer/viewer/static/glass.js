@@ -249,9 +249,10 @@
     const steps = [{ label: 'embed', probe: 'embed', kind: 'stream' }];
     for (const i of layerIds()) {
       steps.push({ label: `L${i} attention`, probe: `blocks.${i}.attn.out`, kind: 'attn', layer: i });
-      steps.push({ label: `L${i} +`, probe: streamAfter(i, 'mid'), kind: 'stream', layer: i, part: 'mid' });
+      const oneAddition = streamAfter(i, 'out') === streamAfter(i, 'mid');  // ffn none: the block ends here
+      steps.push({ label: `L${i} +`, probe: streamAfter(i, 'mid'), kind: 'stream', layer: i, part: oneAddition ? 'out' : 'mid' });
       steps.push({ label: `L${i} feed-forward`, probe: `blocks.${i}.ffn.down`, kind: 'ffn', layer: i });
-      if (streamAfter(i, 'out') !== streamAfter(i, 'mid')) {  // an attention-only block (ffn none) has one addition
+      if (!oneAddition) {
         steps.push({ label: `L${i} +`, probe: streamAfter(i, 'out'), kind: 'stream', layer: i, part: 'out' });
       }
     }
