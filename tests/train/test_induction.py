@@ -123,6 +123,10 @@ def test_a_short_run_of_the_demo_logs_each_snapshots_score(tmp_path, capsys):
     assert (run / "induction.png").stat().st_size > 0
 
 
-def test_bad_step_counts_are_one_error_line(tmp_path, capsys):
-    assert main(["demo", "--induction", "--out", str(tmp_path), "--steps", "-1"]) == 2
-    assert "--steps" in capsys.readouterr().err
+@pytest.mark.parametrize("extra, says", [(["--steps", "-1"], "--steps"), (["--every", "0"], "--every"),
+                                         (["--corpus", "x.txt"], "--corpus")])
+def test_bad_demo_flags_are_one_error_line(tmp_path, capsys, extra, says):
+    assert main(["demo", "--induction", "--out", str(tmp_path)] + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "induction").exists()

@@ -103,6 +103,8 @@ def run_induction(args) -> int:
     every = RECIPE["every"] if args.every is None else args.every
     if steps < 1 or every < 1:
         raise UserError(f"--steps ({steps}) and --every ({every}) must be at least 1")
+    if args.corpus:
+        raise UserError("--corpus does not go with --induction: that demo's data are random tokens made in the run")
     every = min(every, steps)
     out = Path(args.out) / "induction"
     data, run_dir = out / "data", out / "run"
