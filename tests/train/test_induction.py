@@ -119,6 +119,7 @@ def test_a_short_run_of_the_demo_logs_each_snapshots_score(tmp_path, capsys):
     assert stats_curves(records)["induction_score"]["step"] == [3, 6]
     found = json.loads((run / "induction.json").read_text())
     assert found["jump_step"] == 6 and len(found["scores"]) == 2
+    _the_training_view_serves_it(run, RECIPE["view_text"])
     pytest.importorskip("matplotlib")
     assert (run / "induction.png").stat().st_size > 0
 
@@ -130,3 +131,26 @@ def test_bad_demo_flags_are_one_error_line(tmp_path, capsys, extra, says):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "induction").exists()
+
+
+def _the_training_view_serves_it(run, text):
+    """`view --run RUN`: the run's curves carry the score, and a snapshot's attention maps are its own."""
+    import argparse
+
+    from starlette.testclient import TestClient
+
+    from glassformer.checkpoint.loading import load
+    from glassformer.commands import view
+    from glassformer.viewer.server import make_explorer_app
+
+    p = argparse.ArgumentParser()
+    view.add_arguments(p)
+    client = TestClient(make_explorer_app(view.build_explorer(p.parse_args(["--run", str(run)]))),
+                        base_url="http://127.0.0.1")
+    assert client.get("/api/run").json()["stats"]["induction_score"]["step"] == [3, 6]
+    got = client.post("/api/trace", json={"text": text, "checkpoint": "step-000003"}).json()
+    model, tok = load(run / "step-000003")
+    ref = trace(model.eval(), tok.encode(text))
+    w = got["trace"]["probes"]["blocks.1.attn.weights"]["data"]
+    assert torch.allclose(torch.tensor([[[math.nan if x is None else x for x in r] for r in row] for row in w]),
+                          ref["blocks.1.attn.weights"].float(), atol=2e-6, equal_nan=True)
