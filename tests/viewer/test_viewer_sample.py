@@ -257,3 +257,29 @@ def test_saved_page_holds_the_servers_answers(big_page):
     final = source.expand_answer(grid, source.grid_key(T - 1, 2, 1))["stages"][-1]
     assert final["kept"] == len(keep) and final["ids"] == keep[:10].tolist()
     assert final["values"] == pytest.approx((probs[keep[:10]] / probs[keep].sum()).tolist(), abs=1e-6)
+
+
+LONG_TEXT = TEXT + " with his sword while the queen walks"  # twice GRID_TEXT's tokens: over 5 MB untrimmed
+
+
+def test_a_long_saved_page_is_trimmed_to_fit(big_page, tmp_path):
+    """Over PAGE_LIMIT, write_html drops stored calculations (last-listed first), then tile walks
+    of other rows; the sampling grid, the focus token's calculations and the note stay right."""
+    from glassformer.viewer import render
+
+    model, tok, _ = big_page
+    tr, args = source.page_args(model, tok, LONG_TEXT, model_name="tiny")
+    full = render.build_payload(tr, mode="static", slim=True, **args)
+    untrimmed = len(render.render_html(full, inline=True).encode("utf-8"))
+    path = render.write_html(tmp_path / "long.html", tr, **args)
+    data = page_data(path)
+    assert untrimmed > render.PAGE_LIMIT >= path.stat().st_size
+    assert data["sampling"] == json.loads(json.dumps(full["sampling"]))  # the grid whole
+    kept = list(data["explain"])
+    assert 0 < len(kept) < len(full["explain"]) and kept == list(full["explain"])[:len(kept)]  # a prefix: the focus token's first
+    left = full["explain_left"] + len(full["explain"]) - len(kept)
+    assert data["explain_left"] == left
+    assert render._stored_text(len(kept), left) in data["notes"]
+    # A limit nothing can meet is a clear error, not a silently broken page.
+    with pytest.raises(Exception, match="give a shorter text"):
+        render.fit_page(full, limit=1000)

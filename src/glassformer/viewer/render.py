@@ -33,6 +33,7 @@ VIEW_SCRIPTS = ("glass.js", "tokenizer.js", "generated.js", "training.js")
 FEATURE_CAP = 8  # numbers shown per vector (per head); glass.js uses the same cap
 TOP_K = 5  # next-token candidates shown per position
 EXPLAIN_LIMIT = 1200  # calculations stored in a saved page at most
+PAGE_LIMIT = 5_000_000  # bytes a saved page may take (issue 23); write_html trims to fit
 BIG_VOCAB = 64  # above this, logits/probs leave the embedded trace (the top-k stay)
 
 Explainer = Callable[[str, list[int]], Any]  # (probe, index) -> calculation
@@ -261,18 +262,19 @@ def build_payload(
     nxt = next_tokens(trace, pieces)
     notes = list(notes or [])
     explained: dict[str, Any] = {}
+    left = 0
     if explain is not None and mode == "static":
         numbers = itertools.chain(shown_numbers(trace, focus, nxt), rms_operands(norm))
         explained, left = precompute_explain(trace, explain, numbers, explain_limit)
         if left:
-            notes.append(f"This file stores the calculations of {len(explained)} numbers; "
-                         f"{left} more are computed live by `glassformer view`.")
+            notes.append(_stored_text(len(explained), left))
     cfg = trace["config"]
     # Trace files hold no NaN (masked cells are null); the rest is small, so cleaning it is cheap.
     return {"trace": _shown_trace(trace, slim), **_finite({
         "format": "glassformer-explorer", "version": 1, "mode": mode,
         "sentence": sentence if sentence is not None else " ".join(map(str, trace["tokens"])),
         "model_name": model_name, "labels": token_labels(trace["tokens"]), "next": nxt, "explain": explained,
+        "explain_left": left,
         "costs": None if costs is None else (costs if "rows" in costs else cost_rows(costs)),
         "norm": norm, "vocab": vocab, "focus_token": focus, "flash_tile": flash_tile, "notes": notes,
         "wiring": stream_wiring(int(cfg["n_layers"]), cfg["norm_placement"], cfg.get("ffn", "swiglu")),
@@ -386,6 +388,52 @@ def render_html(payload: dict, *, inline: bool = True, title: str | None = None)
     return page.replace("@@DATA@@", json_for_html(payload))
 
 
+def _stored_text(kept: int, left: int) -> str:
+    """A saved page's note on how many calculations it stores."""
+    return f"This file stores the calculations of {kept} numbers; {left} more are computed live by `glassformer view`."
+
+
+def _stored_note(payload: dict, left: int) -> None:
+    """The note again, after fit_page dropped some calculations."""
+    notes = [n for n in payload["notes"] if not n.startswith(_stored_text(0, 0).split(" 0 ")[0])]
+    payload["notes"] = notes + ([_stored_text(len(payload["explain"]), left)] if left else [])
+
+
+def fit_page(payload: dict, limit: int = PAGE_LIMIT) -> str:
+    """The inline page of `payload`, at most `limit` bytes of UTF-8.
+
+    A long sentence on a big model stores more than a file should hold; what goes first is what a
+    live page computes on a click anyway: the stored calculations, last-listed first (the focus
+    token's come first), then the FlashAttention walks of rows other than the focus row's.
+    The page's note says how many calculations it keeps.
+    """
+    page = render_html(payload, inline=True)
+    excess = len(page.encode("utf-8")) - limit
+    if excess <= 0:
+        return page
+    explained = payload["explain"]
+    left = int(payload.get("explain_left") or 0)
+    for key in reversed(list(explained)):
+        if excess <= 0:
+            break
+        excess -= len(json_for_html(explained.pop(key)).encode("utf-8")) + len(key) + 4
+        left += 1
+    walks = payload["flash"].get("walks") or {}
+    focus = int(payload.get("focus_token") or 0)
+    for key in [k for k in walks if int(k.split("|")[2]) != focus]:
+        if excess <= 0:
+            break
+        excess -= len(json_for_html(walks.pop(key)).encode("utf-8")) + len(key) + 4
+        payload["flash"]["left_out"] = payload["flash"].get("left_out", 0) + 1
+    payload["explain_left"] = left
+    _stored_note(payload, left)
+    page = render_html(payload, inline=True)
+    if len(page.encode("utf-8")) > limit:
+        raise UserError(f"the page needs {len(page.encode('utf-8')) / 1e6:.1f} MB even without its stored calculations, "
+                        f"over the {limit / 1e6:.0f} MB a saved page may take: give a shorter text")
+    return page
+
+
 def write_html(path: str | Path, trace: dict, **payload_args: Any) -> Path:
     """Write the self-contained page for `trace` to `path` (see build_payload for the options)."""
     path = Path(path)
@@ -393,7 +441,7 @@ def write_html(path: str | Path, trace: dict, **payload_args: Any) -> Path:
         raise ValueError(f"the page is HTML: give a file name ending in .html, got {str(path)!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
     payload_args.setdefault("slim", True)  # the page shows 8 features of the FFN's wide probes
-    page = render_html(build_payload(trace, mode="static", **payload_args), inline=True)
+    page = fit_page(build_payload(trace, mode="static", **payload_args))
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(page, encoding="utf-8")
     tmp.replace(path)
