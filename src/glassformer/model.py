@@ -159,11 +159,51 @@ def reads_held(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
+# A decode step of a few sequences at once (the serve engine's batch) multiplies a few rows by each
+# weight; there oneDNN's product over a weight reordered once into its blocked layout runs
+# 1.4-2x faster than the library's plain product on one core (bench/batching.py --library). Its sums
+# run in another order, so its results differ from F.linear's in the last bits (as any two
+# products' do); a product over one row or over many keeps its own way.
+FEW_ROWS = 64
+
+
+def _can_pack() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+PACKS = _can_pack()
+
+
+def few_rows(x: torch.Tensor) -> bool:
+    """Whether x (B, 1, in) is one position of a few fp32 sequences (2..FEW_ROWS) for an inference
+    product on the CPU: a batched decode step, which a held copy's packed weight serves (`packed`).
+    A prompt's prefill (positions along dim -2) keeps the library's product."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (PACKS and x.dim() == 3 and x.shape[1] == 1 and 1 < rows <= FEW_ROWS
+            and x.dtype == torch.float32 and reads_held(x))
+
+
+def packed(held: tuple) -> tuple:
+    """`held` (fresh_rows) with its weight also reordered for oneDNN's few-row product (built once)."""
+    if held[4] is not None:
+        return held
+    out_in = held[1].t().contiguous()  # (out, in)
+    return (*held[:4], torch.ops.mkldnn._reorder_linear_weight(out_in, 16))
+
+
+def packed_product(held: tuple, x: torch.Tensor) -> torch.Tensor:
+    """x (..., in), a few rows, times a `packed` copy: (..., out)."""
+    x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
+    y = torch.ops.mkldnn._linear_pointwise(x2, held[4], held[3], "none", [], "")  # (rows, out)
+    return y.view(*x.shape[:-1], -1)
+
+
 def fresh_rows(held: tuple | None, weights, biases) -> tuple:
     """`held` if it was built from these weights as they are now (and for this thread count), else a
     new row-block copy: the weights side by side, transposed to (in, out), seen as one block of
     consecutive rows per thread (in/P, out) so that P partial products run on P threads; one row
-    through a plain library product runs on one thread (bench/matvec.py). (key, io, blocks, bias)."""
+    through a plain library product runs on one thread (bench/matvec.py). (key, io, blocks, bias,
+    packed): packed is None until a few-row product asks for it (`packed`)."""
     key = (tuple((w.data_ptr(), w._version) for w in weights), torch.get_num_threads())
     if held is not None and held[0] == key:
         return held
@@ -171,12 +211,12 @@ def fresh_rows(held: tuple | None, weights, biases) -> tuple:
     P = key[1]
     blocks = io.view(P, io.shape[0] // P, io.shape[1]) if P > 1 and io.shape[0] % P == 0 else None  # (P, in/P, out)
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # (out,)
-    return key, io, blocks, bias
+    return key, io, blocks, bias, None
 
 
 def held_product(held: tuple, x: torch.Tensor) -> torch.Tensor:
     """x (..., in), one row, times a fresh_rows copy: (..., out)."""
-    _, io, blocks, bias = held
+    _, io, blocks, bias, _ = held
     x1 = x.reshape(1, -1)  # (1, in)
     if blocks is None:
         y = x1 @ io  # (1, out)
@@ -208,6 +248,11 @@ class Linear(nn.Linear):
                 if fresh is not held:  # rebuilt (a module's setattr costs more than the check)
                     self.held = fresh
                 return held_product(fresh, x)
+        elif self.held is not None and few_rows(x):
+            fresh = packed(fresh_rows(self.held, (self.weight,), (self.bias,)))
+            if fresh is not self.held:
+                self.held = fresh
+            return packed_product(fresh, x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -235,6 +280,9 @@ def side_by_side(x: torch.Tensor, lins, held: tuple | None):
         return held_product(held, x).split(sizes, dim=-1), held
     if held is not None and reads_held(x):  # a batched decode step: no concatenation per call
         held = fresh_rows(held, [m.weight for m in lins], [m.bias for m in lins])
+        if few_rows(x):
+            held = packed(held)
+            return packed_product(held, x).split(sizes, dim=-1), held
         y = x @ held[1]  # (..., in) @ (in, sum of outs) -> (..., sum of outs)
         return (y if held[3] is None else y + held[3]).split(sizes, dim=-1), held
     w = torch.cat([m.weight for m in lins])  # (sum of outs, in)
@@ -386,10 +434,11 @@ class FeedForward(nn.Module):
             self.w_down.hold_rows(on)
 
     def gate_up(self, x):
-        """SwiGLU's x·W_gate and x·W_up, (B, T, F) each: one product at one row where a joined copy is
-        held; over many rows each its own call, as the model has always trained (and, at these
-        shapes, two (out, in) products over many rows beat one over the joined (in, out) copy)."""
-        if one_row(x):
+        """SwiGLU's x·W_gate and x·W_up, (B, T, F) each: one product at one row (or a few: a batched
+        decode step's packed product) where a joined copy is held; over many rows each its own call,
+        as the model has always trained (and, at these shapes, two (out, in) products over many rows
+        beat one over the joined (in, out) copy)."""
+        if one_row(x) or (self.held is not None and few_rows(x)):
             (gate, up), held = side_by_side(x, (self.w_gate, self.w_up), self.held)
             if held is not self.held:
                 self.held = held

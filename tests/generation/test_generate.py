@@ -290,7 +290,7 @@ def test_held_row_blocks_follow_the_thread_count(threads):
     finally:
         torch.set_num_threads(before)
     for m in held_copies(model):  # blocked exactly when the thread count divides the rows
-        key, io, blocks, _ = m.held
+        key, io, blocks, _, _ = m.held
         assert key[1] == threads
         assert (blocks is not None) == (threads > 1 and io.shape[0] % threads == 0)
         assert blocks is None or (blocks.shape[0] == threads and blocks.data_ptr() == io.data_ptr())

@@ -73,6 +73,43 @@ def test_fused_qkv_equals_the_three_projections_and_steps_aside_for_a_hook():
     assert not hooked(attn.wk)
 
 
+@pytest.mark.skipif(not __import__("glassformer.model", fromlist=["PACKS"]).PACKS, reason="no oneDNN in this torch")
+def test_a_batched_decode_step_reads_a_packed_copy_built_on_demand(monkeypatch):
+    """A few sequences' one position (B, 1, D) read the held copy's oneDNN-packed weight, built at
+    the first such product and rebuilt when the weight changes; a prompt's rows (1, T, D) and one row
+    keep their own products, bit for bit; the model's logits agree with the library's products."""
+    import glassformer.model as M
+    from glassformer.kv_cache import KVCache
+
+    lin = Linear(384, 96, bias=True)
+    lin.hold_rows()
+    x, prompt = torch.randn(16, 1, 384), torch.randn(1, 16, 384)
+    with torch.no_grad():
+        assert lin.held[4] is None
+        torch.testing.assert_close(lin(x), (x.double() @ lin.weight.double().T + lin.bias.double()).float(), atol=2e-5, rtol=0)
+        assert lin.held[4] is not None  # packed now
+        assert torch.equal(lin(prompt), torch.nn.functional.linear(prompt, lin.weight, lin.bias))
+        lin.weight.mul_(-1)  # stale: rebuilt, packed again at the next few-row product
+        torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, atol=2e-5, rtol=0)
+    model = tiny_model(seed=3).eval()
+    model.hold_rows()
+    tok, pos = torch.randint(0, model.config.vocab_size, (8, 1)), torch.arange(8) + 3
+    ctx = torch.randint(0, model.config.vocab_size, (8, 3))
+
+    def step():
+        cache = KVCache.for_model(model, 8)
+        with torch.no_grad():
+            model(ctx, cache=cache)
+            return model(tok, cache=cache, pos=pos)[0]
+
+    packed = step()
+    attn, ffn = model.blocks[0].attn, model.blocks[0].ffn
+    assert attn.held[4] is not None and attn.wo.held[4] is not None and ffn.held[4] is not None  # each product packed
+    monkeypatch.setattr(M, "PACKS", False)
+    library = step()
+    torch.testing.assert_close(packed, library, atol=1e-5, rtol=0)
+
+
 def test_one_row_products_read_the_held_copy_only_while_it_is_fresh():
     lin = Linear(12, 5)
     x = torch.randn(1, 1, 12)
