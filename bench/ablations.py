@@ -30,16 +30,20 @@ from _common import write_json  # bench/ is the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Each row: the --model overrides of the small preset. relu2 gets ffn_dim 576 so that its two
-# matrices hold the weights SwiGLU's three hold at 384 (a comparison at equal size); nanochat's
-# softcap is 15.
-ROWS = {
+# Each row: the --model overrides of the small preset (and other train flags). relu2 gets ffn_dim
+# 576 so that its two matrices hold the weights SwiGLU's three hold at 384 (a comparison at equal
+# size); nanochat's softcap is 15. The _seed2/_seed3 rows draw other weights and batches: the
+# spread between the baselines is what a difference must clear to count.
+SWITCHES = {
     "baseline": "",
     "qk_norm": "qk_norm=true",
     "relu2": "ffn=relu2,ffn_dim=576",
     "logit_softcap": "logit_softcap=15.0",
     "value_embeddings": "value_embeddings=true",
 }
+SEEDS = {"": None, "_seed2": 1338, "_seed3": 1339}  # row-name suffix -> --seed (None: the default, 1337)
+ROWS = {k + suffix: (v, [] if seed is None else ["--seed", str(seed)]) for suffix, seed in SEEDS.items()
+        for k, v in SWITCHES.items()}
 
 
 def cli(args: list[str], log: Path) -> dict:
@@ -66,10 +70,11 @@ def loop_wall_per_step(run: Path) -> float | None:
     return (rows[-1]["time"] - rows[0]["time"]) / (rows[-1]["step"] - rows[0]["step"])
 
 
-def one_row(name: str, model: str, data: Path, work: Path, steps: int, threads: int) -> dict:
+def one_row(name: str, row, data: Path, work: Path, steps: int, threads: int) -> dict:
+    model, extra = row if isinstance(row, tuple) else (row, [])
     run = work / f"run-{name}"
     train = ["train", "--data", str(data), "--out", str(run), "--max-steps", str(steps), "--eval-every", "0",
-             "--threads", str(threads), "--no-progress"] + (["--model", model] if model else [])
+             "--threads", str(threads), "--no-progress"] + (["--model", model] if model else []) + extra
     t = cli(train, work / f"train-{name}.log")
     log = work / f"eval-{name}.log"
     cli(["eval", "--checkpoint", str(run), "--data", str(data)], log)
@@ -88,7 +93,7 @@ def main() -> None:
     ap.add_argument("--corpus", default=str(REPO.parent / "shared" / "data" / "tinyshakespeare.txt"))
     ap.add_argument("--steps", type=int, default=1000, help="optimizer steps of every run")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of every run")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, among: {', '.join(ROWS)}")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, among: {', '.join(ROWS)} (default: all)")
     ap.add_argument("--work", default=None, help="folder for the data and the runs (default: a temporary one; "
                     "a prepared data/ there is reused)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "ablations.json"))
@@ -120,12 +125,28 @@ def main() -> None:
         print(f"{name:18} bpb {r['bpb']:.4f}  cpu {1000 * r['cpu_s_per_step']:.1f} ms/step  "
               f"wall {1000 * r['wall_s_per_step']:.1f} ms/step", flush=True)
         write_json(out, results)
-    base = results["rows"].get("baseline")
-    if base:
-        for name, r in results["rows"].items():
-            r["bpb_vs_baseline"] = round(r["bpb"] - base["bpb"], 4)
-            r["cpu_per_step_vs_baseline"] = round(r["cpu_s_per_step"] / base["cpu_s_per_step"], 3)
-        write_json(out, results)
+    results["summary"] = summary(results["rows"])
+    write_json(out, results)
+
+
+def summary(rows: dict) -> dict:
+    """Each switch against the baseline of the same seed, and the mean of those differences over seeds;
+    the spread of the two baselines beside them."""
+    out = {}
+    for name in SWITCHES:
+        diffs = []
+        for suffix in SEEDS:
+            r, base = rows.get(name + suffix), rows.get("baseline" + suffix)
+            if r and base:
+                r["bpb_vs_baseline"] = round(r["bpb"] - base["bpb"], 4)
+                r["cpu_per_step_vs_baseline"] = round(r["cpu_s_per_step"] / base["cpu_s_per_step"], 3)
+                diffs.append(r["bpb_vs_baseline"])
+        if diffs and name != "baseline":
+            out[name] = {"bpb_vs_baseline_by_seed": diffs, "mean": round(sum(diffs) / len(diffs), 4)}
+    bases = [rows["baseline" + suffix]["bpb"] for suffix in SEEDS if "baseline" + suffix in rows]
+    if len(bases) > 1:
+        out["baseline_seed_spread"] = round(max(bases) - min(bases), 4)
+    return out
 
 
 if __name__ == "__main__":
