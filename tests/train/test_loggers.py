@@ -1,5 +1,6 @@
 """--log sinks: TensorBoard's event files, read back by tensorboard's own reader, hold the values
-metrics.jsonl holds under the same keys; wandb (when installed) in offline mode; bad values refused."""
+metrics.jsonl holds under the same keys; so does wandb's offline run log, read back through wandb's
+own protobuf records; bad values refused."""
 
 from __future__ import annotations
 
@@ -53,7 +54,45 @@ def test_wandb_offline_run(data, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
     assert main(["train", "--data", str(data), "--out", str(out), *ARGS, "--log", "wandb:glassformer-test"]) == 0
-    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    log, = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    got: dict[str, dict[int, float]] = {}
+    for items in wandb_history(log):
+        step = items.pop("_step")
+        for key, v in items.items():
+            if not key.startswith("_"):  # wandb's own _runtime, _timestamp
+                got.setdefault(key, {})[step] = v
+    want = jsonl_values(out)
+    assert "stats/grad_norm/blocks.1.ffn.w_down.weight" in want and set(got) == set(want)
+    for tag, by_step in want.items():
+        assert got[tag] == pytest.approx(by_step, rel=1e-9), tag
+
+
+def wandb_history(path) -> list[dict]:
+    """The history rows of an offline run's transaction log, parsed by wandb's own protobuf Record:
+    the file is a 7-byte header, then LevelDB's log format (32 KiB blocks of records, each a
+    4-byte checksum, 2-byte length, 1-byte type: 1 whole, 2 first, 3 middle, 4 last piece)."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw, off, piece, rows = path.read_bytes(), 7, b"", []
+    while off + 7 <= len(raw):
+        if 32768 - off % 32768 < 7:  # a block's tail too short for a record header is padding
+            off += 32768 - off % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[off:off + 7])
+        data, off = raw[off + 7:off + 7 + length], off + 7 + length
+        if kind == 0:  # zero padding to the block's end
+            off += -off % 32768
+            continue
+        piece = data if kind in (1, 2) else piece + data
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(piece)
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    return rows
 
 
 def test_bad_values_are_refused():
