@@ -38,7 +38,7 @@ from .sampling import apply_repetition_penalty, check_sampling, sample
 from .session import _ends_with_stop, _stops
 
 __all__ = ["QueueFull", "ContextLengthExceeded", "EngineStopped", "Request", "Event", "Ticket", "Engine",
-           "BUCKETS", "bucket"]
+           "BUCKETS", "bucket", "check_request"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,35 @@ def slots_to_read(need: int, context: int, compiled: bool, cuda: bool) -> int:
     if cuda:
         return context
     return min(max(LENGTH_STEP, 1 << (need - 1).bit_length()), context)
+
+
+def check_request(r: Request, vocab_size: int, context: int) -> list[tuple[int, ...]]:
+    """A request's checks against a model's vocabulary and context, as UserErrors saying what to change
+    (ContextLengthExceeded when too long); its stop sequences. What `Engine.submit` checks, also where
+    the engine runs in another process (serve.worker checks there before sending a request)."""
+    V = vocab_size
+    if not r.ids:
+        raise UserError("the prompt is empty: give at least one token")
+    bad = [t for t in r.ids if not (isinstance(t, int) and 0 <= t < V)]
+    if bad:
+        raise UserError(f"token id {bad[0]!r} is outside the vocabulary 0..{V - 1}")
+    if not isinstance(r.max_tokens, int) or r.max_tokens < 0:
+        raise UserError(f"max_tokens must be an integer >= 0, got {r.max_tokens!r}")
+    check_sampling(r.temperature, r.top_k, r.top_p, r.min_p, r.repetition_penalty)
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(r, name)
+        if k is not None and (not isinstance(k, int) or k < 0):
+            raise UserError(f"{name} must be an integer >= 0 (or unset), got {k!r}")
+    if r.seed is not None and not isinstance(r.seed, int):
+        raise UserError(f"seed must be an integer, got {r.seed!r}")
+    if len(r.ids) + r.max_tokens > context:
+        raise ContextLengthExceeded(
+            f"the prompt ({len(r.ids)} tokens) plus max_tokens ({r.max_tokens}) is more than the model's "
+            f"context of {context} tokens: shorten the prompt or ask for fewer tokens")
+    stops = _stops(list(r.stop_ids))
+    if any(not s or not all(isinstance(t, int) and 0 <= t < V for t in s) for s in stops):
+        raise UserError(f"stop ids must be token ids (or sequences of them) in 0..{V - 1}")
+    return stops
 
 
 class Ticket:
@@ -359,29 +388,7 @@ class Engine:
     # ---- checks ------------------------------------------------------------------------
     def _check(self, r: Request) -> list[tuple[int, ...]]:
         """The request's checks, as UserErrors saying what to change; its stop sequences."""
-        V = self.model.config.vocab_size
-        if not r.ids:
-            raise UserError("the prompt is empty: give at least one token")
-        bad = [t for t in r.ids if not (isinstance(t, int) and 0 <= t < V)]
-        if bad:
-            raise UserError(f"token id {bad[0]!r} is outside the vocabulary 0..{V - 1}")
-        if not isinstance(r.max_tokens, int) or r.max_tokens < 0:
-            raise UserError(f"max_tokens must be an integer >= 0, got {r.max_tokens!r}")
-        check_sampling(r.temperature, r.top_k, r.top_p, r.min_p, r.repetition_penalty)
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(r, name)
-            if k is not None and (not isinstance(k, int) or k < 0):
-                raise UserError(f"{name} must be an integer >= 0 (or unset), got {k!r}")
-        if r.seed is not None and not isinstance(r.seed, int):
-            raise UserError(f"seed must be an integer, got {r.seed!r}")
-        if len(r.ids) + r.max_tokens > self.context:
-            raise ContextLengthExceeded(
-                f"the prompt ({len(r.ids)} tokens) plus max_tokens ({r.max_tokens}) is more than the model's "
-                f"context of {self.context} tokens: shorten the prompt or ask for fewer tokens")
-        stops = _stops(list(r.stop_ids))
-        if any(not s or not all(isinstance(t, int) and 0 <= t < V for t in s) for s in stops):
-            raise UserError(f"stop ids must be token ids (or sequences of them) in 0..{V - 1}")
-        return stops
+        return check_request(r, self.model.config.vocab_size, self.context)
 
     # ---- the loop ----------------------------------------------------------------------
     def _loop(self) -> None:
