@@ -1,7 +1,8 @@
 """`glassformer serve`: a checkpoint behind an OpenAI-compatible HTTP API, with continuous batching.
 
-The server listens first (GET /health answers 503 "loading"), then loads the model, starts the
-engine and prints one line, `serving MODEL_ID at http://HOST:PORT/v1`. Ctrl-C (or SIGTERM) stops
+The server listens first (GET /health answers 503 "loading"), then starts the engine (by default
+in a process of its own, which loads the model: serve/worker.py; --engine thread or --explorer: on
+a thread of this one) and prints one line, `serving MODEL_ID at http://HOST:PORT/v1`. Ctrl-C (or SIGTERM) stops
 it: running answers get a few seconds to finish. docs/serve.md.
 """
 
@@ -31,7 +32,12 @@ def add_arguments(p) -> None:
                    help="serve a non-loopback --host without an API key (anyone who can reach it may use it)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages from ORIGIN call the API (repeatable; default: none)")
-    p.add_argument("--explorer", action="store_true", help="serve the explorer page (glassformer view) in the same app")
+    p.add_argument("--explorer", action="store_true",
+                   help="serve the explorer page (glassformer view) in the same app (runs the thread engine)")
+    p.add_argument("--engine", choices=["process", "thread"], default=None,
+                   help="where the model runs: 'process' (default) a process of its own, so HTTP work never waits "
+                        "on the forward's interpreter lock; 'thread' a thread of the server's process (what "
+                        "--explorer runs, its traces taking turns with the engine on the one model)")
     p.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -78,6 +84,9 @@ def _check(args) -> None:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     quantize_method(args)  # a bad --quantize fails before anything listens
+    if args.explorer and args.engine == "process":
+        raise UserError("--explorer runs the engine on a thread (the explorer's traces and the engine take turns "
+                        "on the one model in one process): leave out --engine process, or --explorer")
 
 
 def build(args, backend, key):
@@ -92,14 +101,39 @@ def build(args, backend, key):
     return app, Server(app, args.host, args.port, limits)
 
 
-def _engine(args, app, model, tok, name: str):
-    """The engine; with --explorer its steps and the explorer's traces take turns on the one model
-    (probes record process-wide, so a trace must not see a decode step's tensors)."""
+def _sizes(args) -> dict:
+    return dict(max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                compile=args.compile)
+
+
+def _process_engine(args, backend) -> object:
+    """The engine in a process of its own (serve/worker.py), loading the checkpoint there through the same
+    `_load_model`, with this process's torch threads; the backend is ready once it has loaded."""
+    import argparse
+    import functools
+    from types import SimpleNamespace
+
+    from ..serve.worker import ProcessEngine
+    from .generate import _load_model
+
+    options = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})  # (picklable)
+    engine = ProcessEngine(functools.partial(_load_model, options), **_sizes(args)).start()
+    try:
+        engine.wait_ready()
+    except BaseException:
+        engine.stop()
+        raise
+    backend.ready(engine, SimpleNamespace(config=engine.config), engine.tokenizer)
+    return engine
+
+
+def _thread_engine(args, app, model, tok, name: str):
+    """The engine on a thread; with --explorer its steps and the explorer's traces take turns on the one
+    model (probes record process-wide, so a trace must not see a decode step's tensors)."""
     from ..generation.batching import Engine
     from ..serve.backend import TurnTakingEngine
 
-    sizes = dict(max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                 compile=args.compile)
+    sizes = _sizes(args)
     if not args.explorer:
         return Engine(model, **sizes).start()
     from ..viewer.server import explorer_router
@@ -129,9 +163,12 @@ def run(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):  # both stop it as Ctrl-C does (also when started in the background)
             signal.signal(sig, signal.default_int_handler)
     try:
-        model, tok = _load_model(args)
-        engine = _engine(args, app, model, tok, backend.model_id)
-        backend.ready(engine, model, tok)
+        if (args.engine or ("thread" if args.explorer else "process")) == "process":
+            engine = _process_engine(args, backend)
+        else:
+            model, tok = _load_model(args)
+            engine = _thread_engine(args, app, model, tok, backend.model_id)
+            backend.ready(engine, model, tok)
         print(f"serving {backend.model_id} at {server.url}/v1", flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:

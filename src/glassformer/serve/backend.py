@@ -40,7 +40,8 @@ class TurnTakingEngine(Engine):
 @dataclass
 class Backend:
     """What the routes serve: the engine, the tokenizer, the model's name and limits.
-    status is 'loading' until `ready()`, then 'ok', and 'stopping' once the server stops."""
+    status is 'loading' until `ready()`, then 'ok', 'stopping' once the server stops, and 'down' if
+    the engine's process exited unasked."""
 
     model_id: str
     engine: object = None
@@ -60,7 +61,13 @@ class Backend:
         eot = getattr(tokenizer, "eot_id", None)
         self.eos = tuple(eos or ([] if eot is None else [eot]))
         self.status = "ok"
+        if hasattr(engine, "on_exit"):  # an engine in its own process (serve.worker): its exit takes the server down
+            engine.on_exit = self._engine_gone
         return self
+
+    def _engine_gone(self) -> None:
+        if self.status == "ok":
+            self.status = "down"
 
     def check(self, model: str | None) -> None:
         """503 unless serving; 404 for a model this server does not serve."""

@@ -1,0 +1,339 @@
+"""The engine in a process of its own (`ProcessEngine`), so the model's forward and the HTTP
+process never wait on each other's interpreter lock.
+
+Why: with the engine on a thread of the server's process, its decode step took 1.85 ms against
+1.24 ms in-process on the demo shape (docs/benchmarks.md#serve): the lock handed back and forth
+between the forward's many small operations and the thread taking each token. Here a child process
+(the "spawn" start method: safe with torch and CUDA) loads the checkpoint itself through the loader
+it is given (a picklable callable, e.g. the one `glassformer serve` loads with), builds the same
+`generation.batching.Engine` and runs its loop. Requests and cancels go down a pipe; each step's
+events come back as one message, which a reader thread here hands to the tickets (`batching.Ticket`,
+the same blocking and asyncio iterators), waking each event loop once per message.
+
+What can be answered at submit time is answered here, synchronously, with the engine's own errors:
+the request's checks (`check_request`, against the model's config the child sends once loaded),
+QueueFull (the child's queue as of its last message plus the requests sent since), EngineStopped.
+The child exits with the parent: at the pipe's end of file, and (while it loads) once its parent
+process is gone; it ignores Ctrl-C, which the parent handles by stopping it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from ..errors import UserError
+from ..generation.batching import (Engine, EngineStopped, Event, QueueFull, Request, Ticket, check_request,
+                                   wake_loops)
+
+__all__ = ["ProcessEngine"]
+
+log = logging.getLogger(__name__)
+
+STATS_EVERY = 0.25  # seconds between the child's full stats (its counts ride on every message)
+STOP_WAIT = 30.0  # seconds the child gets to end its requests and exit before it is terminated
+
+
+class ProcessEngine:
+    """`Engine`'s interface (submit, stats, start, stop) over an Engine in a child process.
+
+    `load()` runs in the child and returns the model, or (model, tokenizer); `threads` is the
+    child's torch thread count (default: this process's). `config` and `tokenizer` are the
+    child's once `wait_ready()` returns; `on_exit` is called if the child exits unasked."""
+
+    def __init__(self, load, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256,
+                 compile: bool = False, threads: int | None = None):
+        for name, v in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
+            if int(v) != v or v < 1:
+                raise UserError(f"{name} must be an integer >= 1, got {v}")
+        self.load, self.max_batch, self.max_queue = load, max_batch, max_queue
+        self.sizes = dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk, compile=compile)
+        self.threads = torch.get_num_threads() if threads is None else int(threads)
+        self.config = self.tokenizer = self.process = self.on_exit = None
+        self.steps = 0  # the child's engine steps, as of its last message
+        self._conn = self._reader = None
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._tickets: dict[int, Ticket] = {}  # request number -> its ticket, until its last event
+        self._last = self._seen = self._queued = 0  # numbers sent, numbers the child has taken, its queue
+        self._stats: dict = {}
+        self._ready = threading.Event()
+        self._failure: str | None = None  # why the child could not load, or that it exited
+        self._stopping = False
+        self._wakes: dict | None = None  # while a message is handed out: loop -> its asyncio.Events
+
+    # ---- the public side ---------------------------------------------------------------
+    def start(self) -> "ProcessEngine":
+        """Spawn the child (it loads meanwhile: `wait_ready`)."""
+        if self.process is not None:
+            return self
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(target=child_main, args=(theirs, self.load, self.sizes, self.threads, os.getpid()),
+                                   name="glassformer-engine", daemon=True)
+        self.process.start()
+        theirs.close()  # only the child holds its end: the parent's exit is the child's end of file
+        self._reader = threading.Thread(target=self._read, name="glassformer-engine-reader", daemon=True)
+        self._reader.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> "ProcessEngine":
+        """Block until the child has loaded the model; UserError saying why if it could not."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the engine's process did not load within {timeout} s")
+        if self.config is None:
+            raise UserError(self._failure or "the engine's process exited before loading the model")
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self._failure is None and not self._stopping
+
+    @property
+    def stats(self) -> dict:
+        """The child engine's stats (as of at most STATS_EVERY ago), its steps and queue as of its last message."""
+        with self._lock:
+            return {**self._stats, "steps": self.steps, "queued": self._waiting(), "process": self.process.pid}
+
+    def submit(self, request: Request) -> Ticket:
+        """Check the request (UserError, ContextLengthExceeded, QueueFull, EngineStopped) and send it."""
+        self.wait_ready()
+        stops = check_request(request, self.config.vocab_size, self.config.max_seq_len)
+        ticket = Ticket(request, self, stops)
+        if request.max_tokens == 0 and request.prompt_logprobs is None:
+            ticket._push(Event(None, finish="length"))  # nothing to compute
+            return ticket
+        with self._lock:
+            if self._stopping or self._failure is not None:
+                raise EngineStopped("the server is stopping: try again later")
+            if self._waiting() >= self.max_queue:
+                raise QueueFull(f"{self._waiting()} requests are waiting already (the queue's limit): try again later")
+            self._last += 1
+            ticket.number = self._last
+            self._tickets[ticket.number] = ticket
+            self._send(("submit", ticket.number, request))  # under the lock: sent in number order
+        return ticket
+
+    def stop(self) -> None:
+        """Take nothing new; the child ends every request with finish "cancelled" and exits."""
+        with self._lock:
+            self._stopping = True
+        if self.process is None:
+            return
+        self._send(("stop",))
+        self.process.join(STOP_WAIT)
+        if self.process.is_alive():
+            log.warning("the engine's process did not stop within %.0f s: terminating it", STOP_WAIT)
+            self.process.terminate()
+            self.process.join(5)
+        self._reader.join(5)
+        self._end_all("cancelled")
+        self._conn.close()
+
+    # ---- what tickets call -------------------------------------------------------------
+    def _cancel(self, ticket: Ticket) -> None:
+        if not self._send(("cancel", ticket.number)):
+            ticket._push(Event(None, finish="cancelled"))
+
+    def _wake(self, waiters) -> None:
+        """Gathered while the reader hands out one message's events (one wake-up per loop a message), else at once."""
+        wakes = self._wakes
+        if wakes is not None and threading.current_thread() is self._reader:
+            for loop, ready in waiters:
+                wakes.setdefault(loop, []).append(ready)
+        else:
+            wake_loops({loop: [ready] for loop, ready in waiters})
+
+    # ---- the pipe ----------------------------------------------------------------------
+    def _waiting(self) -> int:
+        """Requests not yet in a row (under the lock): the child's queue, and those it has not read yet."""
+        return self._queued + self._last - self._seen
+
+    def _send(self, message) -> bool:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+            return True
+        except (OSError, ValueError):  # the child is gone (the reader ends its tickets)
+            return False
+
+    def _read(self) -> None:
+        """The reader thread: the child's messages until its end of file."""
+        try:
+            while True:
+                self._handle(self._conn.recv())
+        except (EOFError, OSError):
+            pass
+        self._gone()
+
+    def _handle(self, message) -> None:
+        kind = message[0]
+        if kind == "ready":
+            _, self.config, self.tokenizer, self._stats = message
+            self._ready.set()
+        elif kind == "failed":
+            self._failure = message[1]
+            self._ready.set()
+        else:  # "events": the child's counts after a step (or a cancel), and the events since its last message
+            _, steps, seen, queued, events, stats = message
+            with self._lock:
+                self.steps, self._seen, self._queued = steps, seen, queued
+                if stats is not None:
+                    self._stats = stats
+                tickets = [(self._tickets.get(n), ev) for n, ev in events]
+                for n, ev in events:
+                    if ev.finish is not None:
+                        self._tickets.pop(n, None)
+            self._route(tickets)
+
+    def _route(self, tickets) -> None:
+        self._wakes = {}
+        try:
+            for ticket, ev in tickets:
+                if ticket is not None:
+                    ticket._push(ev)
+        finally:
+            wakes, self._wakes = self._wakes, None
+            wake_loops(wakes)
+
+    def _gone(self) -> None:
+        """The child exited: every open request ends ("error" unless stopping); no more are taken."""
+        with self._lock:
+            unasked = not self._stopping and self._failure is None
+            if self._failure is None:
+                code = self.process.exitcode if not self.process.is_alive() else None
+                self._failure = f"the engine's process exited (exit code {code})"
+        self._ready.set()
+        if unasked:
+            log.error("%s: ending every request", self._failure)
+        self._end_all("cancelled" if self._stopping else "error")
+        if unasked and self.on_exit is not None:
+            self.on_exit()
+
+    def _end_all(self, finish: str) -> None:
+        with self._lock:
+            left, self._tickets = list(self._tickets.values()), {}
+        for t in left:
+            t._push(Event(None, finish=finish))
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+def child_main(conn, load, sizes: dict, threads: int, parent: int) -> None:
+    """The child process: load, say so (the model's config and tokenizer), then run the engine until
+    told to stop or the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
+    threading.Thread(target=_watch_parent, args=(parent,), name="glassformer-parent-watch", daemon=True).start()
+    torch.set_num_threads(threads)
+    try:
+        loaded = load()
+    except BaseException as e:  # noqa: BLE001 -- sent to the parent, which raises it as a UserError
+        if not isinstance(e, UserError):
+            log.exception("loading the model failed")
+        conn.send(("failed", str(e) if isinstance(e, UserError) else f"loading failed: {type(e).__name__}: {e}"))
+        return
+    model, tok = loaded if isinstance(loaded, tuple) else (loaded, None)
+    engine = ChildEngine(model, conn, **sizes)
+    conn.send(("ready", model.config, tok, engine.stats))
+    engine.start()
+    engine.serve()
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit once the parent is gone (reparented), also while loading, when nothing reads the pipe."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+class ChildEngine(Engine):
+    """The Engine of the child: requests and cancels from the pipe (`serve`), its events sent back
+    once a step (or at once when pushed outside a step: a queued request's cancel, a stop, a failure)."""
+
+    def __init__(self, model, conn, **sizes):
+        super().__init__(model, **sizes)
+        self.conn = conn
+        self._out: list[tuple[int, Event]] = []  # (request number, event) since the last message
+        self._out_lock = threading.Lock()
+        self._live: dict[int, Ticket] = {}  # request number -> its ticket, until its last event
+        self._taken = 0  # the last request number submitted here
+        self._sent = (0, 0)  # (steps, taken) of the last message
+        self._stats_at = 0.0
+        self._stepping: int | None = None  # the thread inside a step
+
+    def serve(self) -> None:
+        """Read the parent's messages until "stop" or its end of file; then stop (every request cancelled)."""
+        try:
+            while True:
+                message = self.conn.recv()
+                if message[0] == "submit":
+                    self._accept(*message[1:])
+                elif message[0] == "cancel":
+                    ticket = self._live.get(message[1])
+                    if ticket is not None:
+                        ticket.cancel()
+                else:
+                    break
+        except (EOFError, OSError):  # the parent is gone
+            pass
+        finally:
+            self.stop()
+
+    def step(self) -> bool:
+        self._stepping = threading.get_ident()
+        try:
+            return super().step()
+        finally:
+            self._stepping = None
+            self._flush()
+
+    def _accept(self, number: int, request: Request) -> None:
+        """Submit one request; its events go to the pipe. Under the engine's lock, so no step admits it
+        before its events are routed (a step takes queued tickets under that lock)."""
+        with self._lock:
+            self._taken = number
+            try:
+                ticket = self.submit(request)
+            except UserError as e:  # the parent checked it already: only a disagreement lands here
+                log.error("a request was refused in the engine's process: %s", e)
+                return self._outbound(number, Event(None, finish="error"))
+            self._live[number] = ticket
+            early = list(ticket._events)  # pushed inside submit (nothing to compute)
+            ticket._push = functools.partial(self._outbound, number)
+        for ev in early:
+            self._outbound(number, ev)
+
+    def _outbound(self, number: int, event: Event) -> None:
+        """A ticket's event (its _push): kept for this step's message, or sent now if pushed outside a step."""
+        if number not in self._live and event.finish != "error":
+            return  # ended already (a cancel racing the last token)
+        with self._out_lock:
+            self._out.append((number, event))
+        if event.finish is not None:
+            self._live.pop(number, None)
+        if self._stepping != threading.get_ident():
+            self._flush()
+
+    def _flush(self) -> None:
+        """One message: the counts, the events since the last one, the stats now and then."""
+        now = time.monotonic()
+        stats = None
+        if now - self._stats_at >= STATS_EVERY:
+            stats, self._stats_at = self.stats, now  # (takes the engine's lock: before _out_lock, never inside)
+        with self._out_lock:
+            out, self._out = self._out, []
+            if not out and stats is None and self._sent == (self.steps, self._taken):
+                return
+            self._sent = (self.steps, self._taken)
+            try:
+                self.conn.send(("events", self.steps, self._taken, len(self.queue), out, stats))
+            except (OSError, ValueError):  # the parent is gone: serve() sees the end of file
+                pass
