@@ -7,7 +7,9 @@ bad input answered with its status and an OpenAI error object."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import multiprocessing
 import socket
 import threading
 
@@ -17,58 +19,17 @@ import pytest
 import torch
 
 from glassformer.generation import generate
-from glassformer.generation.batching import Engine
-from glassformer.serve.backend import Backend
-from glassformer.serve.http import Limits, Server, make_app
-from glassformer.serve.openai import add_routes, openai_error
-from glassformer.text.chat_template import CHATML_TEMPLATE
 from glassformer.text.tokenizer import Tokenizer
 
-from ..support import synthetic_text, tiny_model
+from ..support import synthetic_text
+from .served import KEY, NAME, Served, gate_hook
 
-KEY = "sk-test-0123"
-NAME = "tiny-chat"
-LIMITS = Limits(max_body=1 << 16, header_timeout=2.0, body_timeout=2.0)
 PROMPTS = ["The king", "A knight waits", "the old man sings of", "Where", "the sea and the stars", "Castle"]
-
-
-class Served:
-    """One server: its URL, model, tokenizer, engine (tickets recorded) and the client."""
-
-    def __init__(self, max_batch: int, max_queue: int = 64):
-        tok = Tokenizer.train([synthetic_text(300, 1)], vocab_size=300)
-        tok.add_chat_tokens()
-        tok.chat_template = CHATML_TEMPLATE
-        self.tok, self.model = tok, tiny_model(vocab_size=tok.vocab_size)
-        self.eos = list(tok.eos_ids)
-        self.engine = Engine(self.model, max_batch=max_batch, max_queue=max_queue).start()
-        self.tickets, self.log = [], []
-        submit = self.engine.submit
-        self.engine.submit = lambda r: self._record(submit(r))
-        self.backend = Backend(NAME)
-        app = add_routes(make_app(host="127.0.0.1", port=0, api_key=KEY, limits=LIMITS, error_body=openai_error),
-                         self.backend)
-        self.server = Server(app, "127.0.0.1", 0, LIMITS)
-        self.url = self.server.start_in_thread()
-        self.backend.ready(self.engine, self.model, tok)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
-        self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
-
-    def _record(self, ticket):
-        """Keep each ticket, and log (engine step, ticket index, finish or token) as events are pushed."""
-        index, push = len(self.tickets), ticket._push
-        self.tickets.append(ticket)
-        ticket._push = lambda ev: (self.log.append((self.engine.steps, index, ev.finish or ev.token)), push(ev))[1]
-        return ticket
-
-    def stop(self):
-        self.server.stop()
-        self.engine.stop()
 
 
 @pytest.fixture(scope="module")
 def served():
-    s = Served(max_batch=8)
+    s = Served(max_batch=8)  # the engine in its own process, as `glassformer serve` runs it
     yield s
     s.stop()
 
@@ -293,25 +254,20 @@ def _gives_up(s: Served) -> str:
     return "answered"
 
 
-def test_a_disconnect_frees_the_row_for_the_next_request():
+@pytest.mark.parametrize("engine", ["process", "thread"])
+def test_a_disconnect_frees_the_row_for_the_next_request(engine):
     """max_batch 1, the engine held by a gate from its third forward on (A has made two tokens): B
     and C queue behind A, a fourth request gets 429, C's client (not streaming) gives up and C
     leaves the queue, A's client leaves mid-stream; once the gate opens, B starts within the
-    step that freed A's row."""
-    s = Served(max_batch=1, max_queue=2)
-    gate, forwards = threading.Event(), []
-
-    def hold(module, args):
-        forwards.append(1)
-        if len(forwards) > 2:
-            gate.wait(30)
-
-    hook = s.model.register_forward_pre_hook(hold)
+    step that freed A's row. The same with the engine in its own process (cancels down its pipe)."""
+    ctx = multiprocessing.get_context("spawn")
+    gate, count = ctx.Event(), ctx.Value("i", 0)
+    s = Served(max_batch=1, max_queue=2, engine=engine, hook=functools.partial(gate_hook, count, gate))
     try:
         body = {"model": NAME, "prompt": "The king", "max_tokens": 100, "temperature": 0, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                           timeout=30):
-            wait_for(lambda: len(forwards) > 2)  # A is mid-stream, the engine held inside a step
+            wait_for(lambda: count.value > 2)  # A is mid-stream, the engine held inside a step
             result = {}
             b = threading.Thread(target=lambda: result.update(
                 out=s.client.completions.create(model=NAME, prompt="Where", max_tokens=3, temperature=0)))
@@ -333,7 +289,6 @@ def test_a_disconnect_frees_the_row_for_the_next_request():
         b_first = next(step for step, i, what in s.log if i == 1)
         assert s.tickets[0].completion_tokens < 100 and b_first - a_cancel <= 1
     finally:
-        hook.remove()
         gate.set()
         s.stop()
 

@@ -58,6 +58,7 @@ class ProcessEngine:
         self.threads = torch.get_num_threads() if threads is None else int(threads)
         self.config = self.tokenizer = self.process = self.on_exit = None
         self.steps = 0  # the child's engine steps, as of its last message
+        self.child_threads: int | None = None  # the child's torch threads, once loaded
         self._conn = self._reader = None
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -176,7 +177,7 @@ class ProcessEngine:
     def _handle(self, message) -> None:
         kind = message[0]
         if kind == "ready":
-            _, self.config, self.tokenizer, self._stats = message
+            _, self.config, self.tokenizer, self._stats, self.child_threads = message
             self._ready.set()
         elif kind == "failed":
             self._failure = message[1]
@@ -242,7 +243,7 @@ def child_main(conn, load, sizes: dict, threads: int, parent: int) -> None:
         return
     model, tok = loaded if isinstance(loaded, tuple) else (loaded, None)
     engine = ChildEngine(model, conn, **sizes)
-    conn.send(("ready", model.config, tok, engine.stats))
+    conn.send(("ready", model.config, tok, engine.stats, torch.get_num_threads()))
     engine.start()
     engine.serve()
 

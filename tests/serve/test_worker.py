@@ -1,0 +1,161 @@
+"""The engine in a process of its own (serve/worker.py): what only it can get wrong. Checks answered
+at submit time in the parent with the engine's own errors; the child's torch threads; a failing
+step answering 500 while the server goes on; the child dying mid-request answering 500 at once,
+then 503 and /health 503; the child gone when its parent is killed (kill -9) and when `glassformer
+serve` stops; --engine process refused beside --explorer. (The OpenAI routes over it, seeded
+tokens and a disconnect's cancel down the pipe: tests/serve/test_openai.py.)"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from glassformer import load
+from glassformer.cli import main
+from glassformer.errors import UserError
+from glassformer.generation import generate
+from glassformer.generation.batching import ContextLengthExceeded, Request
+
+from ..support import REPO, synthetic_text, tiny_checkpoint
+from .served import KEY, NAME, Served, failing_hook, tokenizer
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (no such process, or a zombie not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def wait_gone(pids, seconds: float = 10.0) -> bool:
+    for _ in range(int(seconds / 0.05)):
+        if all(gone(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()]
+
+
+@pytest.fixture(scope="module")
+def fragile():
+    """A server whose engine process fails a step on a prompt of only RAISE, and dies on one of only EXIT."""
+    V = tokenizer().vocab_size
+    s = Served(max_batch=4, max_queue=3, hook=functools.partial(failing_hook, V - 1, V - 2))
+    s.RAISE, s.EXIT = [V - 1] * 3, [V - 2] * 3
+    yield s
+    s.stop()
+
+
+def test_submit_time_checks_are_answered_in_the_parent(fragile):
+    engine = fragile.engine
+    assert engine.child_threads == torch.get_num_threads()  # the child runs what the thread engine ran
+    S = fragile.model.config.max_seq_len
+    steps = engine.steps
+    with pytest.raises(ContextLengthExceeded):
+        engine.submit(Request([1] * (S - 4), 5))
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        engine.submit(Request([fragile.model.config.vocab_size], 2))
+    empty = engine.submit(Request([1, 2], 0))  # nothing to compute: answered here, the child never sees it
+    assert [e.finish for e in empty.events(timeout=5)] == ["length"] and engine.steps == steps
+
+
+def test_a_failing_step_answers_500_and_the_server_goes_on(fragile):
+    r = httpx.post(fragile.url + "/v1/completions", json={"model": NAME, "prompt": fragile.RAISE, "max_tokens": 3},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    ids = fragile.tok.encode("The king")
+    want = list(generate(fragile.model, ids, max_new_tokens=6, greedy=True, stop=fragile.eos))
+    out = fragile.client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0)
+    assert out.choices[0].text == fragile.tok.decode([t for t in want if t not in fragile.eos])
+
+
+def test_the_child_dying_ends_its_requests_then_503(fragile):
+    """A request streaming when the child dies, and the one that kills it, both end at once with an
+    error (none hangs); after it, requests get 503 and /health says 503 "down"."""
+    pid = fragile.engine.process.pid
+    long = fragile.client.completions.create(model=NAME, prompt="The king", max_tokens=100, temperature=0, stream=True)
+    next(iter(long))  # streaming
+    t = time.perf_counter()
+    r = httpx.post(fragile.url + "/v1/completions", json={"model": NAME, "prompt": fragile.EXIT, "max_tokens": 3},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    with pytest.raises(openai.APIError):
+        for _ in long:
+            pass
+    assert time.perf_counter() - t < 20 and wait_gone([pid])
+    health = httpx.get(fragile.url + "/health")
+    assert (health.status_code, health.json()) == (503, {"status": "down"})
+    with pytest.raises(openai.APIStatusError) as e:
+        fragile.client.completions.create(model=NAME, prompt="x", max_tokens=2)
+    assert e.value.status_code == 503
+
+
+PARENT = """
+import functools, sys, threading
+sys.path[:0] = {paths!r}
+from glassformer.serve.worker import ProcessEngine
+from tests.support import tiny_model
+engine = ProcessEngine(functools.partial(tiny_model, vocab_size=64), max_batch=1).start().wait_ready(120)
+print(engine.process.pid, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_the_child_exits_when_its_parent_is_killed():
+    code = PARENT.format(paths=[str(REPO), str(REPO / "src")])
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert not gone(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        assert wait_gone([child], 10), "the engine's process outlived its parent"
+    finally:
+        parent.kill()
+
+
+def test_serve_runs_the_engine_process_and_it_exits_when_the_server_stops(tmp_path):
+    """`glassformer serve` (the process engine by default): greedy tokens of in-process generate over
+    the checkpoint; on Ctrl-C the server exits cleanly and its engine process is gone."""
+    tiny_checkpoint(tmp_path / "ckpt", synthetic_text(200, 1))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GLASSFORMER_API_KEY": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "glassformer", "serve", "--checkpoint", str(tmp_path / "ckpt"),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        found = re.fullmatch(r"serving ckpt at (http://127\.0\.0\.1:\d+/v1)\n", line)
+        assert found, line + proc.stderr.read() if not found else ""
+        engines = children(proc.pid)
+        assert engines and not any(gone(p) for p in engines)
+        model, tok = load(tmp_path / "ckpt")
+        ids = tok.encode("The king")
+        want = [t for t in generate(model, ids, max_new_tokens=5, greedy=True, stop=list(tok.eos_ids))
+                if t not in tok.eos_ids]
+        client = openai.OpenAI(base_url=found[1], api_key="unused", max_retries=0)
+        assert client.completions.create(model="ckpt", prompt=ids, max_tokens=5, temperature=0).choices[0].text \
+            == tok.decode(want)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out == "" and "Traceback" not in err, err
+    assert wait_gone(engines, 5)
+
+
+def test_the_process_engine_is_refused_beside_the_explorer(capsys, tmp_path):
+    assert main(["serve", "--checkpoint", str(tmp_path), "--engine", "process", "--explorer"]) == 2
+    assert "--explorer runs the engine on a thread" in capsys.readouterr().err
