@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 from starlette.testclient import TestClient
 
 from glassformer.errors import UserError
-from glassformer.serve.http import Limits, Server, make_app
+from glassformer.serve.http import Limits, Server, bind, make_app
 
 KEY = "test-key-1234"
 LIMITS = Limits(max_body=1000, header_timeout=1.0, body_timeout=1.5)
@@ -141,6 +141,29 @@ def test_server_reports_its_real_port_and_ready_url(probe):
             Server(build_app(probe), "127.0.0.1", srv.port, LIMITS)
     finally:
         srv.stop()
+
+
+def test_connections_send_small_writes_at_once():
+    """The listening socket says TCP, so asyncio turns Nagle's algorithm off on every connection it
+    accepts (else a kept-alive connection's answer body waits for the client's delayed ACK, 40 ms)."""
+    sock = bind("127.0.0.1", 0)
+    seen = []
+
+    class Note(asyncio.Protocol):
+        def connection_made(self, transport):
+            seen.append(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def accept_one():
+        server = await asyncio.get_running_loop().create_server(Note, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        while not seen:
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+
+    asyncio.run(accept_one())
+    assert seen == [1]
 
 
 def test_api_key_guards_the_api_paths_only(server):

@@ -333,7 +333,10 @@ def _protocol_for(limits: Limits) -> type:
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on (host, port); port 0 picks a free one. UserError when it cannot."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose
+    # proto says TCP; with 0, on a kept-alive connection an answer's body waited for the client's
+    # delayed ACK of its headers, 40 ms a request (tests/serve/test_http.py).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
