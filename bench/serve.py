@@ -1,21 +1,26 @@
 """Serving: `glassformer serve` (its own process, continuous batching) under 1, 4 and 16 concurrent
-streams against in-process `generate`, on the reference shape and the demo model's shape.
+streams against in-process `generate`, on the reference shape and the demo model's shape, with each
+engine side by side (`--engine process`, the default: the engine in a process of its own;
+`--engine thread`: on a thread of the server's process).
 
 For each shape: a random model (weights drawn larger than the init, so greedy argmaxes are not
 near-ties) with a BPE tokenizer trained on the given text is saved as a checkpoint and served with
-`glassformer serve --max-batch 16`; the benchmark's client (asyncio + httpx, in this process) sends
-streaming /v1/completions requests of the same prompt length, greedy, and reads them as they come.
-Rounds alternate in-process generate and each number of streams, so a busy machine slows all
-alike. Reported per number of streams (the best round by aggregate tokens/s): aggregate
+`glassformer serve --max-batch 16 --engine E` for each engine E; the benchmark's client (asyncio + httpx, in this process) sends
+streaming /v1/completions requests of the same prompt length, greedy, and reads them as they come,
+each on a connection it opened before the round's clock starts (GET /health), as a client that
+keeps its connection does.
+Rounds alternate in-process generate and each engine's numbers of streams, so a busy machine
+slows all alike. Reported per number of streams (the best round by aggregate tokens/s): aggregate
 tokens/s (completion tokens of all streams / the wall time from the first request to the last
 [DONE]), p50/p99 time to first token, p50/p99 gap between chunks (a chunk is a token, except where
 a partial UTF-8 character or a stop string holds text back); one stream's time against in-process
 `generate` of the same tokens with the same thread count (the best of each: the server overhead,
 HTTP client included); the KV cache bytes of one row, and the server's resident memory growth per
-active row at the highest number of streams. The server and the client share the machine.
+active row at the highest number of streams (the engine's process included). The server and the
+client share the machine.
 
     python bench/serve.py [--shapes reference,demo] [--streams 1,4,16] [--rounds 3] [--threads 2]
-        [--new-tokens 128] [--prompt-tokens 64] [--text FILE] [--compile] [--quick]
+        [--engine thread,process] [--new-tokens 128] [--prompt-tokens 64] [--text FILE] [--compile] [--quick]
 """
 
 from __future__ import annotations
@@ -80,13 +85,14 @@ def prompts(tok, n: int, length: int) -> list[list[int]]:
 
 
 class Served:
-    """`glassformer serve` in its own process, with `threads` torch threads."""
+    """`glassformer serve --engine ENGINE` in its own process, with `threads` torch threads."""
 
-    def __init__(self, folder: Path, threads: int, max_batch: int, compile: bool):
+    def __init__(self, folder: Path, threads: int, max_batch: int, compile: bool, engine: str):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO / "src")}
         env.pop("GLASSFORMER_API_KEY", None)
         cmd = [sys.executable, "-m", "glassformer", "serve", "--checkpoint", str(folder), "--port", "0",
-               "--model-name", "bench", "--max-batch", str(max_batch)] + (["--compile"] if compile else [])
+               "--model-name", "bench", "--max-batch", str(max_batch), "--engine", engine] + \
+            (["--compile"] if compile else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()
         found = re.fullmatch(r"serving bench at (\S+)\n", line)
@@ -95,15 +101,27 @@ class Served:
         self.url = found[1]
 
     def rss(self) -> int:
-        """The server's resident memory now, in bytes."""
-        for row in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if row.startswith("VmRSS:"):
-                return int(row.split()[1]) * 1024
-        return 0
+        """The server's resident memory now, in bytes, its child processes' (the engine's) included."""
+        return sum(_rss(pid) for pid in [self.proc.pid, *_children(self.proc.pid)])
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()]
+    except OSError:
+        return []
+
+
+def _rss(pid: int) -> int:
+    try:
+        rows = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(r.split()[1]) * 1024 for r in rows if r.startswith("VmRSS:")), 0)
 
 
 # ----------------------------------------------------------------------------- the client
@@ -130,6 +148,9 @@ async def one_stream(client: httpx.AsyncClient, url: str, ids: list[int], n: int
 async def streams(url: str, rows: list[list[int]], n: int) -> list[dict]:
     limits = httpx.Limits(max_connections=len(rows) + 4, max_keepalive_connections=len(rows) + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        # Each stream's connection opened before the clock starts, as a client keeping its connection does
+        # (the openai package): a fresh client's first request costs it 15-20 ms (measured on a busy machine).
+        await asyncio.gather(*(client.get(url.removesuffix("/v1") + "/health") for _ in rows))
         return await asyncio.gather(*(one_stream(client, url, ids, n) for ids in rows))
 
 
@@ -211,36 +232,49 @@ class LlamaServer:
         self.proc.wait(60)
 
 
-def measure(server: Served, model, tok, rows, n: int, args, llama: LlamaServer | None) -> dict:
-    """Rounds alternating in-process generate, every number of streams, and llama-server's 1 and 8
-    streams when given (a busy machine then slows all alike); the best round of each. One stream's
-    best against generate's best is the server's overhead (the same tokens: generate stops where
-    the server stops)."""
+def measure(servers: dict[str, Served], model, tok, rows, n: int, args, llama: LlamaServer | None) -> dict:
+    """Rounds alternating in-process generate, every engine's numbers of streams, and llama-server's
+    1 and 8 streams when given (a busy machine then slows all alike); the best round of each. One
+    stream's best against generate's best is the server's overhead (the same tokens: generate stops
+    where the server stops)."""
     counts = sorted(set(args.streams) | ({1, 8} if llama else set()))
     in_process(model, tok, rows[0], n)  # warm-up: first-call costs (allocator, row copies) are not generation's
-    inproc, ours, theirs, peak, idle = [], [], [], [0], server.rss()
+    inproc, theirs = [], []
+    ours = {e: [] for e in servers}
+    peaks, idle = {e: [0] for e in servers}, {e: s.rss() for e, s in servers.items()}
     for _ in range(args.rounds):
         inproc.append(in_process(model, tok, rows[0], n))
-        ours.append(one_round(server.url, rows, n, counts, server, peak))
+        for e, server in servers.items():
+            ours[e].append(one_round(server.url, rows, n, counts, server, peaks[e]))
         if llama is not None:
             theirs.append(one_round(llama.url, rows, n, [1, 8]))
-    best = best_rounds(ours, counts)
-    made = inproc[0][1]
+    made, fastest = inproc[0][1], min(sec for sec, _ in inproc)
+    out = {"in_process": {"tokens": made, "seconds": fastest, "tokens_per_s": made / fastest}, "engines": {}}
+    other = best_rounds(theirs, [1, 8]) if llama is not None else None
+    for e in servers:
+        out["engines"][e] = engine_result(ours[e], counts, made, fastest, (peaks[e][0] - idle[e]) / max(counts), other)
+    if other is not None:
+        out["llama_server"] = {"streams": [other[1], other[8]]}
+        for b in out["llama_server"]["streams"]:
+            b.pop("one_run", None)
+    return out
+
+
+def engine_result(rounds: list[dict], counts: list[int], made: int, fastest: float, rss_per_row: float,
+                  llama: dict | None) -> dict:
+    """One engine's best rounds, its one stream against in-process generate, and against llama-server's."""
+    best = best_rounds(rounds, counts)
+    out = {"streams": [best[c] for c in counts], "rss_growth_per_row_bytes": rss_per_row}
     one = best[1]["one_run"] if 1 in best else None
-    assert one is None or one["tokens"] == made, f"the server made {one['tokens']} tokens, generate {made}"
-    fastest = min(sec for sec, _ in inproc)
-    out = {"streams": [best[c] for c in counts], "rss_growth_per_row_bytes": (peak[0] - idle) / max(counts)}
     if one is not None:
+        assert one["tokens"] == made, f"the server made {one['tokens']} tokens, generate {made}"
         served = one["end"] - one["start"]
         out["one_stream_vs_generate"] = {"tokens": made, "in_process_s": fastest, "served_s": served,
                                          "in_process_tokens_per_s": made / fastest,
                                          "served_tokens_per_s": made / served, "overhead": served / fastest - 1}
     if llama is not None:
-        other = best_rounds(theirs, [1, 8])
-        out["llama_server"] = {"streams": [other[1], other[8]],
-                               "glassformer_over_llama": {str(c): best[c]["tokens_per_s"] / other[c]["tokens_per_s"]
-                                                          for c in (1, 8)}}
-    for b in [*best.values(), *(out.get("llama_server", {}).get("streams", []))]:
+        out["glassformer_over_llama"] = {str(c): best[c]["tokens_per_s"] / llama[c]["tokens_per_s"] for c in (1, 8)}
+    for b in best.values():
         b.pop("one_run", None)
     return out
 
@@ -253,42 +287,50 @@ def bench_shape(name: str, shape: dict, text: str, args) -> dict:
         build(shape, text, Path(tmp) / name)
         model, tok = load(Path(tmp) / name)  # in-process generate runs the checkpoint the server loads
         rows = prompts(tok, max(args.streams), P)
-        llama = None
-        if args.llama_server:  # its own process
-            gguf = Path(tmp) / f"{name}.gguf"
-            subprocess.run([sys.executable, "-m", "glassformer", "convert", "--to-gguf", str(Path(tmp) / name),
-                            "--out", str(gguf), "--dtype", "f32"], cwd=REPO, check=True, capture_output=True,
-                           env={**os.environ, "PYTHONPATH": str(REPO / "src")})
-            llama = LlamaServer(args.llama_server, gguf, args.threads, 8, P + n + 8)
-        server = Served(Path(tmp) / name, args.threads, max(args.streams), args.compile)
+        llama, servers = None, {}
         try:
-            for k in sorted(set([1, 2, 4, 8, 16] if args.compile else [1]) | {max(args.streams)}):
-                asyncio.run(streams(server.url, rows[:k], 4))  # warm-up (with --compile: every batch bucket)
+            if args.llama_server:  # its own process
+                gguf = Path(tmp) / f"{name}.gguf"
+                subprocess.run([sys.executable, "-m", "glassformer", "convert", "--to-gguf", str(Path(tmp) / name),
+                                "--out", str(gguf), "--dtype", "f32"], cwd=REPO, check=True, capture_output=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+                llama = LlamaServer(args.llama_server, gguf, args.threads, 8, P + n + 8)
+            for e in args.engine:
+                servers[e] = Served(Path(tmp) / name, args.threads, max(args.streams), args.compile, e)
+                for k in sorted(set([1, 2, 4, 8, 16] if args.compile else [1]) | {max(args.streams)}):
+                    asyncio.run(streams(servers[e].url, rows[:k], 4))  # warm-up (with --compile: every batch bucket)
             res = {"shape": {**shape, "vocab_size": tok.vocab_size}, "prompt_tokens": P, "new_tokens": n,
                    "kv_bytes_per_row": KVCache.for_model(model, 1).row_bytes(),
-                   **measure(server, model, tok, rows, n, args, llama)}
+                   **measure(servers, model, tok, rows, n, args, llama)}
         finally:
-            server.stop()
+            for server in servers.values():
+                server.stop()
             if llama is not None:
                 llama.stop()
     return res
 
 
 def report(name: str, r: dict) -> None:
-    o = r["one_stream_vs_generate"]
-    print(f"\n{name}: prompt {r['prompt_tokens']} + {r['new_tokens']} new tokens; one stream "
-          f"{o['served_tokens_per_s']:.1f} tokens/s served vs {o['in_process_tokens_per_s']:.1f} in process "
-          f"(overhead {100 * o['overhead']:+.1f}%)")
-    for s in r["streams"]:
-        print(f"  {s['streams']:>2} streams: {s['tokens_per_s']:7.1f} tokens/s ({s['vs_one_stream']:.2f}x one), "
-              f"TTFT p50 {1e3 * s['ttft_p50_s']:.0f} ms p99 {1e3 * s['ttft_p99_s']:.0f} ms, "
-              f"gap p50 {1e3 * s['gap_p50_s']:.1f} ms p99 {1e3 * s['gap_p99_s']:.1f} ms")
+    ip = r["in_process"]
+    print(f"\n{name}: prompt {r['prompt_tokens']} + {r['new_tokens']} new tokens; in-process generate "
+          f"{ip['tokens_per_s']:.1f} tokens/s")
+    for e, res in r["engines"].items():
+        o = res.get("one_stream_vs_generate")
+        if o is not None:
+            print(f"  --engine {e}: one stream {o['served_tokens_per_s']:.1f} tokens/s served "
+                  f"(overhead {100 * o['overhead']:+.1f}% against in-process generate)")
+        for s in res["streams"]:
+            print(f"    {s['streams']:>2} streams: {s['tokens_per_s']:7.1f} tokens/s ({s['vs_one_stream']:.2f}x one), "
+                  f"TTFT p50 {1e3 * s['ttft_p50_s']:.0f} ms p99 {1e3 * s['ttft_p99_s']:.0f} ms, "
+                  f"gap p50 {1e3 * s['gap_p50_s']:.1f} ms p99 {1e3 * s['gap_p99_s']:.1f} ms")
+        if "glassformer_over_llama" in res:
+            ratio = res["glassformer_over_llama"]
+            print(f"    glassformer / llama.cpp: {ratio['1']:.2f}x at 1, {ratio['8']:.2f}x at 8")
+        print(f"    resident growth per active row {res['rss_growth_per_row_bytes'] / 2**20:.2f} MiB")
     if "llama_server" in r:
-        ls, ratio = r["llama_server"]["streams"], r["llama_server"]["glassformer_over_llama"]
-        print(f"  llama-server: 1 stream {ls[0]['tokens_per_s']:.1f} tokens/s, 8 streams {ls[1]['tokens_per_s']:.1f}; "
-              f"glassformer / llama.cpp: {ratio['1']:.2f}x at 1, {ratio['8']:.2f}x at 8")
-    print(f"  memory per active row: KV cache {r['kv_bytes_per_row'] / 2**20:.2f} MiB (preallocated), "
-          f"resident growth {r['rss_growth_per_row_bytes'] / 2**20:.2f} MiB")
+        ls = r["llama_server"]["streams"]
+        print(f"  llama-server: 1 stream {ls[0]['tokens_per_s']:.1f} tokens/s, 8 streams {ls[1]['tokens_per_s']:.1f}")
+    print(f"  memory per active row: KV cache {r['kv_bytes_per_row'] / 2**20:.2f} MiB (preallocated)")
 
 
 def main() -> None:
@@ -304,17 +346,22 @@ def main() -> None:
                     help="also llama.cpp's llama-server (--parallel 8 --cont-batching) on the same weights as GGUF f32, "
                          "at 1 and 8 streams, same prompts, lengths and threads")
     ap.add_argument("--compile", action="store_true", help="serve with --compile (every batch bucket warmed first)")
+    ap.add_argument("--engine", default="thread,process",
+                    help="the engines to serve with, side by side in the same rounds (glassformer serve --engine)")
     ap.add_argument("--quick", action="store_true", help="two rounds, 32 new tokens (a smoke run)")
     ap.add_argument("--out", default=None, help="results file (default: bench/results/serve[_compiled].json)")
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
+    args.engine = args.engine.split(",")
+    if not set(args.engine) <= {"thread", "process"}:
+        ap.error(f"--engine: thread and/or process, got {','.join(args.engine)}")
     if args.quick:
         args.rounds, args.new_tokens = 2, 32
     torch.set_num_threads(args.threads)
     text = Path(args.text).read_text(encoding="utf-8")
     out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
                        "torch": torch.__version__},
-           "compiled": args.compile, "quick": args.quick, "shapes": {}}
+           "compiled": args.compile, "quick": args.quick, "engines": args.engine, "shapes": {}}
     for name in args.shapes.split(","):
         out["shapes"][name] = bench_shape(name, SHAPES[name], text, args)
         report(name, out["shapes"][name])
