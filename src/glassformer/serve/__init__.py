@@ -6,4 +6,5 @@
     results.py   the response objects: choices, log-probabilities, usage
     sse.py       server-sent events in OpenAI's chunk format
     openai.py    the routes: /v1/models, /v1/completions, /v1/chat/completions, /health, /tokenize, /detokenize
+    worker.py    the engine in a process of its own (ProcessEngine), what `glassformer serve` runs by default
 """
