@@ -1,5 +1,6 @@
 """The OpenAI-compatible API (serve/openai.py) on a real uvicorn on 127.0.0.1, port 0, started once
-for the module with a tiny model, with the official `openai` client: greedy and seeded tokens equal
+for the module with a tiny model whose engine runs in a process of its own (what `glassformer
+serve` runs; tests/serve/served.py), with the official `openai` client: greedy and seeded tokens equal
 in-process `generate`, logprobs equal a full forward's log-softmax, usage counts, echo scoring, stop
 strings, 32 concurrent streams beside 20 half-sent requests, a disconnect freeing its row, and every
 bad input answered with its status and an OpenAI error object."""
