@@ -2,7 +2,8 @@
 at submit time in the parent with the engine's own errors; the child's torch threads; a failing
 step answering 500 while the server goes on; the child dying mid-request answering 500 at once,
 then 503 and /health 503; the child gone when its parent is killed (kill -9) and when `glassformer
-serve` stops; --engine process refused beside --explorer. (The OpenAI routes over it, seeded
+serve` stops; a checkpoint the child cannot load stopping serve with the reason; --engine process
+refused beside --explorer. (The OpenAI routes over it, seeded
 tokens and a disconnect's cancel down the pipe: tests/serve/test_openai.py.)"""
 
 from __future__ import annotations
@@ -159,3 +160,15 @@ def test_serve_runs_the_engine_process_and_it_exits_when_the_server_stops(tmp_pa
 def test_the_process_engine_is_refused_beside_the_explorer(capsys, tmp_path):
     assert main(["serve", "--checkpoint", str(tmp_path), "--engine", "process", "--explorer"]) == 2
     assert "--explorer runs the engine on a thread" in capsys.readouterr().err
+
+
+def test_a_checkpoint_the_child_cannot_load_stops_serve_with_the_reason(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("GLASSFORMER_API_KEY", raising=False)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # serve sets its own
+    try:
+        assert main(["serve", "--checkpoint", str(tmp_path / "none"), "--port", "0"]) == 2
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    assert err.startswith("error: checkpoint") and "does not exist" in err and "Traceback" not in err
