@@ -3,8 +3,8 @@ at submit time in the parent with the engine's own errors; the child's torch thr
 step answering 500 while the server goes on; the child dying mid-request answering 500 at once,
 then 503 and /health 503; the child gone when its parent is killed (kill -9) and when `glassformer
 serve` stops; a checkpoint the child cannot load stopping serve with the reason; --engine process
-refused beside --explorer. (The OpenAI routes over it, seeded
-tokens and a disconnect's cancel down the pipe: tests/serve/test_openai.py.)"""
+refused beside --explorer. (The OpenAI routes over it, seeded tokens and a disconnect's cancel down
+the pipe: tests/serve/test_openai.py.)"""
 
 from __future__ import annotations
 
