@@ -98,6 +98,21 @@ def test_kv_cache_decode_equals_full_forward():
     assert greedy_cached(m, prompt, 6) == greedy_by_full_forward(m, IDS[:5], 6)
 
 
+def test_kv_heads_pool_an_attention_only_model():
+    """convert --kv-heads on ffn='none': K and V pooled as for any model (a pooled head's mean),
+    the blocks still attention only."""
+    from glassformer.convert.heads import convert_kv_heads, pool_heads
+
+    m = none_model(n_layers=2)
+    cfg = m.config
+    new = convert_kv_heads(m, 1)
+    assert new.config.n_kv_heads == 1 and all(b.ffn is None and b.cfg is new.config for b in new.blocks)
+    want = pool_heads(m.blocks[0].attn.wk.weight, cfg.n_kv_heads, 1, cfg.head_dim)
+    assert torch.equal(new.blocks[0].attn.wk.weight, want)
+    with torch.no_grad():
+        assert torch.isfinite(new(torch.tensor([IDS[:5]]))[0]).all()
+
+
 # ----------------------------------------------------------------------------- probes, trace, explain
 
 

@@ -207,6 +207,18 @@ def test_every_stage_has_its_calculation(parts):
     assert "the 40-th largest is" in out["calcs"]["top_k"][str(i)]["text"]
 
 
+def test_a_soft_capped_heads_raw_logits_are_not_called_a_product(parts):
+    """With logit_softcap the raw logit is C·tanh(h·W / C), not h·W: no bar claims the product."""
+    _, tok, _ = parts
+    model = reinit(tiny_model(vocab_size=tok.vocab_size, logit_softcap=2.0), std=0.5)
+    out = source.explorer(model, tok, TEXT, model_name="capped").sample(TEXT, 5, SETTINGS[0])
+    logits = out["stages"][0]
+    assert max(abs(v) for v in logits["values"]) < 2.0  # capped
+    for i, v in zip(logits["ids"][:10], logits["values"]):
+        c = out["calcs"]["logits"][str(i)]
+        assert c["value"] == v and "summed over its" not in c["text"]
+
+
 # ----------------------------------------------------------------------------- a saved page's grid
 
 GRID_TEXT = "The king and queen walk"  # 10 tokens: the page's other parts (calculations, walks) grow with its length

@@ -51,5 +51,7 @@ def convert_kv_heads(model: Transformer, n_kv_heads: int) -> Transformer:
             attn.ve = torch.nn.Embedding(old.shape[0], n_kv_heads * cfg.head_dim, device=old.device, dtype=old.dtype)
             attn.ve.weight.copy_(pool_heads(old.t(), cfg.n_kv_heads, n_kv_heads, cfg.head_dim).t())  # (V, K'·H)
     for b in new.blocks:
-        b.cfg = b.ffn.cfg = new.config
+        b.cfg = new.config
+        if b.ffn is not None:  # ffn='none': an attention-only block
+            b.ffn.cfg = new.config
     return new

@@ -450,7 +450,10 @@ class Sampler:
         return self.logits[key]
 
     def head_weight(self) -> torch.Tensor | None:
-        """The output head's weight (V, D) where it is a plain matrix (not a quantized one)."""
+        """The output head's weight (V, D) where the logits are h·W (not a quantized head, nor one
+        whose logits a soft cap bends: then a raw logit's calculation is not that product alone)."""
+        if self.model.config.logit_softcap:
+            return None
         w = getattr(self.model.lm_head, "weight", None)
         return w if isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_floating_point() else None
 
