@@ -328,11 +328,11 @@ class TrainConfig:
     """Seconds of wall time for the whole run (0 = off): the speed of the first steps fixes the step count and schedule."""
     calibrate_steps: int = 20
     """Steps timed to fix the step count under --time-budget (must not exceed warmup_steps)."""
-    lr: float = 3e-3
+    lr: float = 2e-3
     """Peak learning rate, reached after the warm-up."""
-    min_lr: float = 3e-4
+    min_lr: float = 3e-5
     """Learning rate at the end of the decay (the last step)."""
-    schedule: str = "cosine"
+    schedule: str = "wsd"
     """After the warm-up: 'cosine' (half a cosine from --lr to --min-lr) or 'wsd' (hold --lr, then a straight line to --min-lr over the last --decay-frac of the steps; docs/training.md#the-learning-rate-schedule)."""
     decay_frac: float = 0.4
     """With --schedule wsd: the share of all steps spent decaying at the end."""

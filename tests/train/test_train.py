@@ -17,6 +17,7 @@ import torch
 from glassformer.checkpoint.folders import complete_checkpoints, read_pointer
 from glassformer.checkpoint.loading import load
 from glassformer.cli import main
+from glassformer.config import TrainConfig
 from glassformer.train.metrics import read_metrics
 
 from ..support import data, REPO  # noqa: F401  (a fixture)
@@ -199,7 +200,9 @@ def test_time_budget_fixes_and_records_the_schedule(data, tmp_path):
     from glassformer.train.optim import lr_at
 
     lrs = [r["lr"] for r in read_metrics(out / "metrics.jsonl") if "lr" in r]
-    assert lrs == [lr_at(s, 3e-3, 3e-4, 3, state["total_steps"]) for s in range(len(lrs))]
+    cfg = TrainConfig()  # the defaults: this run passes no rate or schedule
+    assert lrs == [lr_at(s, cfg.lr, cfg.min_lr, 3, state["total_steps"], cfg.schedule, cfg.decay_frac)
+                   for s in range(len(lrs))]
 
 
 def test_time_budget_counts_a_real_evaluation_and_checkpoint(data, tmp_path, monkeypatch):

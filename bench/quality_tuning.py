@@ -1,0 +1,124 @@
+"""Tuning the quality-per-CPU-minute recipe on a busy machine: fixed steps, one thread, CPU seconds.
+
+Wall time means nothing on a shared machine, but CPU time per step hardly moves with the load,
+and the held-out bits per byte after a fixed number of steps with one thread do not move at all.
+So each recipe is compared at the step count it would get in the budget: a recipe whose
+CPU s/step is r times today's gets about 3300 / r steps in a quiet 126 s with two threads.
+
+    python bench/quality_tuning.py                      # CPU s/step of each recipe (rounds alternating)
+    python bench/quality_tuning.py --run NAME STEPS --data DATA -- [train flags]
+        # train NAME at STEPS steps, one thread, no evaluations on the way; then `glassformer eval`
+        # over the whole held-out split; appends {name, steps, flags, cpu_s, bpb} to --out
+
+DATA is `glassformer prepare --corpus tinyshakespeare.txt` (the defaults). docs/benchmarks.md,
+"What bought what", records the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import write_json  # bench/ is the script's folder
+
+REPO = Path(__file__).resolve().parents[1]
+# Step-cost recipes: (ModelConfig overrides of the small preset, optimizer, batch, context, Newton–Schulz steps).
+RECIPES = {
+    "defaults": {}, "--optimizer muon": {"opt": "muon"}, "muon, 3 Newton–Schulz steps": {"opt": "muon", "ns": 3},
+    "muon, batch 16": {"opt": "muon", "batch": 16}, "batch 16": {"batch": 16}, "batch 4": {"batch": 4},
+    "batch 4, context 128": {"batch": 4, "T": 128, "model": {"max_seq_len": 128}},
+    "untied": {"model": {"tie_embeddings": False}}, "dropout 0.1": {"model": {"dropout": 0.1}},
+    "3 layers": {"model": {"n_layers": 3}}, "5 layers": {"model": {"n_layers": 5}},
+    "ffn 256": {"model": {"ffn_dim": 256}}, "ffn 512": {"model": {"ffn_dim": 512}},
+    "vocab 1024": {"model": {"vocab_size": 1024}}, "naive attention": {"model": {"attention": "naive"}},
+}
+
+
+def build(recipe: dict):
+    import torch
+
+    from glassformer import ModelConfig, Transformer
+    from glassformer.train.optim import make_muon, make_optimizer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("small", **recipe.get("model", {}))).train()
+    cpu = torch.device("cpu")
+    if recipe.get("opt") == "muon":
+        opt = make_muon(model, 2e-3, 0.02, 0.95, 0.1, (0.9, 0.99), cpu)
+        opt.optimizers[0].param_groups[0]["ns_steps"] = recipe.get("ns", 5)
+    else:
+        opt = make_optimizer(model, 2e-3, 0.1, (0.9, 0.99), cpu)
+    return model, opt
+
+
+def step_costs(rounds: int, steps: int) -> dict:
+    """Least CPU seconds per step over `rounds` rounds of `steps` steps, the recipes alternating in each round."""
+    import torch
+
+    from glassformer.train.step import train_step
+
+    torch.set_num_threads(1)
+    built = {k: build(r) for k, r in RECIPES.items()}
+    times = {k: [] for k in RECIPES}
+    for _ in range(rounds):
+        for k, r in RECIPES.items():
+            model, opt = built[k]
+            shape = (r.get("batch", 8), r.get("T", 64))  # (B, T)
+            x, y = (torch.randint(0, model.config.vocab_size, shape) for _ in range(2))
+            train_step(model, opt, x, y, grad_clip=1.0)  # untimed: first-call costs
+            t = time.process_time()
+            for _ in range(steps):
+                train_step(model, opt, x, y, grad_clip=1.0)
+            times[k].append((time.process_time() - t) / steps)
+    best = {k: min(v) for k, v in times.items()}
+    return {k: {"cpu_s_per_step": round(v, 5), "ratio": round(v / best["defaults"], 3)} for k, v in best.items()}
+
+
+def run_recipe(name: str, steps: int, data: Path, flags: list[str]) -> dict:
+    """One training at fixed steps with one thread (CPU seconds of the process), then the whole-split eval."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with tempfile.TemporaryDirectory(prefix="gf-tune-") as tmp:
+        out = Path(tmp) / name.replace(" ", "_")
+        cmd = [sys.executable, "-m", "glassformer", "train", "--data", str(data), "--out", str(out), "--max-steps",
+               str(steps), "--threads", "1", "--eval-every", "0", "--no-progress", *flags]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        ev = subprocess.run([sys.executable, "-m", "glassformer", "eval", "--checkpoint", str(out), "--data", str(data)],
+                            env=env, check=True, capture_output=True, text=True)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    bpb = json.loads(ev.stdout.strip().splitlines()[-1])["bpb"]
+    return {"name": name, "steps": steps, "flags": flags, "train_cpu_s": round(cpu, 1), "bpb": round(bpb, 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40, help="timed steps per recipe and round")
+    ap.add_argument("--run", nargs=2, metavar=("NAME", "STEPS"), help="train one recipe instead (flags after --)")
+    ap.add_argument("--data", default="data", help="prepared tinyshakespeare (with --run)")
+    ap.add_argument("--out", default=None, help="results file")
+    args, flags = ap.parse_known_args()
+    flags = [f for f in flags if f != "--"]
+    if args.run:
+        out = Path(args.out or REPO / "bench" / "results" / "quality_tuning_runs.json")
+        rows = json.loads(out.read_text()) if out.exists() else []
+        rows.append(run_recipe(args.run[0], int(args.run[1]), Path(args.data), flags))
+        print(json.dumps(rows[-1]))
+        write_json(out, rows)
+        return
+    costs = step_costs(args.rounds, args.steps)
+    for k, v in costs.items():
+        print(f"{k:32} {v['cpu_s_per_step'] * 1000:7.1f} ms  {v['ratio']:.2f}x")
+    write_json(args.out or REPO / "bench" / "results" / "quality_tuning_cost.json", {"threads": 1, "costs": costs})
+
+
+if __name__ == "__main__":
+    main()
