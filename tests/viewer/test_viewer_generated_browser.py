@@ -46,11 +46,13 @@ def drawn_tokens(page) -> list[tuple[int, float, str]]:
         "bs => bs.map(b => [Number(b.dataset.id), Number(b.dataset.prob), b.textContent])")
 
 
-def check_tokens(model, tok, got, want):
-    """The drawn tokens are generate's, labelled by token_label, with a full forward's probabilities."""
+def check_tokens(model, tok, got, want, probs=None):
+    """The drawn tokens are generate's, labelled by token_label, with a full forward's probabilities
+    (probs: that forward's softmax (T, V), computed beforehand)."""
     assert [i for i, _, _ in got] == want
     n = len(tok.encode(PROMPT))
-    probs = torch.softmax(full_forward(model, tok.encode(PROMPT) + want).double(), -1)  # (T, V)
+    if probs is None:
+        probs = torch.softmax(full_forward(model, tok.encode(PROMPT) + want).double(), -1)  # (T, V)
     for j, (i, p, text) in enumerate(got):
         assert p == pytest.approx(float(probs[n + j - 1, i]), abs=1e-6)
         assert text == token_label(tok.id_to_piece(i))
@@ -74,23 +76,28 @@ def open_step(page, j: int, n: int) -> int:
 
 def test_generate_from_the_page(browser, server, parts, seeded):  # noqa: F811
     model, tok, _ = parts
+    # Every reference first: the server runs this same model (and records its probes process-wide)
+    # whenever the page asks, so the test must not run it while the page is live.
+    want = reference_tokens(model, tok, seeded)
+    ids = tok.encode(PROMPT) + want
+    logits = full_forward(model, ids)
+    probs_all = torch.softmax(logits.double(), -1)  # (T, V)
+    traced = trace(model, ids).probes["blocks.0.attn.scores"].data
     page = open_page(browser, server.url)
     assert page.locator("#view-generated").is_hidden()
     page.fill("#sentence", PROMPT)
     page.fill("#gen-max", str(N))
     page.fill("#gen-seed", str(seeded["seed"]))
     page.click("#generate")
-    want = reference_tokens(model, tok, seeded)
     got = drawn_tokens(page)
-    j = check_tokens(model, tok, got, want)
+    j = check_tokens(model, tok, got, want, probs_all)
     n = len(tok.encode(PROMPT))
     q = open_step(page, j, n)
 
     # Its one new row of scores is the trace's row q for the chosen head.
-    ids = tok.encode(PROMPT) + want
     page.select_option('#gen-detail .gen-decode select[aria-label="head"]', "1")
     page.wait_for_function("document.querySelector('#gen-detail .gen-decode select[aria-label=\"head\"]').value === '1'")
-    scores = trace(model, ids).probes["blocks.0.attn.scores"].data[q, 1, :q + 1]
+    scores = traced[q, 1, :q + 1]
     shown = page.locator("#gen-detail .gen-row tr[data-key] td:nth-child(2) .num").evaluate_all(
         "bs => bs.map(b => Number(b.title.split(' = ').pop()))")
     assert shown == pytest.approx(scores.tolist(), abs=1e-5)
@@ -99,7 +106,7 @@ def test_generate_from_the_page(browser, server, parts, seeded):  # noqa: F811
     bars = page.locator('#gen-detail .stage-card[data-stage="probs"] .sample-bar').evaluate_all(
         "rs => rs.map(r => [Number(r.dataset.id), Number(r.dataset.prob), r.classList.contains('chosen')])")
     assert [i for i, _, chosen in bars if chosen] == [want[j]]  # among the ten, or drawn below them
-    probs = torch.softmax(full_forward(model, ids)[q].double(), -1)  # temperature 1, no filters: the raw ones
+    probs = probs_all[q]  # temperature 1, no filters: the raw ones
     assert [p for _, p, _ in bars] == pytest.approx([float(probs[i]) for i, _, _ in bars], abs=1e-6)
     page.locator("#gen-detail .gen-alt .num").first.click()
     page.wait_for_function("document.querySelector('#explain-body .calc-title').textContent.startsWith('p(')")
