@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -31,3 +32,13 @@ def timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median wall-clock milliseconds over `repeats` calls fn(r), r = 0, 1, ..."""
+    times = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        fn(r)
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from _common import write_json
+from _common import median_ms, write_json
 from glassformer import ModelConfig, Transformer
 from glassformer.generation import generate
 from glassformer.viewer import source
@@ -47,15 +47,6 @@ class NumberTokenizer:
 
     def id_to_piece(self, i):
         return f"t{i}"
-
-
-def median_ms(fn, repeats):
-    times = []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        fn(r)
-        times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def settings(r: int) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from _common import write_json
+from _common import median_ms, write_json
 from glassformer import ModelConfig, Transformer
 from glassformer.generation import generate
 from glassformer.generation.sampling_stages import sampling_stages
@@ -43,16 +43,6 @@ class NumberTokenizer:
 
     def id_to_piece(self, i):
         return f"t{i}"
-
-
-def median_ms(fn, repeats):
-    """Median wall-clock milliseconds over `repeats` calls fn(r)."""
-    times = []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        fn(r)
-        times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def settings(r: int) -> dict:

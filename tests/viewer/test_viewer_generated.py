@@ -17,10 +17,11 @@ from glassformer.text.labels import token_label
 from glassformer.text.tokenizer import Tokenizer
 from glassformer.viewer import source
 from glassformer.viewer.generated import MAX_TOKENS, STAGE_IDS
-from glassformer.viewer.server import MAX_TEXT, make_server
+from glassformer.viewer.server import MAX_TEXT
 
 from ..support import reinit, synthetic_text, tiny_checkpoint, tiny_model
 from .test_viewer_server import post_json
+from .test_viewer_sample import served  # noqa: F401 (a fixture: the explorer of this module's parts, served)
 
 PROMPT = "The king and the queen"
 SETTINGS = [
@@ -106,14 +107,6 @@ def test_sampling_stages_are_the_samplers_at_each_step(parts, answers):
             assert final["probs"] == pytest.approx([float(want[i]) for i in final["ids"]], abs=1e-6)
             assert smp["sampled"] == pytest.approx(float(want[t["id"]]), abs=1e-6) and smp["sampled"] > 0
             assert smp["calc"][str(t["id"])]["result"] == pytest.approx(smp["sampled"], abs=1e-6)
-
-
-@pytest.fixture(scope="module")
-def served(parts):
-    server = make_server(parts[2], port=0)
-    server.start_in_thread()
-    yield server
-    server.stop()
 
 
 def test_api_generate_answers_and_refuses_bad_input(parts, served):

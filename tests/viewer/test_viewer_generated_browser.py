@@ -12,20 +12,11 @@ import torch
 from glassformer.text.labels import token_label
 from glassformer.tracing.trace import trace
 from glassformer.viewer import source
-from glassformer.viewer.server import make_server
 
 from .test_viewer_browser import HOSTILE, browser, open_page  # noqa: F401 (a fixture)
-from .test_viewer_generated import N, PROMPT, SETTINGS, full_forward, parts, reference_tokens  # noqa: F401 (a fixture)
+from .test_viewer_generated import N, PROMPT, SETTINGS, full_forward, parts, reference_tokens, served  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.browser
-
-
-@pytest.fixture(scope="module")
-def server(parts):  # noqa: F811
-    s = make_server(parts[2], port=0)
-    s.start_in_thread()
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +65,7 @@ def open_step(page, j: int, n: int) -> int:
     return q
 
 
-def test_generate_from_the_page(browser, server, parts, seeded):  # noqa: F811
+def test_generate_from_the_page(browser, served, parts, seeded):  # noqa: F811
     model, tok, _ = parts
     # Every reference first: the server runs this same model (and records its probes process-wide)
     # whenever the page asks, so the test must not run it while the page is live.
@@ -83,7 +74,7 @@ def test_generate_from_the_page(browser, server, parts, seeded):  # noqa: F811
     logits = full_forward(model, ids)
     probs_all = torch.softmax(logits.double(), -1)  # (T, V)
     traced = trace(model, ids).probes["blocks.0.attn.scores"].data
-    page = open_page(browser, server.url)
+    page = open_page(browser, served.url)
     assert page.locator("#view-generated").is_hidden()
     page.fill("#sentence", PROMPT)
     page.fill("#gen-max", str(N))

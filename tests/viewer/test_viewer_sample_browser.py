@@ -12,20 +12,11 @@ import torch
 from glassformer.generation import apply_repetition_penalty, generate, logits_to_probs
 from glassformer.generation.sampling_stages import STAGES
 from glassformer.viewer import source
-from glassformer.viewer.server import make_server
 
 from .test_viewer_browser import browser, open_page  # noqa: F401 (a fixture)
-from .test_viewer_sample import TEXT, parts  # noqa: F401 (a fixture)
+from .test_viewer_sample import TEXT, parts, served  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.browser
-
-
-@pytest.fixture(scope="module")
-def server(parts):  # noqa: F811
-    s = make_server(parts[2], port=0)
-    s.start_in_thread()
-    yield s
-    s.stop()
 
 
 def reference(model, ids, position, s) -> torch.Tensor:
@@ -64,10 +55,10 @@ def check(model, ids, got):
     assert got["chosen"] == next(generate(model, ids[:t + 1], max_new_tokens=1, **s))
 
 
-def test_moving_temperature_and_top_p(browser, server, parts):  # noqa: F811
+def test_moving_temperature_and_top_p(browser, served, parts):  # noqa: F811
     model, tok, _ = parts
     ids = tok.encode(TEXT)
-    page = open_page(browser, server.url)
+    page = open_page(browser, served.url)
     first = drawn(page, "true")
     assert list(first["stages"]) == ["logits", "repetition_penalty", "temperature", "top_k", "top_p", "min_p", "probs"]
     check(model, ids, first)
