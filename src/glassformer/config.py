@@ -328,6 +328,8 @@ class TrainConfig:
     """Seconds of wall time for the whole run (0 = off): the speed of the first steps fixes the step count and schedule."""
     calibrate_steps: int = 20
     """Steps timed to fix the step count under --time-budget (must not exceed warmup_steps)."""
+    follow_clock: bool = True
+    """With --time-budget and --schedule wsd: plan the step count again from the speed of the latest steps every 50 steps until the decay begins (the rate is flat until then, so no step taken changes), so the run ends on time on a machine whose speed drifts; --no-follow-clock keeps the calibration's count (docs/training.md#time-budget)."""
     lr: float = 2e-3
     """Peak learning rate, reached after the warm-up."""
     min_lr: float = 3e-5

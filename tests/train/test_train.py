@@ -226,9 +226,61 @@ def test_time_budget_counts_a_real_evaluation_and_checkpoint(data, tmp_path, mon
     plan = state["time_budget_plan"]
     assert plan["sec_per_eval"] >= 0.4
     more = plan_steps(8 - plan["spent"], plan["sec_per_step"], 5, plan["sec_per_eval"])
-    assert state["total_steps"] == plan["calibrated_at"] + more
+    assert plan["calibrated_total_steps"] == plan["calibrated_at"] + more
     evals = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r]
     assert evals[0] == plan["calibrated_at"]  # the timed evaluation is a point of the curve too
+
+
+@pytest.mark.parametrize("follow", [True, False])
+def test_time_budget_follows_the_clock_until_the_decay(data, tmp_path, monkeypatch, follow):
+    """Steps that slow down after the calibration: re-planned from their measured speed, the count
+    falls and the run ends near its budget; every step's rate is the final count's wsd schedule,
+    so the steps taken before a re-plan were at the full rate under the new count too. With
+    --no-follow-clock the calibration's count stays."""
+    import time
+
+    import glassformer.train.loop as train_mod
+    from glassformer.train.optim import decay_start, lr_at
+
+    real_step, calls = train_mod.train_step, []
+
+    def slowing(*a, **k):
+        calls.append(1)
+        if len(calls) > 4:  # after the calibration's steps: 4x slower than a calibrated tiny step or more
+            time.sleep(0.02)
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(train_mod, "train_step", slowing)
+    monkeypatch.setattr(train_mod, "REPLAN_EVERY", 5)
+    out = tmp_path / "run"
+    flags = [] if follow else ["--no-follow-clock"]
+    assert main(["train", "--data", str(data), "--out", str(out), *ARGS, "--time-budget", "4", "--dropout", "0",
+                 "--calibrate-steps", "2", "--eval-every", "0", *flags]) == 0
+    state = json.loads((out / read_pointer(out, "latest") / "train_state.json").read_text())
+    plan, total = state["time_budget_plan"], state["total_steps"]
+    assert plan["total_steps"] == total == state["step"] == len(losses(out))
+    if not follow:
+        assert total == plan["calibrated_total_steps"] and "replans" not in plan
+        return
+    assert total < plan["calibrated_total_steps"] / 2  # the calibration's fast steps promised far more
+    assert plan["replans"][-1][1] == total and all(s % 5 == 0 for s, _, _ in plan["replans"])
+    # Fixed once the next step decays; no re-plan after that.
+    assert plan["decay_from"] == decay_start(3, total, TrainConfig().decay_frac) + 1
+    assert all(s <= plan["decay_from"] for s, _, _ in plan["replans"])
+    lrs = [r["lr"] for r in read_metrics(out / "metrics.jsonl") if "lr" in r]
+    cfg = TrainConfig()
+    assert lrs == [lr_at(s, cfg.lr, cfg.min_lr, 3, total, "wsd", cfg.decay_frac) for s in range(total)]
+
+
+def test_least_total_keeps_the_steps_taken_at_the_full_rate():
+    from glassformer.train.optim import decay_start
+    from glassformer.train.runstate import least_total
+
+    for warmup in (0, 3, 20):
+        for frac in (0.1, 0.4, 0.9):
+            for done in range(warmup + 2, 600, 7):
+                t = least_total(done, warmup, frac)
+                assert decay_start(warmup, t, frac) >= done - 1 > decay_start(warmup, t - 1, frac)
 
 
 def test_train_help_comes_from_the_field_docs():

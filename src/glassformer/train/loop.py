@@ -1,7 +1,7 @@
 """The training loop: one process or many (torchrun), exact resume, faults handled.
 
 `train(cfg)` is its table of contents: `start_run` (train/setup.py), then per step `one_step`
-(around train/step.py `train_step`), `fix_time_budget`, `log_step`, `evaluate_if_due`,
+(around train/step.py `train_step`), `fix_time_budget`, `follow_the_clock`, `log_step`, `evaluate_if_due`,
 `snapshot_if_due`, a signal check; then `finish`, all sharing one `RunState` (train/runstate.py). A step's numbers
 are a function of (seed, step, rank), so a resume repeats the run bit for bit (docs/training.md#the-loop).
 """
@@ -24,8 +24,8 @@ from .cpu_memory import keep_freed_memory
 from .evaluate import score, summary
 from .metrics import load_plotting, plot_losses
 from .lora import adapter_writer
-from .optim import lr_at
-from .runstate import RunState, StopFlag, plan_steps, rng_state
+from .optim import decay_start, lr_at
+from .runstate import RunState, StopFlag, least_total, plan_steps, rng_state
 from .setup import say, start_run, uses_cuda
 from .step import train_step
 from .stats import measure_if_due, weights_if_due
@@ -49,6 +49,7 @@ def train(cfg: TrainConfig) -> dict:
                     before = weights_if_due(run)
                     one_step(run)
                     fix_time_budget(run)
+                    follow_the_clock(run)
                     measure_if_due(run, before)
                     log_step(run)
                     evaluate_if_due(run)
@@ -131,12 +132,64 @@ def fix_time_budget(run: RunState) -> None:
     sec_per_step, sec_per_eval, spent = (float(v) for v in timing)
     run.total_steps = run.step + plan_steps(cfg.time_budget - spent, sec_per_step, cfg.eval_every, sec_per_eval)
     run.plan = {"sec_per_step": sec_per_step, "sec_per_eval": sec_per_eval, "spent": spent,
-                "calibrated_at": run.step, "total_steps": run.total_steps, "budget": cfg.time_budget}
+                "calibrated_at": run.step, "calibrated_total_steps": run.total_steps, "total_steps": run.total_steps,
+                "budget": cfg.time_budget}
     run.bar.total = run.total_steps
     run.bar.refresh()
     say(run.d, f"time budget {cfg.time_budget:g} s: {sec_per_step * 1000:.0f} ms per step, "
                f"{sec_per_eval:.1f} s per evaluation and checkpoint, so {run.total_steps} steps in all (schedule fixed)")
     run.t_log += now - t_eval  # tokens/s measures training, not evaluation
+    run.eval_seconds += now - t_eval
+
+
+# Re-plans under wsd: every REPLAN_EVERY steps, from the speed over the last WINDOW intervals (a few
+# seconds of the demo model: long enough to average a step's jitter, short enough to follow a shift
+# of the machine's speed, which on a shared virtual machine came and went within a run:
+# docs/benchmarks.md#quality-per-cpu-minute-on-tinyshakespeare).
+REPLAN_EVERY, WINDOW = 50, 4
+
+
+def follow_the_clock(run: RunState) -> None:
+    """With --time-budget under wsd (and --follow-clock, the default): plan the step count again every
+    REPLAN_EVERY steps from the latest steps' speed, until the decay begins; from then on it is fixed.
+    Until the decay the rate is flat whatever the count, so a new count changes no step already taken
+    (least_total keeps every step taken at the full rate); the final count's schedule is the one every
+    step followed. Ranks average their timings, so all plan alike."""
+    cfg, plan = run.cfg, run.plan
+    if not (cfg.time_budget and cfg.follow_clock and cfg.schedule == "wsd") or plan is None or "decay_from" in plan:
+        return
+    if fix_at_decay(run) or (run.clock and run.step % REPLAN_EVERY):
+        return
+    run.clock.append((run.step, time.perf_counter() - run.t_start - run.eval_seconds))  # training seconds
+    if run.step % REPLAN_EVERY == 0 and len(run.clock) > 1:
+        replan(run)
+        fix_at_decay(run)
+
+
+def replan(run: RunState) -> None:
+    """The step count that fits the rest of the budget at the speed of the last WINDOW intervals."""
+    cfg, plan = run.cfg, run.plan
+    (s0, t0), (s1, t1) = run.clock[-1 - min(WINDOW, len(run.clock) - 1)], run.clock[-1]
+    timing = all_mean(torch.tensor([(t1 - t0) / (s1 - s0), run.elapsed0 + time.perf_counter() - run.t_start],
+                                   dtype=torch.float64, device=run.device), run.d)
+    sec_per_step, spent = (float(v) for v in timing)
+    total = run.step + plan_steps(cfg.time_budget - spent, sec_per_step, cfg.eval_every, plan["sec_per_eval"])
+    total = max(total, least_total(run.step, cfg.warmup_steps, cfg.decay_frac) or run.total_steps)
+    plan.setdefault("replans", []).append([run.step, total, round(sec_per_step, 6)])
+    plan["total_steps"] = run.total_steps = total
+    run.bar.total = total
+    run.bar.refresh()
+
+
+def fix_at_decay(run: RunState) -> bool:
+    """Whether the next step decays under the current count; if so the count is fixed from now (said once)."""
+    cfg, plan = run.cfg, run.plan
+    if run.step <= decay_start(cfg.warmup_steps, run.total_steps, cfg.decay_frac):
+        return False
+    plan["decay_from"] = run.step
+    say(run.d, f"time budget {cfg.time_budget:g} s: the decay begins at step {run.step}, {run.total_steps} steps "
+               f"in all ({len(plan.get('replans', []))} re-plans from the measured speed; fixed from now)")
+    return True
 
 
 def log_step(run: RunState) -> None:
@@ -170,7 +223,9 @@ def evaluate_if_due(run: RunState) -> None:
     """Every --eval-every steps, except the last (finish evaluates that one)."""
     every = run.cfg.eval_every
     if every and run.step % every == 0 and not run.done:
+        t = time.perf_counter()
         run.last_val = evaluate_and_checkpoint(run)
+        run.eval_seconds += time.perf_counter() - t
         if run.d.main:
             run.bar.write(f"step {run.step}: held-out loss {run.last_val['loss']:.4f}, "
                           f"{run.last_val['bpb']:.4f} bits per byte")

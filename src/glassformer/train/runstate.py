@@ -56,6 +56,8 @@ class RunState:
     t_start: float = 0.0
     start_step: int = 0  # the step this process began at (after a resume: the checkpoint's)
     t_calib: float | None = None  # when the time budget's timed steps began
+    clock: list = field(default_factory=list)  # (step, training seconds) at each re-plan under wsd (follow_the_clock)
+    eval_seconds: float = 0.0  # seconds this process spent in evaluations and their checkpoints
     t_log: float = 0.0  # when tokens/s was last measured from
     tok_log: int = 0  # tokens trained since then
     lr: float = 0.0  # the last step's learning rate
@@ -139,3 +141,26 @@ def plan_steps(budget_left: float, sec_per_step: float, eval_every: int, sec_per
     """
     per_step = sec_per_step + (sec_per_eval / eval_every if eval_every else 0.0)
     return max(1, int((budget_left - sec_per_eval) / per_step))
+
+
+def least_total(done: int, warmup: int, decay_frac: float) -> int | None:
+    """The smallest step count whose wsd decay starts no earlier than step `done` - 1, so the `done`
+    steps already taken at the full rate stay at it under the new count (the inverse of
+    optim.decay_start, which never falls as the count grows); None when no count can (the decay
+    spans every step after the warm-up, and the warm-up is over).
+
+    >>> least_total(60, 10, 0.4), least_total(5, 10, 0.4), least_total(30, 10, 1.0)  # decay_start(10, 100, 0.4) == 59
+    (100, 1, None)
+    """
+    from .optim import decay_start
+
+    if done - 1 <= warmup:
+        return 1
+    if decay_frac >= 1.0:
+        return None
+    total = max(1, int((done - 1) / (1.0 - decay_frac)) - 2)  # near it; then step to the exact count
+    while decay_start(warmup, total, decay_frac) < done - 1:
+        total += 1
+    while total > 1 and decay_start(warmup, total - 1, decay_frac) >= done - 1:
+        total -= 1
+    return total
