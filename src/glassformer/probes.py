@@ -1,12 +1,16 @@
 """Named probes: the places where the model shows its intermediate tensors, `tap(name, x)`.
 
-With no recorder installed `tap` returns `x` after one global read, so a trace costs nothing when
+With no recorder installed `tap` returns `x` after one test of a global, so a trace costs nothing when
 off; a recorder (see `glassformer.trace`) may store x or return a replacement (ablation, patching).
+A recorder sees the forwards of the thread that installed it only: a server that traces one request
+while another thread runs the same model (the explorer beside `serve`'s engine, a test computing a
+reference) keeps each forward's probes to itself.
 The names, and the shapes as tapped (batch first): docs/trace-format.md#probe-entries; docs/explain.md.
 """
 
 from __future__ import annotations
 
+from threading import get_ident
 from typing import Protocol
 
 import torch
@@ -18,29 +22,36 @@ class Recorder(Protocol):
     def wants(self, name: str) -> bool: ...
 
 
-_recorder: Recorder | None = None
+_recorders: dict[int, Recorder] = {}  # thread id -> the recorder that thread installed
 
 
 def tap(name: str, x: torch.Tensor) -> torch.Tensor:
-    """Show `x` to the active recorder under `name`; returns x (or the recorder's replacement)."""
-    r = _recorder
+    """Show `x` to this thread's recorder under `name`; returns x (or the recorder's replacement)."""
+    if not _recorders:
+        return x
+    r = _recorders.get(get_ident())
     return x if r is None else r(name, x)
 
 
 def wants(name: str) -> bool:
-    """True when a recorder is active and asks for probe `name` (used for costly extras)."""
-    r = _recorder
+    """True when this thread has a recorder that asks for probe `name` (used for costly extras)."""
+    r = _recorders.get(get_ident()) if _recorders else None
     return r is not None and r.wants(name)
 
 
 def active() -> bool:
-    return _recorder is not None
+    """True when this thread's forwards are being recorded."""
+    return bool(_recorders) and get_ident() in _recorders
 
 
 def set_recorder(r: Recorder | None) -> Recorder | None:
-    """Install `r` (None removes it); returns the recorder that was active before."""
-    global _recorder
-    old, _recorder = _recorder, r
+    """Install `r` for this thread's forwards (None removes it); returns the one this thread had before."""
+    me = get_ident()
+    old = _recorders.get(me)
+    if r is None:
+        _recorders.pop(me, None)
+    else:
+        _recorders[me] = r
     return old
 
 

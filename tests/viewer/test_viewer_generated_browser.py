@@ -67,8 +67,8 @@ def open_step(page, j: int, n: int) -> int:
 
 def test_generate_from_the_page(browser, served, parts, seeded):  # noqa: F811
     model, tok, _ = parts
-    # Every reference first: the server runs this same model (and records its probes process-wide)
-    # whenever the page asks, so the test must not run it while the page is live.
+    # Every reference first: the server runs this same model whenever the page asks (setting its
+    # mode and attention kernel while it traces), so the test does not run it while the page is live.
     want = reference_tokens(model, tok, seeded)
     ids = tok.encode(PROMPT) + want
     logits = full_forward(model, ids)

@@ -129,7 +129,8 @@ def _process_engine(args, backend) -> object:
 
 def _thread_engine(args, app, model, tok, name: str):
     """The engine on a thread; with --explorer its steps and the explorer's traces take turns on the one
-    model (probes record process-wide, so a trace must not see a decode step's tensors)."""
+    model (a trace sets the model's mode and attention kernel for its forward, which a decode step
+    must not run under)."""
     from ..generation.batching import Engine
     from ..serve.backend import TurnTakingEngine
 

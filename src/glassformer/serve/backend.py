@@ -26,7 +26,8 @@ def openai_error(status: int, message: str) -> dict:
 
 class TurnTakingEngine(Engine):
     """An Engine whose every step holds `turns`, a lock another user of the same model holds while
-    it runs it (the explorer: its traces record probes process-wide, so no step may run meanwhile)."""
+    it runs it (the explorer: a trace sets the model's mode and attention kernel for its forward, so
+    no step may run meanwhile)."""
 
     def __init__(self, model, turns, **sizes):
         super().__init__(model, **sizes)

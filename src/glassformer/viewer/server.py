@@ -116,7 +116,8 @@ class Explorer:
 
     @property
     def lock(self) -> threading.Lock:
-        """What the model's computations take turns on: the probe recorder is process-wide, so
+        """What the model's computations take turns on: a trace sets the model's mode and attention
+        kernel for its forward (probes record per thread, but those settings are the model's), so
         anything else that runs the same model in this process (serve --explorer's engine) holds it too."""
         return self._lock
 
