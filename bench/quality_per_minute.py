@@ -103,12 +103,16 @@ def main() -> None:
     state = json.loads((run / (run / "latest").read_text().strip() / "train_state.json").read_text())
     results["runs"]["glassformer"] = {"command": f"glassformer train --time-budget {budget:.0f} {args.train_args}".strip(),
                                       "wall_s": round(wall, 1), "steps": state["step"], "eval": ev,
+                                      "time_budget_plan": state.get("time_budget_plan"),
                                       "curve": curve(run), "model": json.loads((run / "latest").parent.joinpath(
                                           (run / "latest").read_text().strip(), "config.json").read_text())["model"]}
     print(f"\nheld-out bits per byte on {corpus.name} (last 10%), {os.cpu_count()} CPU cores")
     print(f"{'run':22} {'wall s':>7} {'steps':>6} {'bpb':>7} {'loss/token':>10}")
     for name, r in results["runs"].items():
         print(f"{name:22} {r['wall_s']:7.1f} {r['steps']:6d} {r['eval']['bpb']:7.4f} {r['eval']['loss']:10.4f}")
+    plan = results["runs"]["glassformer"]["time_budget_plan"] or {}
+    print(f"glassformer's plan: {plan.get('calibrated_total_steps')} steps at the calibration, "
+          f"{plan.get('total_steps')} in the end ({len(plan.get('replans', []))} re-plans, decay from step {plan.get('decay_from')})")
     for name, r in results["runs"].items():
         print(f"{name} curve (s, bpb): " + ", ".join(f"({t:.0f}, {b:.3f})" for t, b in r["curve"]))
     write_json(args.out, results)
