@@ -29,7 +29,8 @@ from pathlib import Path
 from _common import write_json  # bench/ is the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
-# Step-cost recipes: (ModelConfig overrides of the small preset, optimizer, batch, context, Newton–Schulz steps).
+# Step-cost recipes: (ModelConfig overrides of the small preset, optimizer, batch, context, Newton–Schulz steps,
+# bf16 autocast).
 RECIPES = {
     "defaults": {}, "--optimizer muon": {"opt": "muon"}, "muon, 3 Newton–Schulz steps": {"opt": "muon", "ns": 3},
     "muon, batch 16": {"opt": "muon", "batch": 16}, "batch 16": {"batch": 16}, "batch 4": {"batch": 4},
@@ -38,6 +39,7 @@ RECIPES = {
     "3 layers": {"model": {"n_layers": 3}}, "5 layers": {"model": {"n_layers": 5}},
     "ffn 256": {"model": {"ffn_dim": 256}}, "ffn 512": {"model": {"ffn_dim": 512}},
     "vocab 1024": {"model": {"vocab_size": 1024}}, "naive attention": {"model": {"attention": "naive"}},
+    "vocab 4096": {"model": {"vocab_size": 4096}}, "--dtype bf16": {"bf16": True},
 }
 
 
@@ -72,10 +74,11 @@ def step_costs(rounds: int, steps: int) -> dict:
             model, opt = built[k]
             shape = (r.get("batch", 8), r.get("T", 64))  # (B, T)
             x, y = (torch.randint(0, model.config.vocab_size, shape) for _ in range(2))
-            train_step(model, opt, x, y, grad_clip=1.0)  # untimed: first-call costs
+            kw = {"autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)} if r.get("bf16") else {}
+            train_step(model, opt, x, y, grad_clip=1.0, **kw)  # untimed: first-call costs
             t = time.process_time()
             for _ in range(steps):
-                train_step(model, opt, x, y, grad_clip=1.0)
+                train_step(model, opt, x, y, grad_clip=1.0, **kw)
             times[k].append((time.process_time() - t) / steps)
     best = {k: min(v) for k, v in times.items()}
     return {k: {"cpu_s_per_step": round(v, 5), "ratio": round(v / best["defaults"], 3)} for k, v in best.items()}

@@ -30,6 +30,17 @@ def _decode_step(q, k, v, scale):
     return torch.bmm(torch.softmax(scores, -1), vg).view(B, N, 1, H)  # (B, N, 1, H)
 
 
+def _fused(q, k, v, **kw):
+    """F.scaled_dot_product_attention; in float32 while training in bf16 on a CPU, whose fused
+    kernel's bf16 backward took 5x its float32 one (the demo model's step: 16 ms of attention
+    against 3; bench/quality_tuning.py, docs/benchmarks.md#what-bought-what-fixed-steps-one-thread-busy-machine).
+    The products around it stay bf16 under autocast."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad and torch.is_grad_enabled():
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 def _scale(q, scale) -> float:
     """The scores' scale: 1/sqrt(head size) unless given."""
     return q.shape[-1] ** -0.5 if scale is None else scale
@@ -44,7 +55,7 @@ def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, st
         v = v.repeat_interleave(N // K, dim=1)  # (B, N, Tk, H)
     gqa = {"enable_gqa": True} if (N != k.shape[1] and _HAS_GQA) else {}
     if key_mask is None and window is None and start == 0 and Tq == Tk:  # plain causal: no mask to build
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+        return _fused(q, k, v, is_causal=True, scale=scale, **gqa)
     if key_mask is None and window is None and Tq == 1 and start is not None and Tk == start + 1:
         # One decode step over a cache filled up to it: the query may read every key, no mask.
         if q.device.type == "cpu":
@@ -54,5 +65,5 @@ def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, st
     any_ok = ok.any(-1, keepdim=True)  # (B, Tq, 1)
     # Rows with no readable key: let them read everything (finite), then zero their output.
     ok = (ok | ~any_ok)[:, None]  # (B, 1, Tq, Tk)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=ok, scale=scale, **gqa)  # (B, N, Tq, H)
+    out = _fused(q, k, v, attn_mask=ok, scale=scale, **gqa)  # (B, N, Tq, H)
     return out * any_ok[:, None].to(out.dtype)
