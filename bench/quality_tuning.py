@@ -60,17 +60,19 @@ def build(recipe: dict):
     return model, opt
 
 
-def step_costs(rounds: int, steps: int) -> dict:
-    """Least CPU seconds per step over `rounds` rounds of `steps` steps, the recipes alternating in each round."""
+def step_costs(rounds: int, steps: int, names: list[str] | None = None) -> dict:
+    """Least CPU seconds per step over `rounds` rounds of `steps` steps, the recipes alternating in
+    each round (the defaults and `names`, or every recipe)."""
     import torch
 
     from glassformer.train.step import train_step
 
     torch.set_num_threads(1)
-    built = {k: build(r) for k, r in RECIPES.items()}
-    times = {k: [] for k in RECIPES}
+    recipes = {k: r for k, r in RECIPES.items() if names is None or k == "defaults" or k in names}
+    built = {k: build(r) for k, r in recipes.items()}
+    times = {k: [] for k in recipes}
     for _ in range(rounds):
-        for k, r in RECIPES.items():
+        for k, r in recipes.items():
             model, opt = built[k]
             shape = (r.get("batch", 8), r.get("T", 64))  # (B, T)
             x, y = (torch.randint(0, model.config.vocab_size, shape) for _ in range(2))
@@ -108,6 +110,7 @@ def main() -> None:
     ap.add_argument("--run", nargs=2, metavar=("NAME", "STEPS"), help="train one recipe instead (flags after --)")
     ap.add_argument("--data", default="data", help="prepared tinyshakespeare (with --run)")
     ap.add_argument("--out", default=None, help="results file")
+    ap.add_argument("--recipes", default=None, help="price these recipes only (comma-separated names), beside the defaults")
     args, flags = ap.parse_known_args()
     flags = [f for f in flags if f != "--"]
     if args.run:
@@ -117,7 +120,7 @@ def main() -> None:
         print(json.dumps(rows[-1]))
         write_json(out, rows)
         return
-    costs = step_costs(args.rounds, args.steps)
+    costs = step_costs(args.rounds, args.steps, args.recipes.split(",") if args.recipes else None)
     for k, v in costs.items():
         print(f"{k:32} {v['cpu_s_per_step'] * 1000:7.1f} ms  {v['ratio']:.2f}x")
     write_json(args.out or REPO / "bench" / "results" / "quality_tuning_cost.json", {"threads": 1, "costs": costs})
