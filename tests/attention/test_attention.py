@@ -74,6 +74,27 @@ def test_offsets_and_padding(name):
     assert torch.allclose(out[1, :, 0], v[1, :, 0].repeat_interleave(2, 0))
 
 
+@pytest.mark.parametrize("mask", ["causal", "padding", "window"])
+def test_decode_rows_at_their_own_positions(mask):
+    """One query per row at a per-row position (a continuous-batching step, sdpa's masked two-product
+    route on the CPU) equals the naive kernel, forward and backward; a row that can read nothing gets zeros."""
+    q, k, v = _inputs(4, 6, 2, 1, 10, 8, torch.float64, 3)
+    q_pos = torch.tensor([[9], [0], [4], [6]])
+    kw = {}
+    if mask == "padding":
+        kw["key_mask"] = torch.ones(4, 10, dtype=torch.bool)
+        kw["key_mask"][2, :5] = False  # row 2 (position 4) reads only padding
+    elif mask == "window":
+        kw["window"] = 3
+    out, g = _run(KERNELS["sdpa"], q, k, v, q_pos=q_pos, **kw)
+    ref, ref_g = _run(naive_attention, q, k, v, q_pos=q_pos, **kw)
+    for got, want in zip((out, *g), (ref, *ref_g)):
+        assert (got - want).abs().max() < 1e-12
+    assert torch.allclose(out[1, :, 0], v.detach()[1, :, 0].repeat_interleave(3, 0))  # position 0 reads key 0 only
+    if mask == "padding":
+        assert out[2].abs().max() == 0 and out[3].abs().max() > 0
+
+
 def test_tiled_skips_fully_masked_tiles():
     q, k, v = _inputs(1, 2, 2, 8, 8, 4, torch.float64, 2)
     log = []

@@ -30,6 +30,31 @@ def _decode_step(q, k, v, scale):
     return torch.bmm(torch.softmax(scores, -1), vg).view(B, N, 1, H)  # (B, N, 1, H)
 
 
+def _masked_decode_step(q, k, v, q_pos, key_mask, window, scale):
+    """One query per row, each row at its own position (a continuous-batching step): _decode_step's
+    two batched products with the keys a row may not read set to -inf before the softmax (CPU).
+
+    The fused kernel with a boolean mask took 94 us a layer at 16 rows of the demo shape against 60
+    here, the same numbers to 4e-7 (bench/batching.py; docs/benchmarks.md#serve). A row with no
+    readable key gets zeros, as from every kernel."""
+    B, N, _, H = q.shape
+    K, Tk = k.shape[1], k.shape[2]
+    G = N // K
+    if key_mask is None and window is None:  # causal by position: key j is hidden from a row before it
+        hidden = torch.arange(Tk, device=q.device) > q_pos[:, :, None]  # (B, 1, Tk)
+        dead = None  # a row reads at least key 0 (positions are >= 0)
+    else:
+        hidden = ~allowed(q_pos, torch.arange(Tk, device=q.device), key_mask, window)  # (B, 1, Tk)
+        dead = hidden.all(-1, keepdim=True)  # (B, 1, 1): no readable key
+        hidden = hidden & ~dead  # such a row reads everything (finite), then gets zeros
+    qg = q.reshape(B * K, G, H)  # (B·K, G, H): each KV head's group of queries
+    kg, vg = k.reshape(B * K, Tk, H), v.reshape(B * K, Tk, H)  # (B·K, Tk, H)
+    scores = torch.bmm(qg, kg.transpose(1, 2)).mul_(_scale(q, scale))  # (B·K, G, Tk)
+    scores.view(B, K, G, Tk).masked_fill_(hidden[:, None], float("-inf"))
+    out = torch.bmm(torch.softmax(scores, -1), vg).view(B, N, 1, H)  # (B, N, 1, H)
+    return out if dead is None else out * ~dead[:, None]
+
+
 def _fused(q, k, v, **kw):
     """F.scaled_dot_product_attention; in float32 while training in bf16 on a CPU, whose fused
     kernel's bf16 backward took 5x its float32 one (the demo model's step: 16 ms of attention
@@ -61,6 +86,8 @@ def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, st
         if q.device.type == "cpu":
             return _decode_step(q, k, v, scale)
         return F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa)  # GPUs' fused kernels serve groups well
+    if Tq == 1 and q.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _masked_decode_step(q, k, v, q_pos, key_mask, window, scale)
     ok = allowed(q_pos, torch.arange(Tk, device=q.device), key_mask, window)  # (B, Tq, Tk)
     any_ok = ok.any(-1, keepdim=True)  # (B, Tq, 1)
     # Rows with no readable key: let them read everything (finite), then zero their output.
