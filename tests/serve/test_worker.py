@@ -172,3 +172,18 @@ def test_a_checkpoint_the_child_cannot_load_stops_serve_with_the_reason(capsys, 
             signal.signal(s, h)
     err = capsys.readouterr().err
     assert err.startswith("error: checkpoint") and "does not exist" in err and "Traceback" not in err
+
+
+def test_events_cross_the_pipe_as_they_were():
+    """A step's events packed for the pipe (plain ones as tuples) come out equal, through pickle too."""
+    import pickle
+
+    from glassformer.generation.batching import Event
+    from glassformer.generation.logprobs import TokenLogprob
+    from glassformer.serve.worker import packed, unpacked
+
+    events = [Event(5), Event(None, finish="length"), Event(7, TokenLogprob(7, -0.5, [(7, -0.5), (2, -1.5)]), "stop"),
+              Event(3, prompt=[TokenLogprob(1, -2.0)]), Event(None, finish="cancelled")]
+    wire = pickle.loads(pickle.dumps([packed(n, e) for n, e in enumerate(events)]))
+    assert [len(w) for w in wire] == [3, 3, 2, 2, 3]  # only events with log-probabilities travel whole
+    assert [w[0] for w in wire] == list(range(5)) and [unpacked(w) for w in wire] == events

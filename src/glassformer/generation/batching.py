@@ -229,6 +229,16 @@ class Ticket:
             self._engine._cancel(self)
 
 
+def greedy_tokens(logits: torch.Tensor, rows: list) -> list[int | None]:
+    """Each greedy row's next token from one argmax over the step's logits (n, V), None for the
+    others: what `sample` gives such a row alone (its argmax, the first of equal maxima), without an
+    argmax and a read of its result per row (5 us a row, busy machine: bench/batching.py)."""
+    greedy = [r.request.temperature == 0 and r.seen is None and not r.ticket.cancelled for r in rows]
+    if sum(greedy) < 2:
+        return [None] * len(rows)
+    return [t if g else None for t, g in zip(logits.argmax(-1).tolist(), greedy)]
+
+
 def wake_loops(wakes: dict) -> None:
     """Set each loop's asyncio.Events, one call_soon_threadsafe per loop."""
     for loop, events in wakes.items():
@@ -580,8 +590,9 @@ class Engine:
         self.decode_tokens += n
         for r in rows:
             r.fed += 1
+        argmax = greedy_tokens(logits[:n, -1], rows)
         for i in reversed(range(n)):  # from the last row: a release moves only rows already emitted
-            self._emit(i, logits[i, -1:])
+            self._emit(i, logits[i, -1:], argmax[i])
 
     def _view(self, lo: int, hi: int, length: int) -> KVCache:
         """The cache's rows lo..hi-1 and slots 0..length-1, built once (a view costs module set-ups)."""
@@ -614,20 +625,20 @@ class Engine:
         return functools.partial(self._compiled[B, L], self.model)
 
     # ---- emit --------------------------------------------------------------------------
-    def _emit(self, i: int, logits: torch.Tensor) -> None:
-        """Row i's next token from its logits (1, V), sampled as `sample` samples one row; its event
-        pushed; the row released when the request finished (or was cancelled meanwhile)."""
+    def _emit(self, i: int, logits: torch.Tensor, argmax: int | None = None) -> None:
+        """Row i's next token from its logits (1, V), sampled as `sample` samples one row (a greedy row's
+        `argmax` given: greedy_tokens); its event pushed; the row released when the request finished
+        (or was cancelled meanwhile)."""
         r = self.rows[i]
         req, ticket = r.request, r.ticket
         prompt, r.scores = r.scores, None
         if ticket.cancelled or req.max_tokens == 0:  # cancelled, or the prompt scored and nothing to make
             ticket._push(Event(None, finish="cancelled" if ticket.cancelled else "length", prompt=prompt))
             return self._finish(i)
-        scored = logits if r.seen is None else apply_repetition_penalty(logits, r.seen, req.repetition_penalty)
-        tok = sample(scored, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-                     generator=r.generator)  # (1,)
-        lp = None if req.logprobs is None else logprobs_of(logits, tok, req.logprobs)[0]
-        t = int(tok)
+        t = argmax if argmax is not None else self._sampled(r, logits)
+        lp = None
+        if req.logprobs is not None:
+            lp = logprobs_of(logits, torch.tensor([t], device=logits.device), req.logprobs)[0]
         r.text.append(t)
         r.made += 1
         if r.seen is not None:
@@ -639,6 +650,14 @@ class Engine:
         ticket._push(Event(t, lp, finish, prompt))
         if finish is not None:
             self._finish(i)
+
+    @staticmethod
+    def _sampled(r: _Row, logits: torch.Tensor) -> int:
+        """Row r's next token from its logits (1, V), drawn as `sample` draws one row."""
+        req = r.request
+        scored = logits if r.seen is None else apply_repetition_penalty(logits, r.seen, req.repetition_penalty)
+        return int(sample(scored, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+                          generator=r.generator))
 
     def _finish(self, i: int) -> None:
         with self._lock:

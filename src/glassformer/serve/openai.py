@@ -110,7 +110,7 @@ async def _parsed(request: Request, kind, backend: Backend):
 async def _completions(request: Request, backend: Backend):
     req = await _parsed(request, schemas.CompletionRequest, backend)
     stops = schemas.stops_of(req)
-    rows = await run_in_threadpool(prompts.completion_prompts, backend, req.prompt)
+    rows = await _encoded(prompts.completion_prompts, backend, req.prompt)
     n = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
     k = req.logprobs
     scored = k if req.echo and k is not None else None
@@ -124,6 +124,25 @@ async def _completions(request: Request, backend: Backend):
     choices = [shape.choice(i, reply, text, entries) for i, (reply, (text, entries)) in enumerate(zip(replies, done))]
     return json_response(200, {**results.envelope(shape.rid, "text_completion", backend.model_id),
                                "choices": choices, "usage": shape.usage(replies)})
+
+
+INLINE_CHARS = 4096  # a prompt with at most this much text is encoded on the event loop
+
+
+def _text_size(prompt) -> int:
+    """Characters of text in a completions prompt (ids count none)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str))
+
+
+async def _encoded(encode, backend: Backend, prompt):
+    """encode(backend, prompt) on the event loop when the prompt is ids or a short text, else on a worker
+    thread so a long text never stalls the streams. The hand-over to a thread and back costs more
+    server CPU than encoding a short prompt: docs/benchmarks.md#serve."""
+    if _text_size(prompt) <= INLINE_CHARS:
+        return encode(backend, prompt)
+    return await run_in_threadpool(encode, backend, prompt)
 
 
 class _CompletionShape:

@@ -182,16 +182,16 @@ class ProcessEngine:
         elif kind == "failed":
             self._failure = message[1]
             self._ready.set()
-        else:  # "events": the child's counts after a step (or a cancel), and the events since its last message
+        else:  # "events": the child's counts after a step (or a cancel), and the events since its last message (`packed`)
             _, steps, seen, queued, events, stats = message
             with self._lock:
                 self.steps, self._seen, self._queued = steps, seen, queued
                 if stats is not None:
                     self._stats = stats
-                tickets = [(self._tickets.get(n), ev) for n, ev in events]
-                for n, ev in events:
+                tickets = [(self._tickets.get(item[0]), unpacked(item)) for item in events]
+                for item, (_, ev) in zip(events, tickets):
                     if ev.finish is not None:
-                        self._tickets.pop(n, None)
+                        self._tickets.pop(item[0], None)
             self._route(tickets)
 
     def _route(self, tickets) -> None:
@@ -223,6 +223,20 @@ class ProcessEngine:
             left, self._tickets = list(self._tickets.values()), {}
         for t in left:
             t._push(Event(None, finish=finish))
+
+
+def packed(number: int, event: Event) -> tuple:
+    """An event as it crosses the pipe: (number, token, finish) when it carries no log-probabilities
+    (a step's usual events), else (number, event). A dataclass pickles its class and field names
+    each time: 16 events took 35 us to pickle and 20 us to unpickle, as tuples 9 and 2 (busy machine)."""
+    if event.logprob is None and event.prompt is None:
+        return number, event.token, event.finish
+    return number, event
+
+
+def unpacked(item: tuple) -> Event:
+    """The Event of a `packed` item."""
+    return item[1] if len(item) == 2 else Event(item[1], None, item[2])
 
 
 # ----------------------------------------------------------------------------- the child
@@ -335,6 +349,6 @@ class ChildEngine(Engine):
                 return
             self._sent = (self.steps, self._taken)
             try:
-                self.conn.send(("events", self.steps, self._taken, len(self.queue), out, stats))
+                self.conn.send(("events", self.steps, self._taken, len(self.queue), [packed(*o) for o in out], stats))
             except (OSError, ValueError):  # the parent is gone: serve() sees the end of file
                 pass
