@@ -1,6 +1,6 @@
 """The continuous-batching engine in-process (no server): aggregate tokens/s, time to first token and gap
-between tokens at 1, 4 and 16 concurrent requests on the reference shape, against in-process `generate`
-of one prompt, and where a step's time goes (the batched forward alone, at the same rows and positions).
+between tokens at 1, 4 and 16 concurrent requests on the reference shape (or the demo model's: --shape demo),
+against in-process `generate` of one prompt, and where a step's time goes (the batched forward alone, at the same rows and positions).
 `--library` also runs the engine and the forward with the few-row products of a batched decode step
 done by the library's plain product instead of the held oneDNN-packed weights (model.few_rows), in the
 same rounds.
@@ -10,7 +10,7 @@ counts. Requests are submitted together and the engine is stepped in this thread
 when the step that made it returned. The engine's tokens for request j equal `generate` of prompt j
 (checked each round, greedy and seeded). bench/serve.py measures the same through the HTTP server.
 
-    python bench/batching.py [--streams 1,4,16] [--rounds 3] [--threads 2] [--new-tokens 128]
+    python bench/batching.py [--shape reference|demo] [--streams 1,4,16] [--rounds 3] [--threads 2] [--new-tokens 128]
         [--prompt-tokens 64] [--temperature 0] [--compile] [--library] [--quick]
 """
 
@@ -30,11 +30,12 @@ from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 import glassformer.model as model_module  # noqa: E402
 from glassformer import ModelConfig, Transformer, generate  # noqa: E402
-from glassformer.config import REFERENCE_SHAPE  # noqa: E402
+from glassformer.config import PRESETS, REFERENCE_SHAPE  # noqa: E402
 from glassformer.generation.batching import LENGTH_STEP, Engine, Request, round_up  # noqa: E402
 from glassformer.kv_cache import KVCache  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SHAPES = {"reference": REFERENCE_SHAPE, "demo": PRESETS["small"]}  # as bench/serve.py's
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -80,6 +81,8 @@ def forward_only(model, rows: int, context: int, steps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="reference",
+                    help="the model's shape (demo: the small preset; its context caps the prompt at a quarter of it)")
     ap.add_argument("--streams", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -96,14 +99,16 @@ def main() -> None:
         args.new_tokens, args.rounds = 32, 1
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = ModelConfig(**REFERENCE_SHAPE)
+    shape = SHAPES[args.shape]
+    cfg = ModelConfig(**shape)
     model = Transformer(cfg).eval()
     with torch.no_grad():  # larger weights than the init, so greedy argmaxes are not near-ties
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.05)
     counts = [int(s) for s in args.streams.split(",")]
-    N, P = args.new_tokens, args.prompt_tokens
+    P = min(args.prompt_tokens, cfg.max_seq_len // 4)
+    N = min(args.new_tokens, cfg.max_seq_len - P)
     prompts = [torch.randint(0, cfg.vocab_size, (P,)).tolist() for _ in range(max(counts))]
     kw = {"temperature": args.temperature} if args.temperature == 0 else {"temperature": args.temperature, "top_k": 50}
     gkw = {"greedy": True} if args.temperature == 0 else kw
@@ -143,7 +148,7 @@ def main() -> None:
               f"generate {best['generate_tokens_per_s']:.1f} tokens/s", flush=True)
     result = {
         "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
-        "shape": REFERENCE_SHAPE, "prompt_tokens": P, "new_tokens": N, "rounds": args.rounds,
+        "shape": shape, "prompt_tokens": P, "new_tokens": N, "rounds": args.rounds,
         "temperature": args.temperature, "quick": args.quick,
         "kv_bytes_per_row": engines["eager"].stats["kv_bytes_per_row"],
         "generate_tokens_per_s": best.pop("generate_tokens_per_s"),
