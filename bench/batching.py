@@ -1,9 +1,11 @@
 """The continuous-batching engine in-process (no server): aggregate tokens/s, time to first token and gap
 between tokens at 1, 4 and 16 concurrent requests on the reference shape (or the demo model's: --shape demo),
-against in-process `generate` of one prompt, and where a step's time goes (the batched forward alone, at the same rows and positions).
+against in-process `generate` of one prompt, and where a step's time goes (the batched forward alone, at the
+same rows and positions).
 `--library` also runs the engine and the forward with the few-row products of a batched decode step
 done by the library's plain product instead of the held oneDNN-packed weights (model.few_rows), in the
-same rounds.
+same rounds; `--fused-mask` with the step's attention through the fused kernel and a boolean mask instead
+of two batched products (attention/sdpa.py MASKED_DECODE).
 
 Every round runs each contender once, alternating (a busy machine slows all alike); the best round
 counts. Requests are submitted together and the engine is stepped in this thread; an event's time is
@@ -11,7 +13,7 @@ when the step that made it returned. The engine's tokens for request j equal `ge
 (checked each round, greedy and seeded). bench/serve.py measures the same through the HTTP server.
 
     python bench/batching.py [--shape reference|demo] [--streams 1,4,16] [--rounds 3] [--threads 2] [--new-tokens 128]
-        [--prompt-tokens 64] [--temperature 0] [--compile] [--library] [--quick]
+        [--prompt-tokens 64] [--temperature 0] [--compile] [--library] [--fused-mask] [--quick]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
+import glassformer.attention.sdpa as sdpa_module  # noqa: E402
 import glassformer.model as model_module  # noqa: E402
 from glassformer import ModelConfig, Transformer, generate  # noqa: E402
 from glassformer.config import PRESETS, REFERENCE_SHAPE  # noqa: E402
@@ -92,6 +95,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also the engine with compile=True (slow to compile on a CPU)")
     ap.add_argument("--library", action="store_true",
                     help="also eager with the library's product at a few rows (model.PACKS off), side by side")
+    ap.add_argument("--fused-mask", action="store_true",
+                    help="also eager with a step's attention through the fused kernel and a boolean mask, side by side")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, one round")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -113,7 +118,7 @@ def main() -> None:
     kw = {"temperature": args.temperature} if args.temperature == 0 else {"temperature": args.temperature, "top_k": 50}
     gkw = {"greedy": True} if args.temperature == 0 else kw
     refs = [list(generate(model, p, max_new_tokens=N, seed=j, **gkw)) for j, p in enumerate(prompts)]
-    modes = ["eager"] + (["library"] * args.library) + (["compiled"] * args.compile)
+    modes = ["eager"] + (["library"] * args.library) + (["fused_mask"] * args.fused_mask) + (["compiled"] * args.compile)
     engines = {m: Engine(model, max_batch=max(counts), compile=m == "compiled") for m in modes}
     packs = model_module.PACKS
     if args.compile:  # compile every bucket before timing (one warm-up run per count)
@@ -122,6 +127,7 @@ def main() -> None:
     best: dict = {}
     steps: dict[int, float] = {}
     library_steps: dict[int, float] = {}
+    fused_steps: dict[int, float] = {}
     for r in range(args.rounds):
         t = time.perf_counter()
         list(generate(model, prompts[0], max_new_tokens=N, seed=0, **gkw))
@@ -130,8 +136,9 @@ def main() -> None:
         for m in modes:
             for c in counts:
                 model_module.PACKS = packs and m != "library"
+                sdpa_module.MASKED_DECODE = m != "fused_mask"
                 res = run_engine(engines[m], prompts[:c], N, kw)
-                model_module.PACKS = packs
+                model_module.PACKS, sdpa_module.MASKED_DECODE = packs, True
                 assert res.pop("_tokens") == refs[:c], "the engine's tokens differ from generate's"
                 key = f"{m}/{c}"
                 if key not in best or res["tokens_per_s"] > best[key]["tokens_per_s"]:
@@ -144,6 +151,11 @@ def main() -> None:
                 s = forward_only(model, c, P + N // 2, 8 if args.quick else 20)
                 model_module.PACKS = packs
                 library_steps[c] = min(library_steps.get(c, s), s)
+            if args.fused_mask:
+                sdpa_module.MASKED_DECODE = False
+                s = forward_only(model, c, P + N // 2, 8 if args.quick else 20)
+                sdpa_module.MASKED_DECODE = True
+                fused_steps[c] = min(fused_steps.get(c, s), s)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in best.items() if k != "generate_tokens_per_s"),
               f"generate {best['generate_tokens_per_s']:.1f} tokens/s", flush=True)
     result = {
@@ -155,6 +167,7 @@ def main() -> None:
         "runs": best,
         "forward_only_s_per_step": {str(c): s for c, s in steps.items()},
         "forward_only_library_s_per_step": {str(c): s for c, s in library_steps.items()},
+        "forward_only_fused_mask_s_per_step": {str(c): s for c, s in fused_steps.items()},
         "packs": packs,
     }
     one = best.get("eager/1")
@@ -169,6 +182,8 @@ def main() -> None:
               f"{v['ttft_p99_s'] * 1e3:.1f} ms, gap p50 {v['gap_p50_s'] * 1e3:.1f} ms p99 {v['gap_p99_s'] * 1e3:.1f} ms")
     if library_steps:
         print("forward alone, library products, ms a step:", {c: round(s * 1e3, 2) for c, s in library_steps.items()})
+    if fused_steps:
+        print("forward alone, fused kernel with a mask, ms a step:", {c: round(s * 1e3, 2) for c, s in fused_steps.items()})
     print("forward alone, ms a step:", {c: round(s * 1e3, 2) for c, s in steps.items()},
           f"generate {result['generate_tokens_per_s']:.1f} tokens/s; KV per row {result['kv_bytes_per_row'] / 2**20:.1f} MiB")
     write_json(args.out or RESULTS / "batching.json", result)

@@ -13,6 +13,11 @@ from .mask import allowed
 _HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
+# A continuous-batching step's attention (one query per row, each at its own position) on the CPU through
+# _masked_decode_step; False sends it to the fused kernel with a boolean mask (bench/batching.py --fused-mask).
+MASKED_DECODE = True
+
+
 def _decode_step(q, k, v, scale):
     """One query per row reading every cached key: two batched products per key/value head (CPU).
 
@@ -86,7 +91,7 @@ def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, st
         if q.device.type == "cpu":
             return _decode_step(q, k, v, scale)
         return F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa)  # GPUs' fused kernels serve groups well
-    if Tq == 1 and q.device.type == "cpu" and not torch.compiler.is_compiling():
+    if MASKED_DECODE and Tq == 1 and q.device.type == "cpu" and not torch.compiler.is_compiling():
         return _masked_decode_step(q, k, v, q_pos, key_mask, window, scale)
     ok = allowed(q_pos, torch.arange(Tk, device=q.device), key_mask, window)  # (B, Tq, Tk)
     any_ok = ok.any(-1, keepdim=True)  # (B, Tq, 1)

@@ -182,7 +182,7 @@ class ProcessEngine:
         elif kind == "failed":
             self._failure = message[1]
             self._ready.set()
-        else:  # "events": the child's counts after a step (or a cancel), and the events since its last message (`packed`)
+        else:  # "events": the child's counts after a step (or a cancel), the events since its last one (`packed`)
             _, steps, seen, queued, events, stats = message
             with self._lock:
                 self.steps, self._seen, self._queued = steps, seen, queued
