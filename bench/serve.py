@@ -21,6 +21,7 @@ client share the machine.
 
     python bench/serve.py [--shapes reference,demo] [--streams 1,4,16] [--rounds 3] [--threads 2]
         [--engine thread,process] [--new-tokens 128] [--prompt-tokens 64] [--text FILE] [--compile] [--quick]
+        [--repeat R]   (each measurement R times over, one after another; default: until one stream has made 256 tokens)
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 SHAPES = {"reference": REFERENCE_SHAPE, "demo": PRESETS["small"]}
+REPEAT_TOKENS = 256  # --repeat 0: each measurement repeated until one stream makes at least this many tokens
 
 
 # ----------------------------------------------------------------------------- the model and its server
@@ -145,13 +147,17 @@ async def one_stream(client: httpx.AsyncClient, url: str, ids: list[int], n: int
     return {"start": start, "chunks": chunks, "end": time.perf_counter(), "tokens": tokens}
 
 
-async def streams(url: str, rows: list[list[int]], n: int) -> list[dict]:
+async def streams(url: str, rows: list[list[int]], n: int, repeat: int = 1) -> list[dict]:
+    """The rows' streams at once, `repeat` times one after another on the same connections."""
     limits = httpx.Limits(max_connections=len(rows) + 4, max_keepalive_connections=len(rows) + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         # Each stream's connection opened before the clock starts, as a client keeping its connection does
         # (the openai package): a fresh client's first request costs it 15-20 ms (measured on a busy machine).
         await asyncio.gather(*(client.get(url.removesuffix("/v1") + "/health") for _ in rows))
-        return await asyncio.gather(*(one_stream(client, url, ids, n) for ids in rows))
+        runs = []
+        for _ in range(repeat):
+            runs += await asyncio.gather(*(one_stream(client, url, ids, n) for ids in rows))
+        return runs
 
 
 def summary(runs: list[dict]) -> dict:
@@ -172,10 +178,12 @@ def summary(runs: list[dict]) -> dict:
 # ----------------------------------------------------------------------------- one shape
 
 
-def in_process(model, tok, ids: list[int], n: int) -> tuple[float, int]:
-    """Seconds and tokens of in-process generate, greedy, stopping where the server stops."""
+def in_process(model, tok, ids: list[int], n: int, repeat: int = 1) -> tuple[float, int]:
+    """Seconds of `repeat` in-process generates one after another, greedy, stopping where the server
+    stops, and the tokens of one."""
     t = time.perf_counter()
-    made = list(generate(model, ids, max_new_tokens=n, greedy=True, stop=list(tok.eos_ids)))
+    for _ in range(repeat):
+        made = list(generate(model, ids, max_new_tokens=n, greedy=True, stop=list(tok.eos_ids)))
     return time.perf_counter() - t, len(made)
 
 
@@ -185,16 +193,16 @@ def sample_rss(server: Served, stop: threading.Event, peak: list[int]) -> None:
 
 
 def one_round(url: str, rows, n: int, counts: list[int], watch: Served | None = None,
-              peak: list[int] | None = None) -> dict[int, dict]:
-    """Each number of concurrent streams once; with `watch`, its peak memory at the highest."""
+              peak: list[int] | None = None, repeat: int = 1) -> dict[int, dict]:
+    """Each number of concurrent streams once (`repeat` times over); with `watch`, its peak memory at the highest."""
     out = {}
     for c in counts:
         stop = threading.Event()
         if watch is not None and c == max(counts):
             threading.Thread(target=sample_rss, args=(watch, stop, peak), daemon=True).start()
-        runs = asyncio.run(streams(url, rows[:c], n))
+        runs = asyncio.run(streams(url, rows[:c], n, repeat))
         stop.set()
-        out[c] = {**summary(runs), "one_run": runs[0]}
+        out[c] = {**summary(runs), "streams": c, "one_run": runs[0]}
     return out
 
 
@@ -238,18 +246,22 @@ def measure(servers: dict[str, Served], model, tok, rows, n: int, args, llama: L
     stream's best against generate's best is the server's overhead (the same tokens: generate stops
     where the server stops)."""
     counts = sorted(set(args.streams) | ({1, 8} if llama else set()))
+    # Each measurement spans at least REPEAT_TOKENS of one stream: the demo shape's 48-token answer
+    # alone takes ~65 ms, where one scheduling hiccup moved the one-stream figure by a quarter.
+    repeat = args.repeat or -(-REPEAT_TOKENS // n)
     in_process(model, tok, rows[0], n)  # warm-up: first-call costs (allocator, row copies) are not generation's
     inproc, theirs = [], []
     ours = {e: [] for e in servers}
     peaks, idle = {e: [0] for e in servers}, {e: s.rss() for e, s in servers.items()}
     for _ in range(args.rounds):
-        inproc.append(in_process(model, tok, rows[0], n))
+        inproc.append(in_process(model, tok, rows[0], n, repeat))
         for e, server in servers.items():
-            ours[e].append(one_round(server.url, rows, n, counts, server, peaks[e]))
+            ours[e].append(one_round(server.url, rows, n, counts, server, peaks[e], repeat))
         if llama is not None:
-            theirs.append(one_round(llama.url, rows, n, [1, 8]))
-    made, fastest = inproc[0][1], min(sec for sec, _ in inproc)
-    out = {"in_process": {"tokens": made, "seconds": fastest, "tokens_per_s": made / fastest}, "engines": {}}
+            theirs.append(one_round(llama.url, rows, n, [1, 8], repeat=repeat))
+    made, fastest = inproc[0][1], min(sec for sec, _ in inproc) / repeat  # one generate's seconds
+    out = {"repeat": repeat, "in_process": {"tokens": made, "seconds": fastest, "tokens_per_s": made / fastest},
+           "engines": {}}
     other = best_rounds(theirs, [1, 8]) if llama is not None else None
     for e in servers:
         out["engines"][e] = engine_result(ours[e], counts, made, fastest, (peaks[e][0] - idle[e]) / max(counts), other)
@@ -268,7 +280,7 @@ def engine_result(rounds: list[dict], counts: list[int], made: int, fastest: flo
     one = best[1]["one_run"] if 1 in best else None
     if one is not None:
         assert one["tokens"] == made, f"the server made {one['tokens']} tokens, generate {made}"
-        served = one["end"] - one["start"]
+        served = made / best[1]["tokens_per_s"]  # one request's share of the best one-stream round
         out["one_stream_vs_generate"] = {"tokens": made, "in_process_s": fastest, "served_s": served,
                                          "in_process_tokens_per_s": made / fastest,
                                          "served_tokens_per_s": made / served, "overhead": served / fastest - 1}
@@ -312,8 +324,8 @@ def bench_shape(name: str, shape: dict, text: str, args) -> dict:
 
 def report(name: str, r: dict) -> None:
     ip = r["in_process"]
-    print(f"\n{name}: prompt {r['prompt_tokens']} + {r['new_tokens']} new tokens; in-process generate "
-          f"{ip['tokens_per_s']:.1f} tokens/s")
+    print(f"\n{name}: prompt {r['prompt_tokens']} + {r['new_tokens']} new tokens, each measurement {r['repeat']} "
+          f"time(s) over; in-process generate {ip['tokens_per_s']:.1f} tokens/s")
     for e, res in r["engines"].items():
         o = res.get("one_stream_vs_generate")
         if o is not None:
@@ -348,6 +360,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="serve with --compile (every batch bucket warmed first)")
     ap.add_argument("--engine", default="thread,process",
                     help="the engines to serve with, side by side in the same rounds (glassformer serve --engine)")
+    ap.add_argument("--repeat", type=int, default=0,
+                    help="run each number of streams (and generate) this many times over in a round, one after "
+                         "another (0: until one stream has made at least 256 tokens)")
     ap.add_argument("--quick", action="store_true", help="two rounds, 32 new tokens (a smoke run)")
     ap.add_argument("--out", default=None, help="results file (default: bench/results/serve[_compiled].json)")
     args = ap.parse_args()
@@ -361,7 +376,7 @@ def main() -> None:
     text = Path(args.text).read_text(encoding="utf-8")
     out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
                        "torch": torch.__version__},
-           "compiled": args.compile, "quick": args.quick, "engines": args.engine, "shapes": {}}
+           "compiled": args.compile, "quick": args.quick, "repeat": args.repeat, "engines": args.engine, "shapes": {}}
     for name in args.shapes.split(","):
         out["shapes"][name] = bench_shape(name, SHAPES[name], text, args)
         report(name, out["shapes"][name])
