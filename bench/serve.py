@@ -5,10 +5,10 @@ engine side by side (`--engine process`, the default: the engine in a process of
 
 For each shape: a random model (weights drawn larger than the init, so greedy argmaxes are not
 near-ties) with a BPE tokenizer trained on the given text is saved as a checkpoint and served with
-`glassformer serve --max-batch 16 --engine E` for each engine E; the benchmark's client (asyncio + httpx, in this process) sends
-streaming /v1/completions requests of the same prompt length, greedy, and reads them as they come,
-each on a connection it opened before the round's clock starts (GET /health), as a client that
-keeps its connection does.
+`glassformer serve --max-batch 16 --engine E` for each engine E; the benchmark's client (asyncio +
+aiohttp, the `bench` extra, in this process) sends streaming /v1/completions requests of the same
+prompt length, greedy, and reads them as they come, each on a connection it opened before the
+round's clock starts (GET /health), as a client that keeps its connection does.
 Rounds alternate in-process generate and each engine's numbers of streams, so a busy machine
 slows all alike. Reported per number of streams (the best round by aggregate tokens/s): aggregate
 tokens/s (completion tokens of all streams / the wall time from the first request to the last
@@ -53,6 +53,7 @@ from glassformer.config import PRESETS, REFERENCE_SHAPE  # noqa: E402
 from glassformer.kv_cache import KVCache  # noqa: E402
 from glassformer.text.tokenizer import Tokenizer  # noqa: E402
 
+import aiohttp  # noqa: E402  (the `bench` extra)
 import httpx  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,15 +130,16 @@ def _rss(pid: int) -> int:
 # ----------------------------------------------------------------------------- the client
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, ids: list[int], n: int) -> dict:
+async def one_stream(client: aiohttp.ClientSession, url: str, ids: list[int], n: int) -> dict:
     """One streaming completion: its start, chunk times, end, and completion tokens (usage)."""
     body = {"model": "bench", "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start, chunks, tokens = time.perf_counter(), [], None
-    async with client.stream("POST", url + "/completions", json=body) as r:
+    async with client.post(url + "/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for raw in r.content:  # one SSE line at a time
+            line = raw.rstrip(b"\r\n")
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             obj = json.loads(line[6:])
             if obj.get("usage"):
@@ -149,15 +151,23 @@ async def one_stream(client: httpx.AsyncClient, url: str, ids: list[int], n: int
 
 async def streams(url: str, rows: list[list[int]], n: int, repeat: int = 1) -> list[dict]:
     """The rows' streams at once, `repeat` times one after another on the same connections."""
-    limits = httpx.Limits(max_connections=len(rows) + 4, max_keepalive_connections=len(rows) + 4)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+    # The client shares the two cores with the server: aiohttp reads a streamed chunk for about 73 us
+    # of CPU where httpx took about 200 (demo shape, 16 streams, docs/benchmarks.md#serve), CPU that
+    # was charged to the server's figures.
+    connector = aiohttp.TCPConnector(limit=len(rows) + 4)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as client:
         # Each stream's connection opened before the clock starts, as a client keeping its connection does
         # (the openai package): a fresh client's first request costs it 15-20 ms (measured on a busy machine).
-        await asyncio.gather(*(client.get(url.removesuffix("/v1") + "/health") for _ in rows))
+        await asyncio.gather(*(_health(client, url) for _ in rows))
         runs = []
         for _ in range(repeat):
             runs += await asyncio.gather(*(one_stream(client, url, ids, n) for ids in rows))
         return runs
+
+
+async def _health(client: aiohttp.ClientSession, url: str) -> None:
+    async with client.get(url.removesuffix("/v1") + "/health") as r:
+        await r.read()
 
 
 def summary(runs: list[dict]) -> dict:
