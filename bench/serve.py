@@ -21,7 +21,8 @@ client share the machine.
 
     python bench/serve.py [--shapes reference,demo] [--streams 1,4,16] [--rounds 3] [--threads 2]
         [--engine thread,process] [--new-tokens 128] [--prompt-tokens 64] [--text FILE] [--compile] [--quick]
-        [--repeat R]   (each measurement R times over, one after another; default: until one stream has made 256 tokens)
+        [--repeat R] [--client aiohttp|httpx]
+    --repeat R: each measurement R times over, one after another (default: until one stream has made 256 tokens)
 """
 
 from __future__ import annotations
@@ -130,32 +131,52 @@ def _rss(pid: int) -> int:
 # ----------------------------------------------------------------------------- the client
 
 
-async def one_stream(client: aiohttp.ClientSession, url: str, ids: list[int], n: int) -> dict:
+CLIENT = "aiohttp"  # --client
+
+
+def _chunk(line: bytes, seen: dict) -> None:
+    """One SSE line of a stream into `seen`: a chunk's time when it carries text, the usage's count."""
+    line = line.rstrip(b"\r\n")
+    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+        return
+    obj = json.loads(line[6:])
+    if obj.get("usage"):
+        seen["tokens"] = obj["usage"]["completion_tokens"]
+    if obj["choices"] and obj["choices"][0]["text"]:
+        seen["chunks"].append(time.perf_counter())
+
+
+async def one_stream(client, url: str, ids: list[int], n: int) -> dict:
     """One streaming completion: its start, chunk times, end, and completion tokens (usage)."""
     body = {"model": "bench", "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    start, chunks, tokens = time.perf_counter(), [], None
-    async with client.post(url + "/completions", json=body) as r:
-        r.raise_for_status()
-        async for raw in r.content:  # one SSE line at a time
-            line = raw.rstrip(b"\r\n")
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("usage"):
-                tokens = obj["usage"]["completion_tokens"]
-            if obj["choices"] and obj["choices"][0]["text"]:
-                chunks.append(time.perf_counter())
-    return {"start": start, "chunks": chunks, "end": time.perf_counter(), "tokens": tokens}
+    seen = {"start": time.perf_counter(), "chunks": [], "tokens": None}
+    if CLIENT == "httpx":
+        async with client.stream("POST", url + "/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                _chunk(line.encode(), seen)
+    else:
+        async with client.post(url + "/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.content:  # one SSE line at a time
+                _chunk(line, seen)
+    return {**seen, "end": time.perf_counter()}
+
+
+def _session(n: int):
+    """The client for n concurrent streams. It shares the two cores with the server: aiohttp reads a
+    streamed chunk for about a third of httpx's CPU (`--client httpx` compares; docs/benchmarks.md#serve),
+    CPU that would be charged to the server's figures."""
+    if CLIENT == "httpx":
+        limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+        return httpx.AsyncClient(timeout=None, limits=limits)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n + 4), timeout=aiohttp.ClientTimeout(total=None))
 
 
 async def streams(url: str, rows: list[list[int]], n: int, repeat: int = 1) -> list[dict]:
     """The rows' streams at once, `repeat` times one after another on the same connections."""
-    # The client shares the two cores with the server: aiohttp reads a streamed chunk for about 73 us
-    # of CPU where httpx took about 200 (demo shape, 16 streams, docs/benchmarks.md#serve), CPU that
-    # was charged to the server's figures.
-    connector = aiohttp.TCPConnector(limit=len(rows) + 4)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as client:
+    async with _session(len(rows)) as client:
         # Each stream's connection opened before the clock starts, as a client keeping its connection does
         # (the openai package): a fresh client's first request costs it 15-20 ms (measured on a busy machine).
         await asyncio.gather(*(_health(client, url) for _ in rows))
@@ -165,7 +186,10 @@ async def streams(url: str, rows: list[list[int]], n: int, repeat: int = 1) -> l
         return runs
 
 
-async def _health(client: aiohttp.ClientSession, url: str) -> None:
+async def _health(client, url: str) -> None:
+    if CLIENT == "httpx":
+        await client.get(url.removesuffix("/v1") + "/health")
+        return
     async with client.get(url.removesuffix("/v1") + "/health") as r:
         await r.read()
 
@@ -210,9 +234,12 @@ def one_round(url: str, rows, n: int, counts: list[int], watch: Served | None = 
         stop = threading.Event()
         if watch is not None and c == max(counts):
             threading.Thread(target=sample_rss, args=(watch, stop, peak), daemon=True).start()
+        cpu = time.process_time()
         runs = asyncio.run(streams(url, rows[:c], n, repeat))
+        cpu = time.process_time() - cpu  # the client's own CPU (this process: nothing else runs in it meanwhile)
         stop.set()
-        out[c] = {**summary(runs), "streams": c, "one_run": runs[0]}
+        res = summary(runs)
+        out[c] = {**res, "streams": c, "client_cpu_s_per_token": cpu / max(1, res["tokens"]), "one_run": runs[0]}
     return out
 
 
@@ -344,7 +371,8 @@ def report(name: str, r: dict) -> None:
         for s in res["streams"]:
             print(f"    {s['streams']:>2} streams: {s['tokens_per_s']:7.1f} tokens/s ({s['vs_one_stream']:.2f}x one), "
                   f"TTFT p50 {1e3 * s['ttft_p50_s']:.0f} ms p99 {1e3 * s['ttft_p99_s']:.0f} ms, "
-                  f"gap p50 {1e3 * s['gap_p50_s']:.1f} ms p99 {1e3 * s['gap_p99_s']:.1f} ms")
+                  f"gap p50 {1e3 * s['gap_p50_s']:.1f} ms p99 {1e3 * s['gap_p99_s']:.1f} ms, "
+                  f"client CPU {1e6 * s['client_cpu_s_per_token']:.0f} us a token")
         if "glassformer_over_llama" in res:
             ratio = res["glassformer_over_llama"]
             print(f"    glassformer / llama.cpp: {ratio['1']:.2f}x at 1, {ratio['8']:.2f}x at 8")
@@ -370,6 +398,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="serve with --compile (every batch bucket warmed first)")
     ap.add_argument("--engine", default="thread,process",
                     help="the engines to serve with, side by side in the same rounds (glassformer serve --engine)")
+    ap.add_argument("--client", default="aiohttp", choices=["aiohttp", "httpx"],
+                    help="the streaming client: aiohttp (a third of httpx's CPU a chunk), or httpx to compare")
     ap.add_argument("--repeat", type=int, default=0,
                     help="run each number of streams (and generate) this many times over in a round, one after "
                          "another (0: until one stream has made at least 256 tokens)")
@@ -382,11 +412,14 @@ def main() -> None:
         ap.error(f"--engine: thread and/or process, got {','.join(args.engine)}")
     if args.quick:
         args.rounds, args.new_tokens = 2, 32
+    global CLIENT
+    CLIENT = args.client
     torch.set_num_threads(args.threads)
     text = Path(args.text).read_text(encoding="utf-8")
     out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
                        "torch": torch.__version__},
-           "compiled": args.compile, "quick": args.quick, "repeat": args.repeat, "engines": args.engine, "shapes": {}}
+           "compiled": args.compile, "quick": args.quick, "repeat": args.repeat, "client": args.client,
+           "engines": args.engine, "shapes": {}}
     for name in args.shapes.split(","):
         out["shapes"][name] = bench_shape(name, SHAPES[name], text, args)
         report(name, out["shapes"][name])

@@ -16,6 +16,9 @@ _HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 # A continuous-batching step's attention (one query per row, each at its own position) on the CPU through
 # _masked_decode_step; False sends it to the fused kernel with a boolean mask (bench/batching.py --fused-mask).
 MASKED_DECODE = True
+# Training in bf16 on a CPU runs the fused kernel in float32 (_fused); False keeps it in bf16 (bench/quality_tuning.py's
+# "--dtype bf16 with bf16 attention" recipe prices the difference).
+CPU_BF16_IN_FLOAT32 = True
 
 
 def _decode_step(q, k, v, scale):
@@ -62,10 +65,11 @@ def _masked_decode_step(q, k, v, q_pos, key_mask, window, scale):
 
 def _fused(q, k, v, **kw):
     """F.scaled_dot_product_attention; in float32 while training in bf16 on a CPU, whose fused
-    kernel's bf16 backward took 5x its float32 one (the demo model's step: 16 ms of attention
-    against 3; bench/quality_tuning.py, docs/benchmarks.md#what-bought-what-fixed-steps-one-thread-busy-machine).
+    kernel's bf16 backward is slow (the demo model's bf16 step costs 0.80x float32's this way and no less
+    than float32's without it: bench/quality_tuning.py, docs/benchmarks.md#what-bought-what-fixed-steps-one-thread-busy-machine).
     The products around it stay bf16 under autocast."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad and torch.is_grad_enabled():
+    if (CPU_BF16_IN_FLOAT32 and q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad
+            and torch.is_grad_enabled()):
         with torch.autocast("cpu", enabled=False):
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, **kw)
