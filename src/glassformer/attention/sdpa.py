@@ -65,8 +65,8 @@ def _masked_decode_step(q, k, v, q_pos, key_mask, window, scale):
 
 def _fused(q, k, v, **kw):
     """F.scaled_dot_product_attention; in float32 while training in bf16 on a CPU, whose fused
-    kernel's bf16 backward is slow (the demo model's bf16 step costs 0.80x float32's this way and no less
-    than float32's without it: bench/quality_tuning.py, docs/benchmarks.md#what-bought-what-fixed-steps-one-thread-busy-machine).
+    kernel's bf16 backward is slow (the demo model's bf16 step costs 0.67x float32's this way, 0.99x
+    without it: bench/quality_tuning.py, docs/benchmarks.md#what-bought-what-fixed-steps-one-thread-busy-machine).
     The products around it stay bf16 under autocast."""
     if (CPU_BF16_IN_FLOAT32 and q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad
             and torch.is_grad_enabled()):
