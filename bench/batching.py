@@ -4,7 +4,8 @@ against in-process `generate` of one prompt, and where a step's time goes (the b
 same rows and positions).
 `--library` also runs the engine and the forward with the few-row products of a batched decode step
 done by the library's plain product instead of the held oneDNN-packed weights (model.few_rows), in the
-same rounds; `--fused-mask` with the step's attention through the fused kernel and a boolean mask instead
+same rounds; `--pack-all` with every few-row product packed for oneDNN, the small weights too (model.PACK_MIN = 0);
+`--fused-mask` with the step's attention through the fused kernel and a boolean mask instead
 of two batched products (attention/sdpa.py MASKED_DECODE).
 
 Every round runs each contender once, alternating (a busy machine slows all alike); the best round
@@ -13,7 +14,7 @@ when the step that made it returned. The engine's tokens for request j equal `ge
 (checked each round, greedy and seeded). bench/serve.py measures the same through the HTTP server.
 
     python bench/batching.py [--shape reference|demo] [--streams 1,4,16] [--rounds 3] [--threads 2] [--new-tokens 128]
-        [--prompt-tokens 64] [--temperature 0] [--compile] [--library] [--fused-mask] [--quick]
+        [--prompt-tokens 64] [--temperature 0] [--compile] [--library] [--pack-all] [--fused-mask] [--quick]
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also the engine with compile=True (slow to compile on a CPU)")
     ap.add_argument("--library", action="store_true",
                     help="also eager with the library's product at a few rows (model.PACKS off), side by side")
+    ap.add_argument("--pack-all", action="store_true",
+                    help="also with every few-row product through oneDNN's packed weight, however small (model.PACK_MIN = 0)")
     ap.add_argument("--fused-mask", action="store_true",
                     help="also eager with a step's attention through the fused kernel and a boolean mask, side by side")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, one round")
@@ -118,7 +121,16 @@ def main() -> None:
     kw = {"temperature": args.temperature} if args.temperature == 0 else {"temperature": args.temperature, "top_k": 50}
     gkw = {"greedy": True} if args.temperature == 0 else kw
     refs = [list(generate(model, p, max_new_tokens=N, seed=j, **gkw)) for j, p in enumerate(prompts)]
-    modes = ["eager"] + (["library"] * args.library) + (["fused_mask"] * args.fused_mask) + (["compiled"] * args.compile)
+    modes = (["eager"] + (["library"] * args.library) + (["pack_all"] * args.pack_all) + (["fused_mask"] * args.fused_mask)
+             + (["compiled"] * args.compile))
+    pack_min = model_module.PACK_MIN
+
+    def set_pack_min(v: int) -> None:  # the held copies remember whether they were packed: rebuild them
+        if model_module.PACK_MIN != v:
+            model_module.PACK_MIN = v
+            model.hold_rows(False)
+            model.hold_rows(True)
+
     engines = {m: Engine(model, max_batch=max(counts), compile=m == "compiled") for m in modes}
     packs = model_module.PACKS
     if args.compile:  # compile every bucket before timing (one warm-up run per count)
@@ -128,6 +140,7 @@ def main() -> None:
     steps: dict[int, float] = {}
     library_steps: dict[int, float] = {}
     fused_steps: dict[int, float] = {}
+    pack_all_steps: dict[int, float] = {}
     for r in range(args.rounds):
         t = time.perf_counter()
         list(generate(model, prompts[0], max_new_tokens=N, seed=0, **gkw))
@@ -137,8 +150,10 @@ def main() -> None:
             for c in counts:
                 model_module.PACKS = packs and m != "library"
                 sdpa_module.MASKED_DECODE = m != "fused_mask"
+                set_pack_min(0 if m == "pack_all" else pack_min)
                 res = run_engine(engines[m], prompts[:c], N, kw)
                 model_module.PACKS, sdpa_module.MASKED_DECODE = packs, True
+                set_pack_min(pack_min)
                 assert res.pop("_tokens") == refs[:c], "the engine's tokens differ from generate's"
                 key = f"{m}/{c}"
                 if key not in best or res["tokens_per_s"] > best[key]["tokens_per_s"]:
@@ -151,6 +166,11 @@ def main() -> None:
                 s = forward_only(model, c, P + N // 2, 8 if args.quick else 20)
                 model_module.PACKS = packs
                 library_steps[c] = min(library_steps.get(c, s), s)
+            if args.pack_all:
+                set_pack_min(0)
+                s = forward_only(model, c, P + N // 2, 8 if args.quick else 20)
+                set_pack_min(pack_min)
+                pack_all_steps[c] = min(pack_all_steps.get(c, s), s)
             if args.fused_mask:
                 sdpa_module.MASKED_DECODE = False
                 s = forward_only(model, c, P + N // 2, 8 if args.quick else 20)
@@ -168,7 +188,8 @@ def main() -> None:
         "forward_only_s_per_step": {str(c): s for c, s in steps.items()},
         "forward_only_library_s_per_step": {str(c): s for c, s in library_steps.items()},
         "forward_only_fused_mask_s_per_step": {str(c): s for c, s in fused_steps.items()},
-        "packs": packs,
+        "forward_only_pack_all_s_per_step": {str(c): s for c, s in pack_all_steps.items()},
+        "packs": packs, "pack_min": pack_min,
     }
     one = best.get("eager/1")
     for k, v in best.items():
@@ -182,6 +203,8 @@ def main() -> None:
               f"{v['ttft_p99_s'] * 1e3:.1f} ms, gap p50 {v['gap_p50_s'] * 1e3:.1f} ms p99 {v['gap_p99_s'] * 1e3:.1f} ms")
     if library_steps:
         print("forward alone, library products, ms a step:", {c: round(s * 1e3, 2) for c, s in library_steps.items()})
+    if pack_all_steps:
+        print("forward alone, every few-row product packed, ms a step:", {c: round(s * 1e3, 2) for c, s in pack_all_steps.items()})
     if fused_steps:
         print("forward alone, fused kernel with a mask, ms a step:", {c: round(s * 1e3, 2) for c, s in fused_steps.items()})
     print("forward alone, ms a step:", {c: round(s * 1e3, 2) for c, s in steps.items()},

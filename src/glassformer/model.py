@@ -183,10 +183,20 @@ def few_rows(x: torch.Tensor) -> bool:
             and x.dtype == torch.float32 and reads_held(x))
 
 
+# oneDNN's call costs a fixed few microseconds more than the library's plain product, which a small
+# weight's product does not earn back: a weight smaller than this (in x out) is multiplied from the
+# held (in, out) copy instead. That keeps the demo model's block products (at most 128 x 768) plain,
+# its head and the reference shape's larger products packed (bench/batching.py --pack-all).
+PACK_MIN = 1 << 17
+
+
 def packed(held: tuple) -> tuple:
-    """`held` (fresh_rows) with its weight also reordered for oneDNN's few-row product (built once)."""
+    """`held` (fresh_rows) with its weight also reordered for oneDNN's few-row product (built once),
+    or marked False where the weight is too small for that to pay (PACK_MIN)."""
     if held[4] is not None:
         return held
+    if held[1].numel() < PACK_MIN:
+        return (*held[:4], False)
     out_in = held[1].t().contiguous()  # (out, in)
     return (*held[:4], torch.ops.mkldnn._reorder_linear_weight(out_in, 16))
 
@@ -194,7 +204,10 @@ def packed(held: tuple) -> tuple:
 def packed_product(held: tuple, x: torch.Tensor) -> torch.Tensor:
     """x (..., in), a few rows, times a `packed` copy: (..., out)."""
     x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
-    y = torch.ops.mkldnn._linear_pointwise(x2, held[4], held[3], "none", [], "")  # (rows, out)
+    if held[4] is False:  # too small to pack: the plain product over the held (in, out) copy
+        y = x2 @ held[1] if held[3] is None else torch.addmm(held[3], x2, held[1])  # (rows, out)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x2, held[4], held[3], "none", [], "")  # (rows, out)
     return y.view(*x.shape[:-1], -1)
 
 
@@ -203,7 +216,7 @@ def fresh_rows(held: tuple | None, weights, biases) -> tuple:
     new row-block copy: the weights side by side, transposed to (in, out), seen as one block of
     consecutive rows per thread (in/P, out) so that P partial products run on P threads; one row
     through a plain library product runs on one thread (bench/matvec.py). (key, io, blocks, bias,
-    packed): packed is None until a few-row product asks for it (`packed`)."""
+    packed): packed is None until a few-row product asks for it (`packed`), False for a weight too small to pack."""
     key = (tuple((w.data_ptr(), w._version) for w in weights), torch.get_num_threads())
     if held is not None and held[0] == key:
         return held

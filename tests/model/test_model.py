@@ -77,10 +77,20 @@ def test_fused_qkv_equals_the_three_projections_and_steps_aside_for_a_hook():
 def test_a_batched_decode_step_reads_a_packed_copy_built_on_demand(monkeypatch):
     """A few sequences' one position (B, 1, D) read the held copy's oneDNN-packed weight, built at
     the first such product and rebuilt when the weight changes; a prompt's rows (1, T, D) and one row
-    keep their own products, bit for bit; the model's logits agree with the library's products."""
+    keep their own products, bit for bit; the model's logits agree with the library's products. A
+    weight smaller than PACK_MIN is marked unpacked and multiplied from the held (in, out) copy."""
     import glassformer.model as M
     from glassformer.kv_cache import KVCache
 
+    small = Linear(128, 256, bias=True)  # 128 x 256 < PACK_MIN: not worth oneDNN's call
+    small.hold_rows()
+    xs = torch.randn(16, 1, 128)
+    with torch.no_grad():
+        got = small(xs)
+        assert small.held[4] is False
+        assert torch.equal(got, torch.addmm(small.bias, xs.view(16, 128), small.held[1]).view(16, 1, 256))
+        torch.testing.assert_close(got, xs @ small.weight.T + small.bias, atol=2e-5, rtol=0)
+    monkeypatch.setattr(M, "PACK_MIN", 0)  # below: every few-row product packed, however small
     lin = Linear(384, 96, bias=True)
     lin.hold_rows()
     x, prompt = torch.randn(16, 1, 384), torch.randn(1, 16, 384)
