@@ -21,8 +21,9 @@ client share the machine.
 
     python bench/serve.py [--shapes reference,demo] [--streams 1,4,16] [--rounds 3] [--threads 2]
         [--engine thread,process] [--new-tokens 128] [--prompt-tokens 64] [--text FILE] [--compile] [--quick]
-        [--repeat R] [--client aiohttp|httpx]
+        [--repeat R] [--client aiohttp|httpx] [--lockstep]
     --repeat R: each measurement R times over, one after another (default: until one stream has made 256 tokens)
+    --lockstep: each stream's next request waits for every stream's request before (the old default)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import platform
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -174,16 +176,28 @@ def _session(n: int):
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n + 4), timeout=aiohttp.ClientTimeout(total=None))
 
 
+LOCKSTEP = False  # --lockstep: each repeat waits for every stream of the one before
+
+
 async def streams(url: str, rows: list[list[int]], n: int, repeat: int = 1) -> list[dict]:
-    """The rows' streams at once, `repeat` times one after another on the same connections."""
+    """The rows' streams at once, each stream's `repeat` requests one after another on its connection:
+    a client that asks again as soon as its answer is done, whatever the other streams are at (as
+    concurrent clients do, and as continuous batching admits them). With LOCKSTEP, each repeat starts
+    when every stream's request of the one before has ended instead: the batch drains and refills."""
     async with _session(len(rows)) as client:
         # Each stream's connection opened before the clock starts, as a client keeping its connection does
         # (the openai package): a fresh client's first request costs it 15-20 ms (measured on a busy machine).
         await asyncio.gather(*(_health(client, url) for _ in rows))
-        runs = []
-        for _ in range(repeat):
-            runs += await asyncio.gather(*(one_stream(client, url, ids, n) for ids in rows))
-        return runs
+        if LOCKSTEP:
+            runs = []
+            for _ in range(repeat):
+                runs += await asyncio.gather(*(one_stream(client, url, ids, n) for ids in rows))
+            return runs
+
+        async def one_client(ids: list[int]) -> list[dict]:
+            return [await one_stream(client, url, ids, n) for _ in range(repeat)]
+
+        return [run for runs in await asyncio.gather(*(one_client(ids) for ids in rows)) for run in runs]
 
 
 async def _health(client, url: str) -> None:
@@ -302,10 +316,27 @@ def measure(servers: dict[str, Served], model, tok, rows, n: int, args, llama: L
     other = best_rounds(theirs, [1, 8]) if llama is not None else None
     for e in servers:
         out["engines"][e] = engine_result(ours[e], counts, made, fastest, (peaks[e][0] - idle[e]) / max(counts), other)
+        out["engines"][e]["paired"] = paired(ours[e], [sec / repeat for sec, _ in inproc], counts, made)
     if other is not None:
         out["llama_server"] = {"streams": [other[1], other[8]]}
         for b in out["llama_server"]["streams"]:
             b.pop("one_run", None)
+    return out
+
+
+def paired(rounds: list[dict], generate_s: list[float], counts: list[int], made: int) -> dict:
+    """Each round's own figures, from measurements taken next to each other, and their medians: one
+    stream's overhead against that round's generate, and each number of streams against that round's one
+    stream. The best rounds pair the fastest moments of the whole run; where the machine's speed drifts
+    over seconds (it swung twofold on some days), a round's own pair shares its moment."""
+    out: dict = {}
+    if 1 in counts:
+        over = [made / r[1]["tokens_per_s"] / g - 1 for r, g in zip(rounds, generate_s)]
+        out["overhead"] = {"rounds": over, "median": statistics.median(over)}
+        for c in counts:
+            if c != 1:
+                vs = [r[c]["tokens_per_s"] / r[1]["tokens_per_s"] for r in rounds]
+                out[f"{c}_vs_one"] = {"rounds": vs, "median": statistics.median(vs)}
     return out
 
 
@@ -373,6 +404,12 @@ def report(name: str, r: dict) -> None:
                   f"TTFT p50 {1e3 * s['ttft_p50_s']:.0f} ms p99 {1e3 * s['ttft_p99_s']:.0f} ms, "
                   f"gap p50 {1e3 * s['gap_p50_s']:.1f} ms p99 {1e3 * s['gap_p99_s']:.1f} ms, "
                   f"client CPU {1e6 * s['client_cpu_s_per_token']:.0f} us a token")
+        pr = res.get("paired", {})
+        if pr:
+            print("    each round's own: overhead " + " ".join(f"{100 * v:+.1f}%" for v in pr["overhead"]["rounds"])
+                  + f" (median {100 * pr['overhead']['median']:+.1f}%)" + "".join(
+                      f"; {k.split('_')[0]} vs one " + " ".join(f"{v:.2f}x" for v in pr[k]["rounds"])
+                      + f" (median {pr[k]['median']:.2f}x)" for k in pr if k != "overhead"))
         if "glassformer_over_llama" in res:
             ratio = res["glassformer_over_llama"]
             print(f"    glassformer / llama.cpp: {ratio['1']:.2f}x at 1, {ratio['8']:.2f}x at 8")
@@ -403,6 +440,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=0,
                     help="run each number of streams (and generate) this many times over in a round, one after "
                          "another (0: until one stream has made at least 256 tokens)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="each repeat starts when every stream's request of the one before has ended (the batch "
+                         "drains and refills), instead of each stream asking again as soon as its answer is done")
     ap.add_argument("--quick", action="store_true", help="two rounds, 32 new tokens (a smoke run)")
     ap.add_argument("--out", default=None, help="results file (default: bench/results/serve[_compiled].json)")
     args = ap.parse_args()
@@ -412,13 +452,14 @@ def main() -> None:
         ap.error(f"--engine: thread and/or process, got {','.join(args.engine)}")
     if args.quick:
         args.rounds, args.new_tokens = 2, 32
-    global CLIENT
-    CLIENT = args.client
+    global CLIENT, LOCKSTEP
+    CLIENT, LOCKSTEP = args.client, args.lockstep
     torch.set_num_threads(args.threads)
     text = Path(args.text).read_text(encoding="utf-8")
     out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
                        "torch": torch.__version__},
            "compiled": args.compile, "quick": args.quick, "repeat": args.repeat, "client": args.client,
+           "lockstep": args.lockstep,
            "engines": args.engine, "shapes": {}}
     for name in args.shapes.split(","):
         out["shapes"][name] = bench_shape(name, SHAPES[name], text, args)
