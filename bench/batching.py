@@ -137,10 +137,14 @@ def main() -> None:
         for c in counts:
             run_engine(engines["compiled"], prompts[:c], 4, kw)
     best: dict = {}
-    steps: dict[int, float] = {}
-    library_steps: dict[int, float] = {}
-    fused_steps: dict[int, float] = {}
-    pack_all_steps: dict[int, float] = {}
+    variants = [m for m in modes if m in ("library", "pack_all", "fused_mask")]  # switches of the eager engine
+    fsteps: dict[str, dict[int, float]] = {m: {} for m in ["eager"] + variants}  # mode -> rows -> s a forward
+
+    def use(m: str) -> None:  # the switches of mode m (eager, compiled: all at their defaults)
+        model_module.PACKS = packs and m != "library"
+        sdpa_module.MASKED_DECODE = m != "fused_mask"
+        set_pack_min(0 if m == "pack_all" else pack_min)
+
     for r in range(args.rounds):
         t = time.perf_counter()
         list(generate(model, prompts[0], max_new_tokens=N, seed=0, **gkw))
@@ -148,36 +152,23 @@ def main() -> None:
         best["generate_tokens_per_s"] = max(best.get("generate_tokens_per_s", 0), gen)
         for m in modes:
             for c in counts:
-                model_module.PACKS = packs and m != "library"
-                sdpa_module.MASKED_DECODE = m != "fused_mask"
-                set_pack_min(0 if m == "pack_all" else pack_min)
+                use(m)
                 res = run_engine(engines[m], prompts[:c], N, kw)
-                model_module.PACKS, sdpa_module.MASKED_DECODE = packs, True
-                set_pack_min(pack_min)
+                use("eager")
                 assert res.pop("_tokens") == refs[:c], "the engine's tokens differ from generate's"
                 key = f"{m}/{c}"
                 if key not in best or res["tokens_per_s"] > best[key]["tokens_per_s"]:
                     best[key] = res
-        for c in counts:  # the batched forward alone, in the same round (its best too)
-            s = forward_only(model, c, P + N // 2, 8 if args.quick else 20)
-            steps[c] = min(steps.get(c, s), s)
-            if args.library:
-                model_module.PACKS = False
+        for c in counts:  # the batched forward alone, in the same round (its best too), each variant's too
+            for m, mine in fsteps.items():
+                use(m)
                 s = forward_only(model, c, P + N // 2, 8 if args.quick else 20)
-                model_module.PACKS = packs
-                library_steps[c] = min(library_steps.get(c, s), s)
-            if args.pack_all:
-                set_pack_min(0)
-                s = forward_only(model, c, P + N // 2, 8 if args.quick else 20)
-                set_pack_min(pack_min)
-                pack_all_steps[c] = min(pack_all_steps.get(c, s), s)
-            if args.fused_mask:
-                sdpa_module.MASKED_DECODE = False
-                s = forward_only(model, c, P + N // 2, 8 if args.quick else 20)
-                sdpa_module.MASKED_DECODE = True
-                fused_steps[c] = min(fused_steps.get(c, s), s)
+                use("eager")
+                mine[c] = min(mine.get(c, s), s)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in best.items() if k != "generate_tokens_per_s"),
               f"generate {best['generate_tokens_per_s']:.1f} tokens/s", flush=True)
+    steps, library_steps = fsteps["eager"], fsteps.get("library", {})
+    fused_steps, pack_all_steps = fsteps.get("fused_mask", {}), fsteps.get("pack_all", {})
     result = {
         "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
         "shape": shape, "prompt_tokens": P, "new_tokens": N, "rounds": args.rounds,
