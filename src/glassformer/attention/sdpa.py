@@ -30,11 +30,20 @@ def _decode_step(q, k, v, scale):
     docs/generation.md#speed."""
     if torch.compiler.is_compiling() and cpu_decode_usable(q, k, v):
         return cpu_decode_attention(q, k, v, _scale(q, scale))  # (B, N, 1, H)
+    return _grouped(q, k, v, scale)
+
+
+def _grouped(q, k, v, scale, hidden=None):
+    """The two batched products of a one-query step, each KV head's group of queries in one pass;
+    `hidden` (B, 1, Tk), where given, is True for the keys a row may not read (-inf before the softmax)."""
     B, N, _, H = q.shape
-    K = k.shape[1]
-    qg = q.reshape(B * K, N // K, H)  # (B·K, G, H): each KV head's group of queries
-    kg, vg = k.reshape(B * K, -1, H), v.reshape(B * K, -1, H)  # (B·K, Tk, H)
+    K, Tk = k.shape[1], k.shape[2]
+    G = N // K
+    qg = q.reshape(B * K, G, H)  # (B·K, G, H): each KV head's group of queries
+    kg, vg = k.reshape(B * K, Tk, H), v.reshape(B * K, Tk, H)  # (B·K, Tk, H)
     scores = torch.bmm(qg, kg.transpose(1, 2)).mul_(_scale(q, scale))  # (B·K, G, Tk)
+    if hidden is not None:
+        scores.view(B, K, G, Tk).masked_fill_(hidden[:, None], float("-inf"))
     return torch.bmm(torch.softmax(scores, -1), vg).view(B, N, 1, H)  # (B, N, 1, H)
 
 
@@ -45,9 +54,7 @@ def _masked_decode_step(q, k, v, q_pos, key_mask, window, scale):
     The fused kernel with a boolean mask took 94 us a layer at 16 rows of the demo shape against 60
     here, the same numbers to 4e-7 (bench/batching.py; docs/benchmarks.md#serve). A row with no
     readable key gets zeros, as from every kernel."""
-    B, N, _, H = q.shape
-    K, Tk = k.shape[1], k.shape[2]
-    G = N // K
+    Tk = k.shape[2]
     if key_mask is None and window is None:  # causal by position: key j is hidden from a row before it
         hidden = torch.arange(Tk, device=q.device) > q_pos[:, :, None]  # (B, 1, Tk)
         dead = None  # a row reads at least key 0 (positions are >= 0)
@@ -55,11 +62,7 @@ def _masked_decode_step(q, k, v, q_pos, key_mask, window, scale):
         hidden = ~allowed(q_pos, torch.arange(Tk, device=q.device), key_mask, window)  # (B, 1, Tk)
         dead = hidden.all(-1, keepdim=True)  # (B, 1, 1): no readable key
         hidden = hidden & ~dead  # such a row reads everything (finite), then gets zeros
-    qg = q.reshape(B * K, G, H)  # (B·K, G, H): each KV head's group of queries
-    kg, vg = k.reshape(B * K, Tk, H), v.reshape(B * K, Tk, H)  # (B·K, Tk, H)
-    scores = torch.bmm(qg, kg.transpose(1, 2)).mul_(_scale(q, scale))  # (B·K, G, Tk)
-    scores.view(B, K, G, Tk).masked_fill_(hidden[:, None], float("-inf"))
-    out = torch.bmm(torch.softmax(scores, -1), vg).view(B, N, 1, H)  # (B, N, 1, H)
+    out = _grouped(q, k, v, scale, hidden)  # (B, N, 1, H)
     return out if dead is None else out * ~dead[:, None]
 
 
