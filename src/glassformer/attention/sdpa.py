@@ -51,9 +51,9 @@ def _masked_decode_step(q, k, v, q_pos, key_mask, window, scale):
     """One query per row, each row at its own position (a continuous-batching step): _decode_step's
     two batched products with the keys a row may not read set to -inf before the softmax (CPU).
 
-    The fused kernel with a boolean mask took 94 us a layer at 16 rows of the demo shape against 60
-    here, the same numbers to 4e-7 (bench/batching.py; docs/benchmarks.md#serve). A row with no
-    readable key gets zeros, as from every kernel."""
+    Cheaper than the fused kernel with a boolean mask at a few rows, the same numbers to 4e-7
+    (bench/batching.py --fused-mask; docs/benchmarks.md#serve). A row with no readable key gets
+    zeros, as from every kernel."""
     Tk = k.shape[2]
     if key_mask is None and window is None:  # causal by position: key j is hidden from a row before it
         hidden = torch.arange(Tk, device=q.device) > q_pos[:, :, None]  # (B, 1, Tk)

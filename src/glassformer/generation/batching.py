@@ -232,7 +232,7 @@ class Ticket:
 def greedy_tokens(logits: torch.Tensor, rows: list) -> list[int | None]:
     """Each greedy row's next token from one argmax over the step's logits (n, V), None for the
     others: what `sample` gives such a row alone (its argmax, the first of equal maxima), without an
-    argmax and a read of its result per row (5 us a row, busy machine: bench/batching.py)."""
+    argmax and a read of its result (a tensor to a Python int) for each row."""
     greedy = [r.request.temperature == 0 and r.seen is None and not r.ticket.cancelled for r in rows]
     if sum(greedy) < 2:
         return [None] * len(rows)
