@@ -75,6 +75,25 @@ def test_submit_time_checks_are_answered_in_the_parent(fragile):
     assert [e.finish for e in empty.events(timeout=5)] == ["length"] and engine.steps == steps
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's switch counts of one thread")
+def test_the_childs_reader_sleeps_through_a_stream(fragile):
+    """Each step's events go up a pipe of their own: the child's reader (its main thread, blocked on the
+    parent's pipe) is not woken by them. On one two-way socket it woke at every step, when the parent
+    drained that step's message (measured: 48 wake-ups a 48-token answer, docs/benchmarks.md#serve)."""
+    engine = fragile.engine
+    pid = engine.process.pid
+
+    def wakes() -> int:
+        status = Path(f"/proc/{pid}/task/{pid}/status").read_text()
+        return int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)$", status, re.M)[1])
+
+    list(engine.submit(Request([1, 2, 3], 2, temperature=0)).events(timeout=30))  # warm
+    before = wakes()
+    got = list(engine.submit(Request([1, 2, 3], 48, temperature=0)).events(timeout=30))
+    assert sum(e.token is not None for e in got) == 48 and got[-1].finish == "length"
+    assert wakes() - before <= 8  # the submit's message, and a few more at most
+
+
 def test_a_failing_step_answers_500_and_the_server_goes_on(fragile):
     r = httpx.post(fragile.url + "/v1/completions", json={"model": NAME, "prompt": fragile.RAISE, "max_tokens": 3},
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=30)

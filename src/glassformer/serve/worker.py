@@ -7,7 +7,7 @@ between the forward's many small operations and the thread taking each token. He
 (the "spawn" start method: safe with torch and CUDA) loads the checkpoint itself through the loader
 it is given (a picklable callable, e.g. the one `glassformer serve` loads with), builds the same
 `generation.batching.Engine` and runs its loop. Requests and cancels go down a pipe; each step's
-events come back as one message, which a reader thread here hands to the tickets (`batching.Ticket`,
+events come back up another as one message, which a reader thread here hands to the tickets (`batching.Ticket`,
 the same blocking and asyncio iterators), waking each event loop once per message.
 
 What can be answered at submit time is answered here, synchronously, with the engine's own errors:
@@ -59,7 +59,7 @@ class ProcessEngine:
         self.config = self.tokenizer = self.process = self.on_exit = None
         self.steps = 0  # the child's engine steps, as of its last message
         self.child_threads: int | None = None  # the child's torch threads, once loaded
-        self._conn = self._reader = None
+        self._down = self._up = self._reader = None  # the pipes to the child and from it
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._tickets: dict[int, Ticket] = {}  # request number -> its ticket, until its last event
@@ -76,11 +76,15 @@ class ProcessEngine:
         if self.process is not None:
             return self
         ctx = multiprocessing.get_context("spawn")
-        self._conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=child_main, args=(theirs, self.load, self.sizes, self.threads, os.getpid()),
-                                   name="glassformer-engine", daemon=True)
+        # Two one-way pipes, not one two-way socket: a socket wakes a reader blocked on it whenever its
+        # peer drains what it wrote, so the child's reader woke at every step's message.
+        inbox, self._down = ctx.Pipe(duplex=False)  # requests and cancels: parent -> child
+        self._up, outbox = ctx.Pipe(duplex=False)  # each step's events: child -> parent
+        self.process = ctx.Process(target=child_main, args=((inbox, outbox), self.load, self.sizes, self.threads,
+                                                            os.getpid()), name="glassformer-engine", daemon=True)
         self.process.start()
-        theirs.close()  # only the child holds its end: the parent's exit is the child's end of file
+        inbox.close()  # only the child holds its ends: the parent's exit is the child's end of file
+        outbox.close()
         self._reader = threading.Thread(target=self._read, name="glassformer-engine-reader", daemon=True)
         self._reader.start()
         return self
@@ -136,7 +140,8 @@ class ProcessEngine:
             self.process.join(5)
         self._reader.join(5)
         self._end_all("cancelled")
-        self._conn.close()
+        self._down.close()
+        self._up.close()
 
     # ---- what tickets call -------------------------------------------------------------
     def _cancel(self, ticket: Ticket) -> None:
@@ -160,7 +165,7 @@ class ProcessEngine:
     def _send(self, message) -> bool:
         try:
             with self._send_lock:
-                self._conn.send(message)
+                self._down.send(message)
             return True
         except (OSError, ValueError):  # the child is gone (the reader ends its tickets)
             return False
@@ -169,7 +174,7 @@ class ProcessEngine:
         """The reader thread: the child's messages until its end of file."""
         try:
             while True:
-                self._handle(self._conn.recv())
+                self._handle(self._up.recv())
         except (EOFError, OSError):
             pass
         self._gone()
@@ -242,9 +247,10 @@ def unpacked(item: tuple) -> Event:
 # ----------------------------------------------------------------------------- the child
 
 
-def child_main(conn, load, sizes: dict, threads: int, parent: int) -> None:
+def child_main(pipes, load, sizes: dict, threads: int, parent: int) -> None:
     """The child process: load, say so (the model's config and tokenizer), then run the engine until
-    told to stop or the parent is gone."""
+    told to stop or the parent is gone. `pipes`: (the parent's messages, ours to it)."""
+    inbox, conn = pipes
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
     threading.Thread(target=_watch_parent, args=(parent,), name="glassformer-parent-watch", daemon=True).start()
     torch.set_num_threads(threads)
@@ -256,7 +262,7 @@ def child_main(conn, load, sizes: dict, threads: int, parent: int) -> None:
         conn.send(("failed", str(e) if isinstance(e, UserError) else f"loading failed: {type(e).__name__}: {e}"))
         return
     model, tok = loaded if isinstance(loaded, tuple) else (loaded, None)
-    engine = ChildEngine(model, conn, **sizes)
+    engine = ChildEngine(model, inbox, conn, **sizes)
     conn.send(("ready", model.config, tok, engine.stats, torch.get_num_threads()))
     engine.start()
     engine.serve()
@@ -273,9 +279,9 @@ class ChildEngine(Engine):
     """The Engine of the child: requests and cancels from the pipe (`serve`), its events sent back
     once a step (or at once when pushed outside a step: a queued request's cancel, a stop, a failure)."""
 
-    def __init__(self, model, conn, **sizes):
+    def __init__(self, model, inbox, conn, **sizes):
         super().__init__(model, **sizes)
-        self.conn = conn
+        self.inbox, self.conn = inbox, conn
         self._out: list[tuple[int, Event]] = []  # (request number, event) since the last message
         self._out_lock = threading.Lock()
         self._live: dict[int, Ticket] = {}  # request number -> its ticket, until its last event
@@ -288,7 +294,7 @@ class ChildEngine(Engine):
         """Read the parent's messages until "stop" or its end of file; then stop (every request cancelled)."""
         try:
             while True:
-                message = self.conn.recv()
+                message = self.inbox.recv()
                 if message[0] == "submit":
                     self._accept(*message[1:])
                 elif message[0] == "cancel":
