@@ -193,6 +193,37 @@ def test_a_checkpoint_the_child_cannot_load_stops_serve_with_the_reason(capsys, 
     assert err.startswith("error: checkpoint") and "does not exist" in err and "Traceback" not in err
 
 
+def test_the_engine_leaves_the_http_side_a_core(tmp_path, monkeypatch):
+    """On the CPU the engine's process gets one thread less than torch's count (at least 1), unless
+    --threads or OMP_NUM_THREADS says how many (docs/serve.md#threads)."""
+    from glassformer.serve import worker
+
+    seen = []
+
+    def start(self):
+        seen.append(self.threads)
+        raise UserError("stopped here by the test")
+
+    monkeypatch.setattr(worker.ProcessEngine, "start", start)
+    monkeypatch.delenv("GLASSFORMER_API_KEY", raising=False)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # serve sets its own
+    threads = torch.get_num_threads()
+    try:
+        for flags, env in (([], None), (["--threads", "3"], None), ([], "2")):
+            torch.set_num_threads(2)
+            if env is None:
+                monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+            else:
+                monkeypatch.setenv("OMP_NUM_THREADS", env)
+            assert main(["serve", "--checkpoint", str(tmp_path), "--port", "0", *flags]) == 2
+    finally:
+        torch.set_num_threads(threads)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert seen == [1, 3, 2]
+    assert main(["serve", "--checkpoint", str(tmp_path), "--threads", "-1"]) == 2
+
+
 def test_events_cross_the_pipe_as_they_were():
     """A step's events packed for the pipe (plain ones as tuples) come out equal, through pickle too."""
     import pickle

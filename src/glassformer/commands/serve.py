@@ -39,6 +39,9 @@ def add_arguments(p) -> None:
                         "on the forward's interpreter lock; 'thread' a thread of the server's process (what "
                         "--explorer runs, its traces taking turns with the engine on the one model)")
     p.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
+    p.add_argument("--threads", type=int, default=0,
+                   help="the engine's torch threads on the CPU (0: as OMP_NUM_THREADS says if set, else one less than "
+                        "torch's count, at least 1, so the HTTP side keeps a core: docs/serve.md#threads)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
@@ -83,10 +86,27 @@ def _check(args) -> None:
         raise UserError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if args.threads < 0:
+        raise UserError(f"--threads must be >= 1 (or 0 for the default), got {args.threads}")
     quantize_method(args)  # a bad --quantize fails before anything listens
     if args.explorer and args.engine == "process":
         raise UserError("--explorer runs the engine on a thread (the explorer's traces and the engine take turns "
                         "on the one model in one process): leave out --engine process, or --explorer")
+
+
+def engine_threads(requested: int, count: int, from_env: bool) -> int:
+    """The engine's torch threads: `requested` (--threads) if given; else `count` (torch's now) when the
+    environment set it (OMP_NUM_THREADS); else one less, at least 1. On the CPU the HTTP side (the
+    server's threads, and often the client's) needs a core too: a forward whose threads fill every
+    core waits at each of its operations for the thread the HTTP work preempted (measured:
+    bench/serve.py --threads, docs/serve.md#threads).
+
+    >>> engine_threads(3, 16, False), engine_threads(0, 16, True), engine_threads(0, 16, False), engine_threads(0, 1, False)
+    (3, 16, 15, 1)
+    """
+    if requested:
+        return requested
+    return count if from_env else max(1, count - 1)
 
 
 def build(args, backend, key):
@@ -153,9 +173,15 @@ def run(args) -> int:
     from ..serve.backend import Backend
     from .generate import _load_model
 
+    import os
+
+    import torch
+
     key = api_key(args)
     _check(args)
     args.attention = None
+    if args.device == "cpu":  # the engine's threads (the thread engine's, and the process engine's child's)
+        torch.set_num_threads(engine_threads(args.threads, torch.get_num_threads(), bool(os.environ.get("OMP_NUM_THREADS"))))
     backend = Backend(model_id(args))
     app, server = build(args, backend, key)
     server.start_in_thread()  # /health says "loading" meanwhile
