@@ -14,12 +14,12 @@ slows all alike. Reported per number of streams (the best round by aggregate tok
 tokens/s (completion tokens of all streams / the wall time from the first request to the last
 [DONE]), p50/p99 time to first token, p50/p99 gap between chunks (a chunk is a token, except where
 a partial UTF-8 character or a stop string holds text back); one stream's time against in-process
-`generate` of the same tokens with the same thread count (the best of each: the server overhead,
+`generate` of the same tokens with the same thread count (unless --server-threads gives the server another: the best of each: the server overhead,
 HTTP client included); the KV cache bytes of one row, and the server's resident memory growth per
 active row at the highest number of streams (the engine's process included). The server and the
 client share the machine.
 
-    python bench/serve.py [--shapes reference,demo] [--streams 1,4,16] [--rounds 3] [--threads 2]
+    python bench/serve.py [--shapes reference,demo] [--streams 1,4,16] [--rounds 3] [--threads 2] [--server-threads N]
         [--engine thread,process] [--new-tokens 128] [--prompt-tokens 64] [--text FILE] [--compile] [--quick]
         [--repeat R] [--client aiohttp|httpx] [--lockstep]
     --repeat R: each measurement R times over, one after another (default: until one stream has made 256 tokens)
@@ -376,7 +376,7 @@ def bench_shape(name: str, shape: dict, text: str, args) -> dict:
                                env={**os.environ, "PYTHONPATH": str(REPO / "src")})
                 llama = LlamaServer(args.llama_server, gguf, args.threads, 8, P + n + 8)
             for e in args.engine:
-                servers[e] = Served(Path(tmp) / name, args.threads, max(args.streams), args.compile, e)
+                servers[e] = Served(Path(tmp) / name, args.server_threads, max(args.streams), args.compile, e)
                 for k in sorted(set([1, 2, 4, 8, 16] if args.compile else [1]) | {max(args.streams)}):
                     asyncio.run(streams(servers[e].url, rows[:k], 4))  # warm-up (with --compile: every batch bucket)
             res = {"shape": {**shape, "vocab_size": tok.vocab_size}, "prompt_tokens": P, "new_tokens": n,
@@ -426,6 +426,9 @@ def main() -> None:
     ap.add_argument("--streams", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--server-threads", type=int, default=0,
+                    help="the server's threads (its OMP_NUM_THREADS; 0: --threads), where in-process generate keeps "
+                         "--threads: what a user of a machine of --threads cores gets from each")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--text", default=str(DEFAULT_TEXT), help="text the tokenizers are trained on")
@@ -455,9 +458,10 @@ def main() -> None:
     global CLIENT, LOCKSTEP
     CLIENT, LOCKSTEP = args.client, args.lockstep
     torch.set_num_threads(args.threads)
+    args.server_threads = args.server_threads or args.threads
     text = Path(args.text).read_text(encoding="utf-8")
     out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
-                       "torch": torch.__version__},
+                       "server_threads": args.server_threads, "torch": torch.__version__},
            "compiled": args.compile, "quick": args.quick, "repeat": args.repeat, "client": args.client,
            "lockstep": args.lockstep,
            "engines": args.engine, "shapes": {}}
