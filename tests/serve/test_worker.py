@@ -79,7 +79,7 @@ def test_submit_time_checks_are_answered_in_the_parent(fragile):
 def test_the_childs_reader_sleeps_through_a_stream(fragile):
     """Each step's events go up a pipe of their own: the child's reader (its main thread, blocked on the
     parent's pipe) is not woken by them. On one two-way socket it woke at every step, when the parent
-    drained that step's message (measured: 48 wake-ups a 48-token answer, docs/benchmarks.md#serve)."""
+    drained that step's message (docs/benchmarks.md#serve)."""
     engine = fragile.engine
     pid = engine.process.pid
 
