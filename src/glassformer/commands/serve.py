@@ -167,21 +167,21 @@ def _thread_engine(args, app, model, tok, name: str):
 
 
 def run(args) -> int:
+    import os
     import signal
     import threading
 
+    import torch
+
     from ..serve.backend import Backend
     from .generate import _load_model
-
-    import os
-
-    import torch
 
     key = api_key(args)
     _check(args)
     args.attention = None
     if args.device == "cpu":  # the engine's threads (the thread engine's, and the process engine's child's)
-        torch.set_num_threads(engine_threads(args.threads, torch.get_num_threads(), bool(os.environ.get("OMP_NUM_THREADS"))))
+        from_env = bool(os.environ.get("OMP_NUM_THREADS"))
+        torch.set_num_threads(engine_threads(args.threads, torch.get_num_threads(), from_env))
     backend = Backend(model_id(args))
     app, server = build(args, backend, key)
     server.start_in_thread()  # /health says "loading" meanwhile
