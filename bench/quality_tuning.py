@@ -9,6 +9,9 @@ CPU s/step is r times today's gets about 3300 / r steps in a quiet 126 s with tw
     python bench/quality_tuning.py --run NAME STEPS --data DATA -- [train flags]
         # train NAME at STEPS steps, one thread, no evaluations on the way; then `glassformer eval`
         # over the whole held-out split; appends {name, steps, flags, cpu_s, bpb} to --out
+    python bench/quality_tuning.py --gap STEPS --data DATA [--every 330] -- [train flags]
+        # train at STEPS steps, one thread, the whole held-out split evaluated every --every steps;
+        # each evaluation beside the mean training loss of the steps since the one before (--out)
 
 DATA is `glassformer prepare --corpus tinyshakespeare.txt` (the defaults). docs/benchmarks.md,
 "What bought what", records the results.
@@ -107,16 +110,49 @@ def run_recipe(name: str, steps: int, data: Path, flags: list[str]) -> dict:
     return {"name": name, "steps": steps, "flags": flags, "train_cpu_s": round(cpu, 1), "bpb": round(bpb, 4)}
 
 
+def gap(steps: int, every: int, data: Path, flags: list[str]) -> dict:
+    """Training loss against held-out loss as the passes over the training split add up: one run at fixed
+    steps with one thread, the whole held-out split scored every `every` steps."""
+    meta = json.loads((data / "meta.json").read_text())
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with tempfile.TemporaryDirectory(prefix="gf-gap-") as tmp:
+        cmd = [sys.executable, "-m", "glassformer", "train", "--data", str(data), "--out", tmp, "--max-steps",
+               str(steps), "--threads", "1", "--eval-every", str(every), "--eval-tokens", str(meta["val_tokens"]),
+               "--no-progress", *flags]
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "loss" in r]
+    batch_tokens = train[0]["tokens"] // train[0]["step"]  # tokens a step (the log's running count)
+    out = []
+    for r in rows:
+        if "val_loss" in r:
+            seen = [t["loss"] for t in train if r["step"] - every < t["step"] <= r["step"]]
+            out.append({"step": r["step"], "epochs": round(r["step"] * batch_tokens / meta["train_tokens"], 2),
+                        "train_loss_mean_since_last": round(sum(seen) / len(seen), 4),
+                        "val_loss": r["val_loss"], "val_bpb": r["val_bpb"]})
+    return {"steps": steps, "every": every, "flags": flags, "train_tokens": meta["train_tokens"],
+            "tokens_per_step": batch_tokens, "intervals": out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40, help="timed steps per recipe and round")
     ap.add_argument("--run", nargs=2, metavar=("NAME", "STEPS"), help="train one recipe instead (flags after --)")
-    ap.add_argument("--data", default="data", help="prepared tinyshakespeare (with --run)")
+    ap.add_argument("--gap", type=int, metavar="STEPS", help="the training/held-out gap of one run instead")
+    ap.add_argument("--every", type=int, default=330, help="steps between evaluations (with --gap)")
+    ap.add_argument("--data", default="data", help="prepared tinyshakespeare (with --run, --gap)")
     ap.add_argument("--out", default=None, help="results file")
     ap.add_argument("--recipes", default=None, help="price these recipes only (comma-separated names), beside the defaults")
     args, flags = ap.parse_known_args()
     flags = [f for f in flags if f != "--"]
+    if args.gap:
+        res = gap(args.gap, args.every, Path(args.data), flags)
+        for i in res["intervals"]:
+            print(f"step {i['step']:5d} ({i['epochs']:.2f} passes): training {i['train_loss_mean_since_last']:.3f}, "
+                  f"held-out {i['val_loss']:.3f} ({i['val_bpb']:.3f} bpb)")
+        write_json(args.out or REPO / "bench" / "results" / "quality_gap.json", res)
+        return
     if args.run:
         out = Path(args.out or REPO / "bench" / "results" / "quality_tuning_runs.json")
         rows = json.loads(out.read_text()) if out.exists() else []

@@ -14,8 +14,8 @@ slows all alike. Reported per number of streams (the best round by aggregate tok
 tokens/s (completion tokens of all streams / the wall time from the first request to the last
 [DONE]), p50/p99 time to first token, p50/p99 gap between chunks (a chunk is a token, except where
 a partial UTF-8 character or a stop string holds text back); one stream's time against in-process
-`generate` of the same tokens with the same thread count (unless --server-threads gives the server another: the best of each: the server overhead,
-HTTP client included); the KV cache bytes of one row, and the server's resident memory growth per
+`generate` of the same tokens with the same thread count, unless --server-threads gives the server
+another (the best of each: the server overhead, HTTP client included); the KV cache bytes of one row, and the server's resident memory growth per
 active row at the highest number of streams (the engine's process included). The server and the
 client share the machine.
 

@@ -193,7 +193,7 @@ def test_a_checkpoint_the_child_cannot_load_stops_serve_with_the_reason(capsys, 
     assert err.startswith("error: checkpoint") and "does not exist" in err and "Traceback" not in err
 
 
-def test_the_engine_leaves_the_http_side_a_core(tmp_path, monkeypatch):
+def test_the_engine_leaves_the_http_side_a_core(tmp_path, monkeypatch, capsys):
     """On the CPU the engine's process gets one thread less than torch's count (at least 1), unless
     --threads or OMP_NUM_THREADS says how many (docs/serve.md#threads)."""
     from glassformer.serve import worker
@@ -216,12 +216,14 @@ def test_the_engine_leaves_the_http_side_a_core(tmp_path, monkeypatch):
             else:
                 monkeypatch.setenv("OMP_NUM_THREADS", env)
             assert main(["serve", "--checkpoint", str(tmp_path), "--port", "0", *flags]) == 2
+        capsys.readouterr()
+        assert main(["serve", "--checkpoint", str(tmp_path), "--port", "0", "--threads", "-1"]) == 2
     finally:
         torch.set_num_threads(threads)
         for s, h in handlers.items():
             signal.signal(s, h)
-    assert seen == [1, 3, 2]
-    assert main(["serve", "--checkpoint", str(tmp_path), "--threads", "-1"]) == 2
+    assert seen == [1, 3, 2]  # --threads -1 refused before the engine starts
+    assert "--threads must be >= 1" in capsys.readouterr().err
 
 
 def test_events_cross_the_pipe_as_they_were():

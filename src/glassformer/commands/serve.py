@@ -101,8 +101,9 @@ def engine_threads(requested: int, count: int, from_env: bool) -> int:
     core waits at each of its operations for the thread the HTTP work preempted (measured:
     bench/serve.py --threads, docs/serve.md#threads).
 
-    >>> engine_threads(3, 16, False), engine_threads(0, 16, True), engine_threads(0, 16, False), engine_threads(0, 1, False)
-    (3, 16, 15, 1)
+    >>> [engine_threads(3, 16, False), engine_threads(0, 16, True), engine_threads(0, 16, False),
+    ...  engine_threads(0, 1, False)]
+    [3, 16, 15, 1]
     """
     if requested:
         return requested

@@ -7,8 +7,8 @@ between the forward's many small operations and the thread taking each token. He
 (the "spawn" start method: safe with torch and CUDA) loads the checkpoint itself through the loader
 it is given (a picklable callable, e.g. the one `glassformer serve` loads with), builds the same
 `generation.batching.Engine` and runs its loop. Requests and cancels go down a pipe; each step's
-events come back up another as one message, which a reader thread here hands to the tickets (`batching.Ticket`,
-the same blocking and asyncio iterators), waking each event loop once per message.
+events come back up another as one message, which a reader thread here hands to the tickets
+(`batching.Ticket`, the same blocking and asyncio iterators), waking each event loop once per message.
 
 What can be answered at submit time is answered here, synchronously, with the engine's own errors:
 the request's checks (`check_request`, against the model's config the child sends once loaded),
