@@ -110,9 +110,21 @@ class Served:
         """The server's resident memory now, in bytes, its child processes' (the engine's) included."""
         return sum(_rss(pid) for pid in [self.proc.pid, *_children(self.proc.pid)])
 
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds so far of the server's own process and of its children (the engine's), from each
+        thread's /proc schedstat (nanoseconds, where /proc/PID/stat counts 10 ms ticks); (0, 0) off Linux."""
+        return _cpu(self.proc.pid), sum(_cpu(c) for c in _children(self.proc.pid))
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
+
+
+def _cpu(pid: int) -> float:
+    try:
+        return sum(int((t / "schedstat").read_text().split()[0]) for t in Path(f"/proc/{pid}/task").iterdir()) / 1e9
+    except (OSError, ValueError):  # gone meanwhile, or no /proc
+        return 0.0
 
 
 def _children(pid: int) -> list[int]:
@@ -248,12 +260,16 @@ def one_round(url: str, rows, n: int, counts: list[int], watch: Served | None = 
         stop = threading.Event()
         if watch is not None and c == max(counts):
             threading.Thread(target=sample_rss, args=(watch, stop, peak), daemon=True).start()
-        cpu = time.process_time()
+        cpu, theirs = time.process_time(), watch.cpu() if watch is not None else (0.0, 0.0)
         runs = asyncio.run(streams(url, rows[:c], n, repeat))
         cpu = time.process_time() - cpu  # the client's own CPU (this process: nothing else runs in it meanwhile)
+        server, engine = (b - a for a, b in zip(theirs, watch.cpu())) if watch is not None else (0.0, 0.0)
         stop.set()
         res = summary(runs)
-        out[c] = {**res, "streams": c, "client_cpu_s_per_token": cpu / max(1, res["tokens"]), "one_run": runs[0]}
+        per = 1 / max(1, res["tokens"])
+        out[c] = {**res, "streams": c, "client_cpu_s_per_token": cpu * per, "one_run": runs[0]}
+        if watch is not None:  # the server's process (HTTP side) and its children (the engine's process)
+            out[c].update(server_cpu_s_per_token=server * per, engine_cpu_s_per_token=engine * per)
     return out
 
 
@@ -317,6 +333,7 @@ def measure(servers: dict[str, Served], model, tok, rows, n: int, args, llama: L
     for e in servers:
         out["engines"][e] = engine_result(ours[e], counts, made, fastest, (peaks[e][0] - idle[e]) / max(counts), other)
         out["engines"][e]["paired"] = paired(ours[e], [sec / repeat for sec, _ in inproc], counts, made)
+        out["engines"][e]["cpu_s_per_token_median"] = cpu_medians(ours[e], counts)
     if other is not None:
         out["llama_server"] = {"streams": [other[1], other[8]]}
         for b in out["llama_server"]["streams"]:
@@ -338,6 +355,12 @@ def paired(rounds: list[dict], generate_s: list[float], counts: list[int], made:
                 vs = [r[c]["tokens_per_s"] / r[1]["tokens_per_s"] for r in rounds]
                 out[f"{c}_vs_one"] = {"rounds": vs, "median": statistics.median(vs)}
     return out
+
+
+def cpu_medians(rounds: list[dict], counts: list[int]) -> dict:
+    """CPU seconds a token of the client, the server's process and the engine's, medians of the rounds."""
+    return {str(c): {k: statistics.median(r[c][f"{k}_cpu_s_per_token"] for r in rounds)
+                     for k in ("client", "server", "engine")} for c in counts if "server_cpu_s_per_token" in rounds[0][c]}
 
 
 def engine_result(rounds: list[dict], counts: list[int], made: int, fastest: float, rss_per_row: float,
@@ -403,13 +426,18 @@ def report(name: str, r: dict) -> None:
             print(f"    {s['streams']:>2} streams: {s['tokens_per_s']:7.1f} tokens/s ({s['vs_one_stream']:.2f}x one), "
                   f"TTFT p50 {1e3 * s['ttft_p50_s']:.0f} ms p99 {1e3 * s['ttft_p99_s']:.0f} ms, "
                   f"gap p50 {1e3 * s['gap_p50_s']:.1f} ms p99 {1e3 * s['gap_p99_s']:.1f} ms, "
-                  f"client CPU {1e6 * s['client_cpu_s_per_token']:.0f} us a token")
+                  f"client CPU {1e6 * s['client_cpu_s_per_token']:.0f} us a token"
+                  + (f", server {1e6 * s['server_cpu_s_per_token']:.0f}, engine {1e6 * s['engine_cpu_s_per_token']:.0f}"
+                     if "server_cpu_s_per_token" in s else ""))
         pr = res.get("paired", {})
         if pr:
             print("    each round's own: overhead " + " ".join(f"{100 * v:+.1f}%" for v in pr["overhead"]["rounds"])
                   + f" (median {100 * pr['overhead']['median']:+.1f}%)" + "".join(
                       f"; {k.split('_')[0]} vs one " + " ".join(f"{v:.2f}x" for v in pr[k]["rounds"])
                       + f" (median {pr[k]['median']:.2f}x)" for k in pr if k != "overhead"))
+        for c, cpu in res.get("cpu_s_per_token_median", {}).items():
+            print(f"    {c:>2} streams, CPU a token (median of the rounds): client {1e6 * cpu['client']:.0f} us, "
+                  f"server {1e6 * cpu['server']:.0f} us, engine {1e6 * cpu['engine']:.0f} us")
         if "glassformer_over_llama" in res:
             ratio = res["glassformer_over_llama"]
             print(f"    glassformer / llama.cpp: {ratio['1']:.2f}x at 1, {ratio['8']:.2f}x at 8")

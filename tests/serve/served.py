@@ -68,19 +68,19 @@ class Served:
         self.model = hooked_tiny_model(tok.vocab_size)
         self.eos = list(tok.eos_ids)
         sizes = dict(max_batch=max_batch, max_queue=max_queue)
-        if engine == "process":
-            load = functools.partial(hooked_tiny_model, tok.vocab_size, hook)
-            self.engine = ProcessEngine(load, **sizes).start().wait_ready(120)
-        else:
-            self.engine = Engine(hooked_tiny_model(tok.vocab_size, hook), **sizes).start()
-        self.tickets, self.log = [], []
-        submit = self.engine.submit
-        self.engine.submit = lambda r: self._record(submit(r))
         self.backend = Backend(NAME)
         app = add_routes(make_app(host="127.0.0.1", port=0, api_key=KEY, limits=LIMITS, error_body=openai_error),
                          self.backend)
         self.server = Server(app, "127.0.0.1", 0, LIMITS)
         self.url = self.server.start_in_thread()
+        if engine == "process":  # its pipe read on the server's loop, as `glassformer serve` does
+            load = functools.partial(hooked_tiny_model, tok.vocab_size, hook)
+            self.engine = ProcessEngine(load, **sizes).start(loop=self.server.loop).wait_ready(120)
+        else:
+            self.engine = Engine(hooked_tiny_model(tok.vocab_size, hook), **sizes).start()
+        self.tickets, self.log = [], []
+        submit = self.engine.submit
+        self.engine.submit = lambda r: self._record(submit(r))
         self.backend.ready(self.engine, self.model, tok)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
         self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)

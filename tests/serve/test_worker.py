@@ -1,5 +1,6 @@
 """The engine in a process of its own (serve/worker.py): what only it can get wrong. Checks answered
-at submit time in the parent with the engine's own errors; the child's torch threads; a failing
+at submit time in the parent with the engine's own errors; the child's torch threads; the child's
+reader asleep through a stream, and the server's loop reading the child's pipe itself; a failing
 step answering 500 while the server goes on; the child dying mid-request answering 500 at once,
 then 503 and /health 503; the child gone when its parent is killed (kill -9) and when `glassformer
 serve` stops; a checkpoint the child cannot load stopping serve with the reason; --engine process
@@ -92,6 +93,30 @@ def test_the_childs_reader_sleeps_through_a_stream(fragile):
     got = list(engine.submit(Request([1, 2, 3], 48, temperature=0)).events(timeout=30))
     assert sum(e.token is not None for e in got) == 48 and got[-1].finish == "length"
     assert wakes() - before <= 8  # the submit's message, and a few more at most
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's switch counts of threads")
+def test_the_servers_loop_reads_the_childs_pipe_itself(fragile):
+    """The child's messages are read on the HTTP server's asyncio loop (`add_reader`), not by a thread
+    that then wakes the loop: one thread woken a step's message, not two (docs/benchmarks.md#serve)."""
+    engine = fragile.engine
+    threads = [fragile.server._thread] + ([engine._reader] if engine._reader is not None else [])
+
+    def wakes(tid: int) -> int:
+        status = Path(f"/proc/self/task/{tid}/status").read_text()
+        return int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)$", status, re.M)[1])
+
+    ids = fragile.tok.encode("The king")
+    want = list(generate(fragile.model, ids, max_new_tokens=48, greedy=True, stop=fragile.eos))
+    list(fragile.client.completions.create(model=NAME, prompt=ids, max_tokens=2, temperature=0, stream=True))  # warm
+    before = sum(wakes(t.native_id) for t in threads)
+    chunks = list(fragile.client.completions.create(model=NAME, prompt=ids, max_tokens=48, temperature=0, stream=True))
+    woken = sum(wakes(t.native_id) for t in threads) - before
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == fragile.tok.decode([t for t in want if t not in fragile.eos])
+    # at most once a message (31-47 seen); the request, the stream's end and uvicorn's 0.1 s tick add a
+    # few. With a reader thread handing each message to the loop: 75-89.
+    assert woken <= len(want) + 12, woken
+    assert engine._reader is None and engine._loop is fragile.server.loop
 
 
 def test_a_failing_step_answers_500_and_the_server_goes_on(fragile):
@@ -200,7 +225,7 @@ def test_the_engine_leaves_the_http_side_a_core(tmp_path, monkeypatch, capsys):
 
     seen = []
 
-    def start(self):
+    def start(self, loop=None):
         seen.append(self.threads)
         raise UserError("stopped here by the test")
 

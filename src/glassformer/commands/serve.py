@@ -127,9 +127,10 @@ def _sizes(args) -> dict:
                 compile=args.compile)
 
 
-def _process_engine(args, backend) -> object:
+def _process_engine(args, backend, loop) -> object:
     """The engine in a process of its own (serve/worker.py), loading the checkpoint there through the same
-    `_load_model`, with this process's torch threads; the backend is ready once it has loaded."""
+    `_load_model`, with this process's torch threads; the backend is ready once it has loaded. Its
+    messages are read on the HTTP server's `loop` (no reader thread between the two)."""
     import argparse
     import functools
     from types import SimpleNamespace
@@ -138,7 +139,7 @@ def _process_engine(args, backend) -> object:
     from .generate import _load_model
 
     options = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})  # (picklable)
-    engine = ProcessEngine(functools.partial(_load_model, options), **_sizes(args)).start()
+    engine = ProcessEngine(functools.partial(_load_model, options), **_sizes(args)).start(loop=loop)
     try:
         engine.wait_ready()
     except BaseException:
@@ -192,7 +193,7 @@ def run(args) -> int:
             signal.signal(sig, signal.default_int_handler)
     try:
         if (args.engine or ("thread" if args.explorer else "process")) == "process":
-            engine = _process_engine(args, backend)
+            engine = _process_engine(args, backend, server.loop)
         else:
             model, tok = _load_model(args)
             engine = _thread_engine(args, app, model, tok, backend.model_id)

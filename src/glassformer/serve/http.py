@@ -366,7 +366,7 @@ class Server:
     `url` ("http://HOST:PORT", the real port when 0 was asked) is known at once. `run()` serves
     until Ctrl-C (or SIGTERM) and returns after a clean stop; `start_in_thread()` serves from a
     daemon thread (tests, notebooks) until `stop()`. `on_ready(url)` is called once the server
-    accepts requests.
+    accepts requests; `loop` is then the asyncio loop it serves on.
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, limits: Limits | None = None,
@@ -379,6 +379,7 @@ class Server:
         self._ready = threading.Event()
         self._on_ready = on_ready
         self._thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         config = uvicorn.Config(app, http=_protocol_for(limits), ws="none", lifespan="on", log_config=None,
                                 log_level="warning", access_log=False, server_header=False, proxy_headers=False,
                                 timeout_graceful_shutdown=limits.shutdown_timeout)
@@ -390,6 +391,7 @@ class Server:
         return f"http://{shown}:{self.port}"
 
     def _started(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self._ready.set()
         if self._on_ready is not None:
             self._on_ready(self.url)

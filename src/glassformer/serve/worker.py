@@ -7,8 +7,11 @@ between the forward's many small operations and the thread taking each token. He
 (the "spawn" start method: safe with torch and CUDA) loads the checkpoint itself through the loader
 it is given (a picklable callable, e.g. the one `glassformer serve` loads with), builds the same
 `generation.batching.Engine` and runs its loop. Requests and cancels go down a pipe; each step's
-events come back up another as one message, which a reader thread here hands to the tickets
-(`batching.Ticket`, the same blocking and asyncio iterators), waking each event loop once per message.
+events come back up another as one message, which is handed to the tickets (`batching.Ticket`, the
+same blocking and asyncio iterators), waking each event loop once per message. Who reads that pipe: a
+reader thread here, or, given `start(loop=...)`, that asyncio loop itself (`loop.add_reader`), as
+`glassformer serve` does: its HTTP side then takes each step's events on the loop that streams them,
+with no thread to wake and no hand-over between threads per message (docs/benchmarks.md#serve).
 
 What can be answered at submit time is answered here, synchronously, with the engine's own errors:
 the request's checks (`check_request`, against the model's config the child sends once loaded),
@@ -19,6 +22,7 @@ process is gone; it ignores Ctrl-C, which the parent handles by stopping it.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import multiprocessing
@@ -59,7 +63,8 @@ class ProcessEngine:
         self.config = self.tokenizer = self.process = self.on_exit = None
         self.steps = 0  # the child's engine steps, as of its last message
         self.child_threads: int | None = None  # the child's torch threads, once loaded
-        self._down = self._up = self._reader = None  # the pipes to the child and from it
+        self._down = self._up = self._reader = None  # the pipes to the child and from it; the reader thread
+        self._loop = None  # or the asyncio loop that reads the child's pipe instead of a thread
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._tickets: dict[int, Ticket] = {}  # request number -> its ticket, until its last event
@@ -69,10 +74,12 @@ class ProcessEngine:
         self._failure: str | None = None  # why the child could not load, or that it exited
         self._stopping = False
         self._wakes: dict | None = None  # while a message is handed out: loop -> its asyncio.Events
+        self._routing: int | None = None  # the thread handing a message out (its id), meanwhile
 
     # ---- the public side ---------------------------------------------------------------
-    def start(self) -> "ProcessEngine":
-        """Spawn the child (it loads meanwhile: `wait_ready`)."""
+    def start(self, loop=None) -> "ProcessEngine":
+        """Spawn the child (it loads meanwhile: `wait_ready`). Its messages are read by a thread of this
+        process, or, given a running asyncio `loop` (of any thread), by that loop (`add_reader`)."""
         if self.process is not None:
             return self
         ctx = multiprocessing.get_context("spawn")
@@ -85,8 +92,12 @@ class ProcessEngine:
         self.process.start()
         inbox.close()  # only the child holds its ends: the parent's exit is the child's end of file
         outbox.close()
-        self._reader = threading.Thread(target=self._read, name="glassformer-engine-reader", daemon=True)
-        self._reader.start()
+        if loop is None:
+            self._reader = threading.Thread(target=self._read, name="glassformer-engine-reader", daemon=True)
+            self._reader.start()
+        else:
+            self._loop = loop
+            loop.call_soon_threadsafe(loop.add_reader, self._up.fileno(), self._readable)
         return self
 
     def wait_ready(self, timeout: float | None = None) -> "ProcessEngine":
@@ -133,6 +144,10 @@ class ProcessEngine:
         if self.process is None:
             return
         self._send(("stop",))
+        if self._reader is None:  # the loop read the pipe; a thread drains it from here, the loop may be gone
+            self._unwatch()
+            self._reader = threading.Thread(target=self._read, name="glassformer-engine-reader", daemon=True)
+            self._reader.start()
         self.process.join(STOP_WAIT)
         if self.process.is_alive():
             log.warning("the engine's process did not stop within %.0f s: terminating it", STOP_WAIT)
@@ -151,7 +166,7 @@ class ProcessEngine:
     def _wake(self, waiters) -> None:
         """Gathered while the reader hands out one message's events (one wake-up per loop a message), else at once."""
         wakes = self._wakes
-        if wakes is not None and threading.current_thread() is self._reader:
+        if wakes is not None and threading.get_ident() == self._routing:
             for loop, ready in waiters:
                 wakes.setdefault(loop, []).append(ready)
         else:
@@ -179,6 +194,33 @@ class ProcessEngine:
             pass
         self._gone()
 
+    def _readable(self) -> None:
+        """The loop's reader: one message a call (the loop calls again while more is waiting)."""
+        try:
+            message = self._up.recv()
+        except (EOFError, OSError):
+            self._unwatch()
+            self._gone()
+            return
+        self._handle(message)
+
+    def _unwatch(self) -> None:
+        """Take the child's pipe off the loop's readers, and return once it is off (from any thread;
+        nothing to do once the loop has closed)."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or self._up.closed:
+            return
+        fd = self._up.fileno()
+        if _running_loop() is loop or not loop.is_running():
+            loop.remove_reader(fd)
+            return
+        off = threading.Event()
+        try:
+            loop.call_soon_threadsafe(lambda: (loop.remove_reader(fd), off.set()))
+        except RuntimeError:  # closed meanwhile
+            return
+        off.wait(5)
+
     def _handle(self, message) -> None:
         kind = message[0]
         if kind == "ready":
@@ -200,13 +242,17 @@ class ProcessEngine:
             self._route(tickets)
 
     def _route(self, tickets) -> None:
-        self._wakes = {}
+        self._wakes, self._routing = {}, threading.get_ident()
         try:
             for ticket, ev in tickets:
                 if ticket is not None:
                     ticket._push(ev)
         finally:
-            wakes, self._wakes = self._wakes, None
+            wakes, self._wakes, self._routing = self._wakes, None, None
+            here = wakes.pop(self._loop, None) if self._loop is not None and _running_loop() is self._loop else None
+            if here:  # this loop's own waiters, set where they wait: no call_soon_threadsafe, no wake-up
+                for ready in here:
+                    ready.set()
             wake_loops(wakes)
 
     def _gone(self) -> None:
@@ -228,6 +274,14 @@ class ProcessEngine:
             left, self._tickets = list(self._tickets.values()), {}
         for t in left:
             t._push(Event(None, finish=finish))
+
+
+def _running_loop():
+    """The asyncio loop running in this thread, or None."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def packed(number: int, event: Event) -> tuple:
