@@ -6,6 +6,7 @@ the ranks tokenizer.json lists; `glassformer tokenize --steps` prints them; non-
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from hypothesis import given
@@ -203,3 +204,28 @@ def test_a_merge_that_makes_a_lower_rank_pair_goes_next():
         assert bpe_steps(tk, text).ids == tk.encode(text).ids
     assert [(m.rank, m.left, m.right) for m in bpe_steps(tk, "abab").chunks[0].merges] == [(1, b"a", b"b"), (0, b"ab", b"a")]
     assert tk.encode("abab").tokens == ["aba", "b"]
+
+
+@pytest.mark.parametrize("name", ["ours", "gpt2", "llama3"])
+@given(text=TEXTS)
+def test_encode_with_and_without_bpe_dropout(loaded, files, name, text):
+    """encode() is the library's ids with no dropout; with dropout, another segmentation into the same
+    vocabulary that decodes to the same text, the same for the same draws."""
+    tok, bpe, _ = loaded[name]
+    raw = HFTokenizer.from_file(str(files[name]))
+    assert bpe.encode(text) == raw.encode(text, add_special_tokens=False).ids
+    dropped = bpe.encode(text, 0.3, random.Random(1).random)
+    assert dropped == bpe.encode(text, 0.3, random.Random(1).random)
+    assert raw.decode(dropped, skip_special_tokens=False) == raw.decode(bpe.encode(text), skip_special_tokens=False)
+
+
+def test_bpe_dropout_segments_anew_and_leaves_out_merges_at_its_rate(loaded):
+    """At p = 0.5 words come out in smaller pieces, differently with other draws; at p close to 1
+    almost every chunk stays single bytes."""
+    tok, bpe, _ = loaded["ours"]
+    text = SAMPLE[:2000]
+    whole = bpe.encode(text)
+    half = [bpe.encode(text, 0.5, random.Random(s).random) for s in (1, 2)]
+    assert half[0] != half[1] and all(len(whole) < len(h) for h in half)
+    assert [tok.decode(h) for h in half] == [text, text]
+    assert len(bpe.encode(text, 0.999, random.Random(3).random)) > 0.98 * len(text.encode("utf-8"))

@@ -241,3 +241,39 @@ def test_default_corpus_split_is_reproducible(tmp_path):
         val_bytes = sum(len(tar.extractfile(members[f]).read().decode("utf-8").encode()) for f in meta["val_files"])
     assert meta["val_bytes"] == val_bytes
     assert meta["documents"] == {"train": len(meta["train_files"]), "val": len(meta["val_files"])}
+
+
+def test_bpe_dropout_writes_seeded_copies_of_the_training_split(tmp_path, prepared):
+    """--bpe-dropout P --dropout-copies K: train.bin is K encodings of the training text, each another
+    segmentation (seeded: the same folder again), val.bin and the tokenizer as without it."""
+    folder, _ = prepared
+    argv = ["prepare", "--corpus", str(folder.parent / "corpus.txt"), "--vocab-size", "400", "--context", "32",
+            "--bpe-dropout", "0.1", "--dropout-copies", "3"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0 and main([*argv, "--out", str(tmp_path / "b")]) == 0
+    a, plain = read_meta(tmp_path / "a"), read_meta(folder)
+    assert (a["bpe_dropout"], a["dropout_copies"], plain["bpe_dropout"], plain["dropout_copies"]) == (0.1, 3, 0.0, 1)
+    for name in ("val.bin", "tokenizer.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (folder / name).read_bytes()
+    assert (tmp_path / "a" / "train.bin").read_bytes() == (tmp_path / "b" / "train.bin").read_bytes()
+    raw = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    ids, once = load_split(tmp_path / "a", "train")[:].tolist(), load_split(folder, "train")[:].tolist()
+    assert a["train_tokens"] == len(ids) and a["train_bytes"] == 3 * plain["train_bytes"]
+    copies, start = [], 0
+    for end in [i for i, t in enumerate(ids) if t == a["eot_id"]]:  # one document a copy, each ending in eot
+        copies.append(ids[start:end])
+        start = end + 1
+    assert len(copies) == 3 and start == len(ids)
+    assert all(raw.decode(c) == raw.decode(once[:-1]) for c in copies)
+    assert len({tuple(c) for c in copies} | {tuple(once[:-1])}) == 4  # each its own segmentation
+    assert all(len(c) > len(once) - 1 for c in copies)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--bpe-dropout", "1"], "below 1"), (["--bpe-dropout", "-0.1"], "at least 0"),
+    (["--bpe-dropout", "0.1", "--dropout-copies", "0"], "at least 1"),
+])
+def test_bad_bpe_dropout_is_refused_before_reading(tmp_path, capsys, argv, match):
+    (tmp_path / "c.txt").write_text(corpus_text(3, 200))
+    assert not _bad(tmp_path, capsys, ["--corpus", str(tmp_path / "c.txt"), *argv], match).exists()
+    assert main(["prepare", "--chat", str(tmp_path / "c.jsonl"), "--bpe-dropout", "0.1", "--out", str(tmp_path / "o")]) == 2
+    assert "--bpe-dropout is for a text corpus" in capsys.readouterr().err

@@ -31,6 +31,13 @@ def add_arguments(p) -> None:
     p.add_argument("--add-chat-tokens", action="store_true",
                    help="add <|im_start|> and <|im_end|> to the tokenizer and, lacking a template, the default "
                         "ChatML template (--chat adds them whenever the tokenizer has no template)")
+    p.add_argument("--bpe-dropout", type=float, default=0.0, metavar="P",
+                   help="write the training split --dropout-copies times, each segmented with BPE-dropout of "
+                        "probability P (a merge left out with chance P at each step; val.bin stays the tokenizer's "
+                        "own): more varied training text for a small corpus seen many times over (default 0: off; "
+                        "docs/data.md#bpe-dropout)")
+    p.add_argument("--dropout-copies", type=int, default=6, metavar="K",
+                   help="with --bpe-dropout: how many encodings of the training split train.bin holds")
     p.add_argument("--progress", action="store_true", default=None,
                    help="always show progress bars (default: only on a terminal)" + NO_DEFAULT)
 
@@ -39,6 +46,7 @@ def run(args) -> int:
     import json
 
     from ..errors import UserError
+    from ..text.data import check_dropout
     from ..text.tokenizer import check_vocab_size
 
     tokenizer = None
@@ -48,9 +56,13 @@ def run(args) -> int:
         tokenizer = read_tokenizer(args.tokenizer, with_template=args.chat is not None or args.add_chat_tokens)
     elif args.vocab_size is not None:
         check_vocab_size(args.vocab_size)  # fail before reading any corpus
+    check_dropout(args.bpe_dropout, args.dropout_copies)
     if args.chat is not None:
         if args.corpus is not None:
             raise UserError("give either --chat (conversations) or --corpus (text), not both")
+        if args.bpe_dropout:
+            raise UserError("--bpe-dropout is for a text corpus: drop it with --chat (conversations keep the "
+                            "tokenizer's own segmentation, which their loss masks follow)")
         meta = prepare_conversations(args, tokenizer)
     else:
         from ..text.corpus import get_corpus
@@ -59,7 +71,8 @@ def run(args) -> int:
         corpus = get_corpus(args.corpus, args.val_fraction)
         meta = prepare(corpus, args.out, vocab_size=args.vocab_size, tokenizer=tokenizer,
                        context=args.context, tokenizer_sample_mb=args.tokenizer_sample_mb,
-                       show_progress=args.progress, add_chat_tokens=args.add_chat_tokens)
+                       show_progress=args.progress, add_chat_tokens=args.add_chat_tokens,
+                       bpe_dropout=args.bpe_dropout, dropout_copies=args.dropout_copies)
     keys = ("vocab_size", "dtype", "train_tokens", "val_tokens", "train_bytes", "val_bytes")
     print(f"wrote {args.out}: " + ", ".join(f"{k} {meta[k]}" for k in keys))
     print(json.dumps({k: meta[k] for k in keys}))

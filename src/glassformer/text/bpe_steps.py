@@ -87,6 +87,26 @@ def merge_all(symbols: list[str], ranks: dict[tuple[str, str], int]) -> tuple[li
         symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]  # two pieces -> one
 
 
+def merge_dropout(symbols: list[str], ranks: dict[tuple[str, str], int], p: float, draw) -> list[str]:
+    """BPE-dropout (Provilkov et al. 2020, arXiv:1910.13267): `merge_all`, except that at each merge
+    step every merge the pieces allow is left out with probability p (`draw()` is uniform in
+    [0, 1)); it stops when every one is left out. The pieces are another segmentation of the same
+    bytes, into tokens of the same vocabulary; p = 0 gives merge_all's.
+
+    >>> merge_dropout(list("aaab"), {("a", "a"): 0, ("a", "b"): 1}, 0.0, lambda: 0.5)
+    ['aa', 'ab']
+    >>> merge_dropout(list("aaab"), {("a", "a"): 0, ("a", "b"): 1}, 0.6, iter([0.1, 0.9, 0.0]).__next__)
+    ['a', 'aa', 'b']
+    """
+    symbols = list(symbols)
+    while True:
+        found = [(ranks[pair], i) for i, pair in enumerate(zip(symbols, symbols[1:])) if pair in ranks and draw() >= p]
+        if not found:
+            return symbols
+        _, i = min(found)
+        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]  # two pieces -> one
+
+
 def merge_ranks(merges: list, vocab: dict[str, int]) -> dict[tuple[str, str], int]:
     """(left, right) -> rank from tokenizer.json's merges ("a b" strings or [a, b] pairs); as in
     `tokenizers`, a pair listed twice keeps its last rank.
@@ -225,6 +245,29 @@ class ByteLevelBpe:
                 else:
                     chunks.extend(self.chunk(c) for c in self.pre_tokenize(part))
         return Steps([i for c in chunks for i in c.ids], chunks)
+
+    def encode(self, text: str, dropout: float = 0.0, draw=None) -> list[int]:
+        """The ids of `text`: the tokenizer's own (dropout 0), or a BPE-dropout segmentation of it
+        (`merge_dropout`, drawing from `draw`, e.g. a seeded random.Random's .random) that decodes to
+        the same text. Added tokens are matched whole as `steps` matches them; a chunk that is one
+        token under ignore_merges stays one."""
+        ids: list[int] = []
+        for piece, tid in split_added(text, self.raw_tokens):
+            if tid is not None:
+                ids.append(tid)
+                continue
+            for part, tid in split_added(self.normalize(piece), self.normalized_tokens):
+                if tid is not None:
+                    ids.append(tid)
+                    continue
+                for chunk in self.pre_tokenize(part):
+                    if self.ignore_merges and chunk in self.vocab:
+                        ids.append(self.vocab[chunk])
+                    elif dropout > 0:
+                        ids.extend(self.vocab[p] for p in merge_dropout(self.initial_symbols(chunk), self.ranks, dropout, draw))
+                    else:
+                        ids.extend(self.vocab[p] for p in merge_all(self.initial_symbols(chunk), self.ranks)[0])
+        return ids
 
     def pre_tokenize(self, part: str) -> list[str]:
         if self.tk.pre_tokenizer is None:

@@ -9,6 +9,7 @@ files, meta.json's keys and the batch rule: docs/data.md#the-prepared-folder, #b
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -190,8 +191,13 @@ def _chunk_batches(docs, stats, progress):
         yield batch, nbytes
 
 
-def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) -> tuple[int, int]:
+def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None, dropout: float = 0.0,
+                seed: int = 0, append: bool = False) -> tuple[int, int]:
     """Encode docs into a token file, each document followed by eot_id; (tokens, bytes).
+
+    dropout > 0: BPE-dropout (`bpe_steps.merge_dropout`) in place of the tokenizer's own ids, each
+    batch's draws seeded by (seed, the batch's number), so the same arguments write the same file.
+    append: add to the file instead of starting it.
 
     Streams: at most IN_FLIGHT + 1 batches of BATCH_CHUNKS text chunks and their ids are in
     memory, encoded by `tokenizers` in its own threads while this one reads and writes
@@ -205,10 +211,18 @@ def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) ->
     eot = np.asarray([] if tok.eot_id is None else [tok.eot_id], dtype=np_dtype)
     n_tokens = n_bytes = 0
 
-    def encode(texts: list[str]) -> list[np.ndarray]:
+    def encode(texts: list[str], number: int) -> list[np.ndarray]:
         # Runs in a worker: the batch's Encoding objects (tens of bytes a token) are freed here,
         # and only 2 or 4 bytes a token wait to be written.
+        if dropout > 0:
+            draw = random.Random(f"{seed}:{number}").random
+            return [np.asarray(bpe.encode(t, dropout, draw), dtype=np_dtype) for t in texts]
         return [np.asarray(e.ids, dtype=np_dtype) for e in tok.tk.encode_batch_fast(texts, add_special_tokens=False)]
+
+    if dropout > 0:
+        from .bpe_steps import ByteLevelBpe
+
+        bpe = ByteLevelBpe(tok)
 
     def write(f, batch, ids) -> int:
         parts = []
@@ -220,11 +234,11 @@ def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) ->
         flat.tofile(f)
         return len(flat)
 
-    with open(path, "wb") as f, ThreadPoolExecutor(IN_FLIGHT) as pool:
+    with open(path, "ab" if append else "wb") as f, ThreadPoolExecutor(IN_FLIGHT) as pool:
         pending: deque = deque()  # (batch, future of its ids), oldest first
-        for batch, nb in _chunk_batches(docs, stats, progress):
+        for number, (batch, nb) in enumerate(_chunk_batches(docs, stats, progress)):
             n_bytes += nb
-            pending.append((batch, pool.submit(encode, [t for t, _ in batch])))
+            pending.append((batch, pool.submit(encode, [t for t, _ in batch], number)))
             if len(pending) > IN_FLIGHT:
                 done, job = pending.popleft()
                 n_tokens += write(f, done, job.result())
@@ -236,13 +250,16 @@ def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None) ->
 
 def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer=None,
             context: int = 256, tokenizer_sample_mb: float = 256, show_progress: bool | None = None,
-            add_chat_tokens: bool = False) -> dict:
+            add_chat_tokens: bool = False, bpe_dropout: float = 0.0, dropout_copies: int = 6) -> dict:
     """Write a prepared data folder at `out` (atomically) and return its meta.json.
     corpus: a glassformer.corpus.Corpus. tokenizer: a Tokenizer to reuse; if None, byte-level
     BPE is trained on the training split alone, to vocab_size (default 2048). context: the
     longest window a model will draw; both splits must hold context+1 tokens. tokenizer_sample_mb:
     train the tokenizer on about this many MB, taken evenly (docs/data.md#streaming-and-exactness);
     add_chat_tokens: the chat tokens and default template too (docs/data.md#conversation-data).
+    bpe_dropout > 0: train.bin holds dropout_copies encodings of the training split, each with
+    BPE-dropout of that probability and seeded by its number; val.bin stays the tokenizer's own
+    (docs/data.md#bpe-dropout).
     """
     import sys
 
@@ -251,6 +268,7 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
 
     out = Path(out)
     vocab_size, train_size, val_size = _check_prepare(corpus, out, tokenizer, vocab_size, context, tokenizer_sample_mb)
+    check_dropout(bpe_dropout, dropout_copies)
     disable = None if show_progress is None else not show_progress  # None: show on a terminal only
     trained, sampled = tokenizer is None, None
     if trained:
@@ -264,8 +282,13 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
             tokenizer.save_folder(tmp)  # with tokenizer_config.json and the template
         else:
             tokenizer.save(tmp / "tokenizer.json")
-        counts = _encode_splits(tmp, corpus, tokenizer, context, stats, train_size + val_size, disable)
+        copies = dropout_copies if bpe_dropout > 0 else 1
+        if bpe_dropout > 0:
+            check_dropout_tokenizer(tokenizer)
+        counts = _encode_splits(tmp, corpus, tokenizer, context, stats, copies * train_size + val_size, disable,
+                                bpe_dropout, copies)
         meta.update(_prepared_meta(corpus, tokenizer, counts, context, trained, sampled, stats))
+        meta.update(bpe_dropout=bpe_dropout, dropout_copies=copies)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
     atomic_folder(out, write)
@@ -323,17 +346,49 @@ def _train_tokenizer(corpus, vocab_size: int, sample_mb: float, train_size: int,
     return tokenizer, sampled
 
 
-def _encode_splits(folder: Path, corpus, tokenizer, context: int, stats, total_bytes: int, disable) -> dict:
-    """train.bin and val.bin in folder; {split: (tokens, bytes)}, each split checked to hold context+1 tokens."""
+def check_dropout(p: float, copies: int) -> None:
+    """UserError unless 0 <= p < 1 and copies >= 1."""
+    if not 0 <= p < 1:
+        raise UserError(f"--bpe-dropout {p} must be at least 0 and below 1 (0.05 is a usual choice; 0 turns it off)")
+    if int(copies) != copies or copies < 1:
+        raise UserError(f"--dropout-copies {copies} must be a whole number of at least 1")
+
+
+def check_dropout_tokenizer(tokenizer) -> None:
+    """UserError unless BPE-dropout can segment with this tokenizer (a byte-level BPE, as ours or GPT-2's)."""
+    from .bpe_steps import check_byte_level_bpe
+
+    try:
+        check_byte_level_bpe(json.loads(tokenizer.tk.to_str()))
+    except UserError as e:
+        raise UserError(f"--bpe-dropout needs a byte-level BPE tokenizer: {str(e).split(':')[0]}; "
+                        "prepare without --bpe-dropout, or with a tokenizer of ours or GPT-2's kind") from None
+
+
+def _encode_splits(folder: Path, corpus, tokenizer, context: int, stats, total_bytes: int, disable,
+                   dropout: float = 0.0, copies: int = 1) -> dict:
+    """train.bin and val.bin in folder; {split: (tokens, bytes)}, each split checked to hold context+1 tokens.
+    With dropout, train.bin is `copies` BPE-dropout encodings of the training split one after another
+    (copy k seeded by k), its bytes counted in each."""
     import sys
 
     from tqdm import tqdm
 
+    from .corpus import DecodeStats
+
     dtype = dtype_for_vocab(tokenizer.vocab_size)
     counts = {}
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="encode", disable=disable, file=sys.stderr) as bar:
-        for split, docs in (("train", corpus.train), ("val", corpus.val)):
-            counts[split] = write_split(tokenizer, docs, folder / f"{split}.bin", dtype, stats, bar)
+        if dropout > 0:
+            tokens = nbytes = 0
+            for k in range(copies):  # the invalid UTF-8 counted once, in the first copy
+                t, b = write_split(tokenizer, corpus.train, folder / "train.bin", dtype, stats if k == 0 else DecodeStats(),
+                                   bar, dropout=dropout, seed=k, append=k > 0)
+                tokens, nbytes = tokens + t, nbytes + b
+            counts["train"] = (tokens, nbytes)
+        else:
+            counts["train"] = write_split(tokenizer, corpus.train, folder / "train.bin", dtype, stats, bar)
+        counts["val"] = write_split(tokenizer, corpus.val, folder / "val.bin", dtype, stats, bar)
     for split, (n_tok, _) in counts.items():
         if n_tok < context + 1:
             raise UserError(f"the {split} split has {n_tok} tokens, too few for a context of {context} (+1): "
