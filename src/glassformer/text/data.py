@@ -379,15 +379,12 @@ def _encode_splits(folder: Path, corpus, tokenizer, context: int, stats, total_b
     dtype = dtype_for_vocab(tokenizer.vocab_size)
     counts = {}
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="encode", disable=disable, file=sys.stderr) as bar:
-        if dropout > 0:
-            tokens = nbytes = 0
-            for k in range(copies):  # the invalid UTF-8 counted once, in the first copy
-                t, b = write_split(tokenizer, corpus.train, folder / "train.bin", dtype, stats if k == 0 else DecodeStats(),
-                                   bar, dropout=dropout, seed=k, append=k > 0)
-                tokens, nbytes = tokens + t, nbytes + b
-            counts["train"] = (tokens, nbytes)
-        else:
-            counts["train"] = write_split(tokenizer, corpus.train, folder / "train.bin", dtype, stats, bar)
+        tokens = nbytes = 0
+        for k in range(copies):  # invalid UTF-8 counted once, in the first copy
+            t, b = write_split(tokenizer, corpus.train, folder / "train.bin", dtype, stats if k == 0 else DecodeStats(),
+                               bar, dropout=dropout, seed=k, append=k > 0)
+            tokens, nbytes = tokens + t, nbytes + b
+        counts["train"] = (tokens, nbytes)
         counts["val"] = write_split(tokenizer, corpus.val, folder / "val.bin", dtype, stats, bar)
     for split, (n_tok, _) in counts.items():
         if n_tok < context + 1:
