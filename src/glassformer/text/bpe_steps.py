@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..errors import UserError
@@ -70,40 +71,29 @@ def bpe_steps(tokenizer, text: str) -> Steps:
 # ----------------------------------------------------------------------------- the merges
 
 
-def merge_all(symbols: list[str], ranks: dict[tuple[str, str], int]) -> tuple[list[str], list[tuple[int, str, str]]]:
+def merge_all(symbols: list[str], ranks: dict[tuple[str, str], int], dropout: float = 0.0,
+              draw=None) -> tuple[list[str], list[tuple[int, str, str]]]:
     """Merge the neighbouring pair of lowest rank (the leftmost on a tie) until no pair is a
     merge, as `tokenizers` does; returns the pieces left and each (rank, left, right) merged.
 
+    dropout > 0 is BPE-dropout (Provilkov et al. 2020, arXiv:1910.13267): at each merge step every
+    merge the pieces allow is left out with that probability (`draw()` is uniform in [0, 1)), and
+    it stops when every one is left out: another segmentation of the same bytes into tokens of the
+    same vocabulary.
+
     >>> merge_all(list("aaab"), {("a", "a"): 0, ("a", "b"): 1})
     (['aa', 'ab'], [(0, 'a', 'a'), (1, 'a', 'b')])
+    >>> merge_all(list("aaab"), {("a", "a"): 0, ("a", "b"): 1}, 0.6, iter([0.1, 0.9, 0.0]).__next__)[0]
+    ['a', 'aa', 'b']
     """
     symbols, done = list(symbols), []
     while True:
-        found = [(ranks[pair], i) for i, pair in enumerate(zip(symbols, symbols[1:])) if pair in ranks]
+        found = [(ranks[pair], i) for i, pair in enumerate(zip(symbols, symbols[1:]))
+                 if pair in ranks and not (dropout > 0 and draw() < dropout)]
         if not found:
             return symbols, done
         rank, i = min(found)
         done.append((rank, symbols[i], symbols[i + 1]))
-        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]  # two pieces -> one
-
-
-def merge_dropout(symbols: list[str], ranks: dict[tuple[str, str], int], p: float, draw) -> list[str]:
-    """BPE-dropout (Provilkov et al. 2020, arXiv:1910.13267): `merge_all`, except that at each merge
-    step every merge the pieces allow is left out with probability p (`draw()` is uniform in
-    [0, 1)); it stops when every one is left out. The pieces are another segmentation of the same
-    bytes, into tokens of the same vocabulary; p = 0 gives merge_all's.
-
-    >>> merge_dropout(list("aaab"), {("a", "a"): 0, ("a", "b"): 1}, 0.0, lambda: 0.5)
-    ['aa', 'ab']
-    >>> merge_dropout(list("aaab"), {("a", "a"): 0, ("a", "b"): 1}, 0.6, iter([0.1, 0.9, 0.0]).__next__)
-    ['a', 'aa', 'b']
-    """
-    symbols = list(symbols)
-    while True:
-        found = [(ranks[pair], i) for i, pair in enumerate(zip(symbols, symbols[1:])) if pair in ranks and draw() >= p]
-        if not found:
-            return symbols
-        _, i = min(found)
         symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]  # two pieces -> one
 
 
@@ -234,40 +224,36 @@ class ByteLevelBpe:
         self.normalized_tokens = {norm(a.content): (i, a) for i, a in added if a.normalized and norm(a.content)}
 
     def steps(self, text: str) -> Steps:
-        chunks = []
-        for piece, tid in split_added(text, self.raw_tokens):
-            if tid is not None:
-                chunks.append(Chunk(piece, piece.encode("utf-8"), [], [tid], added=True))
-                continue
-            for part, tid in split_added(self.normalize(piece), self.normalized_tokens):
-                if tid is not None:
-                    chunks.append(Chunk(part, part.encode("utf-8"), [], [tid], added=True))
-                else:
-                    chunks.extend(self.chunk(c) for c in self.pre_tokenize(part))
+        chunks = [Chunk(piece, piece.encode("utf-8"), [], [tid], added=True) if tid is not None else self.chunk(piece)
+                  for piece, tid in self.pieces(text)]
         return Steps([i for c in chunks for i in c.ids], chunks)
 
     def encode(self, text: str, dropout: float = 0.0, draw=None) -> list[int]:
         """The ids of `text`: the tokenizer's own (dropout 0), or a BPE-dropout segmentation of it
-        (`merge_dropout`, drawing from `draw`, e.g. a seeded random.Random's .random) that decodes to
-        the same text. Added tokens are matched whole as `steps` matches them; a chunk that is one
-        token under ignore_merges stays one."""
+        (`merge_all`'s dropout, drawing from `draw`, e.g. a seeded random.Random's .random) that
+        decodes to the same text."""
         ids: list[int] = []
+        for piece, tid in self.pieces(text):
+            ids.extend([tid] if tid is not None else self.chunk_ids(piece, dropout, draw))
+        return ids
+
+    def chunk_ids(self, piece: str, dropout: float = 0.0, draw=None) -> list[int]:
+        """`chunk(piece).ids` without the record of its merges (prepare's BPE-dropout runs this per chunk)."""
+        if self.ignore_merges and piece in self.vocab:
+            return [self.vocab[piece]]
+        return [self.vocab[p] for p in merge_all(self.initial_symbols(piece), self.ranks, dropout, draw)[0]]
+
+    def pieces(self, text: str) -> Iterator[tuple[str, int | None]]:
+        """`text` as the model sees it: (added token, its id) matched whole, and (pre-tokenizer chunk, None)."""
         for piece, tid in split_added(text, self.raw_tokens):
             if tid is not None:
-                ids.append(tid)
+                yield piece, tid
                 continue
             for part, tid in split_added(self.normalize(piece), self.normalized_tokens):
                 if tid is not None:
-                    ids.append(tid)
-                    continue
-                for chunk in self.pre_tokenize(part):
-                    if self.ignore_merges and chunk in self.vocab:
-                        ids.append(self.vocab[chunk])
-                    elif dropout > 0:
-                        ids.extend(self.vocab[p] for p in merge_dropout(self.initial_symbols(chunk), self.ranks, dropout, draw))
-                    else:
-                        ids.extend(self.vocab[p] for p in merge_all(self.initial_symbols(chunk), self.ranks)[0])
-        return ids
+                    yield part, tid
+                else:
+                    yield from ((c, None) for c in self.pre_tokenize(part))
 
     def pre_tokenize(self, part: str) -> list[str]:
         if self.tk.pre_tokenizer is None:

@@ -195,7 +195,7 @@ def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None, dr
                 seed: int = 0, append: bool = False) -> tuple[int, int]:
     """Encode docs into a token file, each document followed by eot_id; (tokens, bytes).
 
-    dropout > 0: BPE-dropout (`bpe_steps.merge_dropout`) in place of the tokenizer's own ids, each
+    dropout > 0: BPE-dropout (`bpe_steps.merge_all` with dropout) in place of the tokenizer's own ids, each
     batch's draws seeded by (seed, the batch's number), so the same arguments write the same file.
     append: add to the file instead of starting it.
 
