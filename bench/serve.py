@@ -24,6 +24,7 @@ client share the machine.
         [--repeat R] [--client aiohttp|httpx] [--lockstep]
     --repeat R: each measurement R times over, one after another (default: until one stream has made 256 tokens)
     --lockstep: each stream's next request waits for every stream's request before (the old default)
+    --engine process@0,process@5: the process engine served with --stream-interval-ms 0 and 5, side by side
 """
 
 from __future__ import annotations
@@ -93,12 +94,14 @@ def prompts(tok, n: int, length: int) -> list[list[int]]:
 class Served:
     """`glassformer serve --engine ENGINE` in its own process, with `threads` torch threads."""
 
-    def __init__(self, folder: Path, threads: int, max_batch: int, compile: bool, engine: str):
+    def __init__(self, folder: Path, threads: int, max_batch: int, compile: bool, engine: str,
+                 stream_interval_ms: float | None = None):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO / "src")}
         env.pop("GLASSFORMER_API_KEY", None)
         cmd = [sys.executable, "-m", "glassformer", "serve", "--checkpoint", str(folder), "--port", "0",
                "--model-name", "bench", "--max-batch", str(max_batch), "--engine", engine] + \
-            (["--compile"] if compile else [])
+            (["--compile"] if compile else []) + \
+            ([] if stream_interval_ms is None else ["--stream-interval-ms", str(stream_interval_ms)])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()
         found = re.fullmatch(r"serving bench at (\S+)\n", line)
@@ -399,7 +402,9 @@ def bench_shape(name: str, shape: dict, text: str, args) -> dict:
                                env={**os.environ, "PYTHONPATH": str(REPO / "src")})
                 llama = LlamaServer(args.llama_server, gguf, args.threads, 8, P + n + 8)
             for e in args.engine:
-                servers[e] = Served(Path(tmp) / name, args.server_threads, max(args.streams), args.compile, e)
+                kind, _, interval = e.partition("@")  # process@MS: --stream-interval-ms MS
+                servers[e] = Served(Path(tmp) / name, args.server_threads, max(args.streams), args.compile, kind,
+                                    float(interval) if interval else None)
                 for k in sorted(set([1, 2, 4, 8, 16] if args.compile else [1]) | {max(args.streams)}):
                     asyncio.run(streams(servers[e].url, rows[:k], 4))  # warm-up (with --compile: every batch bucket)
             res = {"shape": {**shape, "vocab_size": tok.vocab_size}, "prompt_tokens": P, "new_tokens": n,
@@ -465,7 +470,8 @@ def main() -> None:
                          "at 1 and 8 streams, same prompts, lengths and threads")
     ap.add_argument("--compile", action="store_true", help="serve with --compile (every batch bucket warmed first)")
     ap.add_argument("--engine", default="thread,process",
-                    help="the engines to serve with, side by side in the same rounds (glassformer serve --engine)")
+                    help="the engines to serve with, side by side in the same rounds (glassformer serve --engine); "
+                         "process@MS serves with --stream-interval-ms MS (e.g. process@0,process@5)")
     ap.add_argument("--client", default="aiohttp", choices=["aiohttp", "httpx"],
                     help="the streaming client: aiohttp (a third of httpx's CPU a chunk), or httpx to compare")
     ap.add_argument("--repeat", type=int, default=0,
@@ -479,8 +485,8 @@ def main() -> None:
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
     args.engine = args.engine.split(",")
-    if not set(args.engine) <= {"thread", "process"}:
-        ap.error(f"--engine: thread and/or process, got {','.join(args.engine)}")
+    if not {e.partition("@")[0] for e in args.engine} <= {"thread", "process"}:
+        ap.error(f"--engine: thread and/or process (process@MS: with --stream-interval-ms MS), got {','.join(args.engine)}")
     if args.quick:
         args.rounds, args.new_tokens = 2, 32
     global CLIENT, LOCKSTEP

@@ -14,7 +14,10 @@ contenders; reported: the best round of each and, per round, each against that r
 layer to the next is what that layer costs.
 
     python bench/serve_overhead.py [--shape demo|reference] [--rounds 7] [--repeat 6] [--new-tokens 48]
-        [--prompt-tokens 16]
+        [--prompt-tokens 16] [--stream-interval MS[,MS...]]
+
+--stream-interval 0,5 runs the process and http layers twice, as process@0 / http@0 (the engine's
+process sends a message every step) and process@5 / http@5 (at most every 5 ms; the default is 20).
 """
 
 from __future__ import annotations
@@ -42,16 +45,19 @@ from glassformer.generation.batching import Engine, Request  # noqa: E402
 from glassformer.serve.worker import ProcessEngine  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-ORDER = ["generate", "stepped", "thread", "process", "http"]
 
 
-def contenders(model, tok, folder: Path, ids: list[int], n: int):
+def contenders(model, tok, folder: Path, ids: list[int], n: int, intervals: list[float]):
     """name -> a callable answering once (greedy, n tokens, stopping where the server stops), and the
-    things to stop afterwards."""
+    things to stop afterwards. With more than one stream interval (ms), the process and http layers
+    once for each, named process@MS and http@MS."""
     stop = list(tok.eos_ids)
     stepped, thread = Engine(model, max_batch=16), Engine(model, max_batch=16).start()
-    process = ProcessEngine(functools.partial(load, folder), max_batch=16, threads=1).start().wait_ready()
-    server = served.Served(folder, 1, 16, False, "process")
+    tag = (lambda name, ms: f"{name}@{ms:g}") if len(intervals) > 1 else (lambda name, ms: name)
+    processes = {tag("process", ms): ProcessEngine(functools.partial(load, folder), max_batch=16, threads=1,
+                                                   stream_interval=ms / 1e3).start().wait_ready()
+                 for ms in intervals}
+    servers = {tag("http", ms): served.Served(folder, 1, 16, False, "process", ms) for ms in intervals}
 
     def by_events(engine) -> list[int]:
         return [e.token for e in engine.submit(Request(ids, n, temperature=0, stop_ids=stop)).events()
@@ -63,13 +69,15 @@ def contenders(model, tok, folder: Path, ids: list[int], n: int):
             pass
         return [e.token for e in ticket._events if e.token is not None]
 
-    async def http_once(client) -> int:
-        return (await served.one_stream(client, server.url, ids, n))["tokens"]
+    async def http_once(url: str, client) -> int:
+        return (await served.one_stream(client, url, ids, n))["tokens"]
 
     fns = {"generate": lambda: list(generate(model, ids, max_new_tokens=n, greedy=True, stop=stop)),
            "stepped": by_steps, "thread": functools.partial(by_events, thread),
-           "process": functools.partial(by_events, process), "http": http_once}
-    return fns, (thread.stop, process.stop, server.stop), server
+           **{k: functools.partial(by_events, p) for k, p in processes.items()},
+           **{k: functools.partial(http_once, server.url) for k, server in servers.items()}}
+    urls = {k: server.url for k, server in servers.items()}
+    return fns, (thread.stop, *(p.stop for p in processes.values()), *(v.stop for v in servers.values())), urls
 
 
 def timed(fn, repeat: int) -> float:
@@ -101,6 +109,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--text", default=str(served.DEFAULT_TEXT))
+    ap.add_argument("--stream-interval", default="20", metavar="MS[,MS...]",
+                    help="the process engine's and the server's stream interval in ms (--stream-interval-ms); "
+                         "several: each layer once for each, side by side")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -110,35 +121,39 @@ def main() -> None:
         served.build(served.SHAPES[args.shape], Path(args.text).read_text(encoding="utf-8"), folder)
         model, tok = load(folder)
         ids = served.prompts(tok, 1, args.prompt_tokens)[0]
-        fns, stops, server = contenders(model, tok, folder, ids, args.new_tokens)
+        intervals = [float(v) for v in args.stream_interval.split(",")]
+        fns, stops, urls = contenders(model, tok, folder, ids, args.new_tokens, intervals)
+        order = list(fns)
         try:
             want = fns["generate"]()  # warm-up, and every layer's answer checked against generate's
-            for name in ORDER[1:-1]:
-                assert fns[name]() == want, f"{name}: other tokens than generate's"
-            assert asyncio.run(http_tokens(fns["http"], server.url)) == len(want), "http: another token count"
-            for name in ORDER:
-                asyncio.run(timed_http(fns[name], server.url, 2)) if name == "http" else timed(fns[name], 2)
+            for name in order[1:]:
+                if name in urls:
+                    assert asyncio.run(http_tokens(fns[name], urls[name])) == len(want), f"{name}: another token count"
+                else:
+                    assert fns[name]() == want, f"{name}: other tokens than generate's"
+            for name in order:
+                asyncio.run(timed_http(fns[name], urls[name], 2)) if name in urls else timed(fns[name], 2)
             rounds = []
             for r in range(args.rounds):
-                got = {name: asyncio.run(timed_http(fns[name], server.url, args.repeat)) if name == "http"
-                       else timed(fns[name], args.repeat) for name in ORDER}
+                got = {name: asyncio.run(timed_http(fns[name], urls[name], args.repeat)) if name in urls
+                       else timed(fns[name], args.repeat) for name in order}
                 rounds.append(got)
                 print(f"round {r + 1}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in got.items()) + " ms an answer",
                       flush=True)
         finally:
             for s in stops:
                 s()
-    best = {k: min(r[k] for r in rounds) for k in ORDER}
-    paired = {k: statistics.median(r[k] / r["generate"] - 1 for r in rounds) for k in ORDER}
+    best = {k: min(r[k] for r in rounds) for k in order}
+    paired = {k: statistics.median(r[k] / r["generate"] - 1 for r in rounds) for k in order}
     print(f"\n{args.shape}: {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, one thread, "
           f"{args.rounds} rounds of {args.repeat} answers")
-    for k in ORDER:
-        print(f"  {k:>8}: best {best[k] * 1e3:7.2f} ms an answer ({best[k] / best['generate'] - 1:+.1%} against generate's best); "
+    for k in order:
+        print(f"  {k:>10}: best {best[k] * 1e3:7.2f} ms an answer ({best[k] / best['generate'] - 1:+.1%} against generate's best); "
               f"median of each round's own {paired[k]:+.1%}")
     write_json(args.out or RESULTS / f"serve_overhead_{args.shape}.json", {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "shape": args.shape, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-        "repeat": args.repeat, "rounds": rounds, "best_s": best, "paired_median_overhead": paired})
+        "repeat": args.repeat, "stream_interval_ms": intervals, "rounds": rounds, "best_s": best, "paired_median_overhead": paired})
 
 
 if __name__ == "__main__":

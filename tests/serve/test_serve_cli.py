@@ -31,9 +31,12 @@ def test_a_non_loopback_bind_without_a_key_refuses_to_start(argv, capsys, monkey
     assert err.startswith("error: ") and ("--api-key" in err) and "Traceback" not in err
 
 
-def test_bad_flags_are_refused_before_anything_listens(capsys, tmp_path):
-    assert main(["serve", "--checkpoint", str(tmp_path), "--max-batch", "0"]) == 2
-    assert "--max-batch must be >= 1" in capsys.readouterr().err
+@pytest.mark.parametrize("flag, value, says", [("--max-batch", "0", "--max-batch must be >= 1"),
+                                               ("--stream-interval-ms", "-1", "--stream-interval-ms must be between")])
+def test_bad_flags_are_refused_before_anything_listens(flag, value, says, capsys, tmp_path):
+    assert main(["serve", "--checkpoint", str(tmp_path), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
 
 
 def test_health_is_503_while_loading():

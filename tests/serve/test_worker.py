@@ -28,8 +28,9 @@ from glassformer.cli import main
 from glassformer.errors import UserError
 from glassformer.generation import generate
 from glassformer.generation.batching import ContextLengthExceeded, Request
+from glassformer.serve import worker
 
-from ..support import REPO, synthetic_text, tiny_checkpoint
+from ..support import REPO, synthetic_text, tiny_checkpoint, tiny_model
 from .served import KEY, NAME, Served, failing_hook, tokenizer
 
 
@@ -74,6 +75,55 @@ def test_submit_time_checks_are_answered_in_the_parent(fragile):
         engine.submit(Request([fragile.model.config.vocab_size], 2))
     empty = engine.submit(Request([1, 2], 0))  # nothing to compute: answered here, the child never sees it
     assert [e.finish for e in empty.events(timeout=5)] == ["length"] and engine.steps == steps
+
+
+class _Pipe:
+    """The child's end of its pipe to the parent: each message kept with the (test's) clock at its send."""
+
+    def __init__(self, clock):
+        self.clock, self.sent = clock, []
+
+    def send(self, message) -> None:
+        self.sent.append((self.clock[0], message))
+
+
+@pytest.mark.parametrize("interval", [0.0, 0.02])
+def test_the_childs_messages_come_at_most_every_stream_interval(interval):
+    """The child sends a step's events at once when they hold a request's first token or its end, and
+    otherwise waits until `stream_interval` has passed since its last message, so one message carries
+    several steps' tokens (each message wakes the server: docs/benchmarks.md#serve); interval 0 is a
+    message every step. Stepped here by hand, a step taking 5 ms of the test's clock; a second request
+    joins at the sixth step."""
+    model = tiny_model(vocab_size=300)
+    first, second = ([5, 6, 7, 8], 24), ([9, 10], 8)
+    want = {k: list(generate(model, ids, max_new_tokens=n, greedy=True)) for k, (ids, n) in ((1, first), (2, second))}
+    clock = [100.0]
+    pipe = _Pipe(clock)
+    engine = worker.ChildEngine(model, None, pipe, max_batch=2, stream_interval=interval)
+    engine.clock = lambda: clock[0]
+    engine._accept(1, Request(*first, temperature=0))
+    steps, stepped_at = 0, []
+    while engine.step():
+        stepped_at.append(clock[0])
+        steps += 1
+        clock[0] += 0.005
+        if steps == 6:
+            joined = clock[0]
+            engine._accept(2, Request(*second, temperature=0))
+    sent = [(t, m[4]) for t, m in pipe.sent if m[4]]  # (time, [(number, token, finish), ...]) with events
+    for k in (1, 2):
+        mine = [(t, worker.unpacked(item)) for t, items in sent for item in items if item[0] == k]
+        assert [e.token for _, e in mine if e.token is not None] == want[k]  # all, in order
+        assert mine[-1][1].finish == "length"
+        assert mine[0][0] == (100.0 if k == 1 else joined)  # the first token sent after the step that made it
+        assert mine[-1][0] in stepped_at  # and the end too
+    if interval == 0:
+        assert len(sent) == steps  # a message a step
+    else:
+        urgent = {t for t, items in sent if any(it[2] is not None for it in items)} | {100.0, joined}
+        waited = [b - a for (a, _), (b, _) in zip(sent, sent[1:]) if b not in urgent]
+        assert waited and all(gap >= interval - 1e-9 for gap in waited), waited
+        assert len(sent) < steps / 2  # about one message for every 4 steps here
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's switch counts of one thread")

@@ -38,6 +38,9 @@ def add_arguments(p) -> None:
                    help="where the model runs: 'process' (default) a process of its own, so HTTP work never waits "
                         "on the forward's interpreter lock; 'thread' a thread of the server's process (what "
                         "--explorer runs, its traces taking turns with the engine on the one model)")
+    p.add_argument("--stream-interval-ms", type=float, default=20.0, metavar="MS",
+                   help="the engine's process sends the tokens it made at most every MS milliseconds (a request's "
+                        "first token and its last at once; 0: every step): docs/serve.md#the-engines-process")
     p.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
     p.add_argument("--threads", type=int, default=0,
                    help="the engine's torch threads on the CPU (0: as OMP_NUM_THREADS says if set, else one less than "
@@ -86,6 +89,8 @@ def _check(args) -> None:
         raise UserError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if not 0 <= args.stream_interval_ms <= 1000:
+        raise UserError(f"--stream-interval-ms must be between 0 and 1000, got {args.stream_interval_ms:g}")
     if args.threads < 0:
         raise UserError(f"--threads must be >= 1 (or 0 for the default), got {args.threads}")
     quantize_method(args)  # a bad --quantize fails before anything listens
@@ -139,7 +144,8 @@ def _process_engine(args, backend, loop) -> object:
     from .generate import _load_model
 
     options = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})  # (picklable)
-    engine = ProcessEngine(functools.partial(_load_model, options), **_sizes(args)).start(loop=loop)
+    engine = ProcessEngine(functools.partial(_load_model, options), **_sizes(args),
+                           stream_interval=args.stream_interval_ms / 1e3).start(loop=loop)
     try:
         engine.wait_ready()
     except BaseException:

@@ -6,8 +6,9 @@ Why: with the engine on a thread of the server's process, its decode step took 1
 between the forward's many small operations and the thread taking each token. Here a child process
 (the "spawn" start method: safe with torch and CUDA) loads the checkpoint itself through the loader
 it is given (a picklable callable, e.g. the one `glassformer serve` loads with), builds the same
-`generation.batching.Engine` and runs its loop. Requests and cancels go down a pipe; each step's
-events come back up another as one message, which is handed to the tickets (`batching.Ticket`, the
+`generation.batching.Engine` and runs its loop. Requests and cancels go down a pipe; the steps'
+events come back up another, a message at most every few milliseconds while streaming
+(`ChildEngine`: a request's first and last events at once), which is handed to the tickets (`batching.Ticket`, the
 same blocking and asyncio iterators), waking each event loop once per message. Who reads that pipe: a
 reader thread here, or, given `start(loop=...)`, that asyncio loop itself (`loop.add_reader`), as
 `glassformer serve` does: its HTTP side then takes each step's events on the loop that streams them,
@@ -42,6 +43,7 @@ __all__ = ["ProcessEngine"]
 log = logging.getLogger(__name__)
 
 STATS_EVERY = 0.25  # seconds between the child's full stats (its counts ride on every message)
+STREAM_INTERVAL = 0.02  # seconds: the child's messages come at most this often while it streams (ChildEngine)
 STOP_WAIT = 30.0  # seconds the child gets to end its requests and exit before it is terminated
 
 
@@ -49,16 +51,21 @@ class ProcessEngine:
     """`Engine`'s interface (submit, stats, start, stop) over an Engine in a child process.
 
     `load()` runs in the child and returns the model, or (model, tokenizer); `threads` is the
-    child's torch thread count (default: this process's). `config` and `tokenizer` are the
-    child's once `wait_ready()` returns; `on_exit` is called if the child exits unasked."""
+    child's torch thread count (default: this process's); `stream_interval` the least time in
+    seconds between two of the child's messages while it streams (ChildEngine; 0: one a step).
+    `config` and `tokenizer` are the child's once `wait_ready()` returns; `on_exit` is called if
+    the child exits unasked."""
 
     def __init__(self, load, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256,
-                 compile: bool = False, threads: int | None = None):
+                 compile: bool = False, threads: int | None = None, stream_interval: float = STREAM_INTERVAL):
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
             if int(v) != v or v < 1:
                 raise UserError(f"{name} must be an integer >= 1, got {v}")
+        if not 0 <= stream_interval <= 1:
+            raise UserError(f"stream_interval must be between 0 and 1 second, got {stream_interval}")
         self.load, self.max_batch, self.max_queue = load, max_batch, max_queue
-        self.sizes = dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk, compile=compile)
+        self.sizes = dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk, compile=compile,
+                          stream_interval=stream_interval)
         self.threads = torch.get_num_threads() if threads is None else int(threads)
         self.config = self.tokenizer = self.process = self.on_exit = None
         self.steps = 0  # the child's engine steps, as of its last message
@@ -331,11 +338,24 @@ def _watch_parent(parent: int) -> None:
 
 class ChildEngine(Engine):
     """The Engine of the child: requests and cancels from the pipe (`serve`), its events sent back
-    once a step (or at once when pushed outside a step: a queued request's cancel, a stop, a failure)."""
+    after a step at most every `stream_interval` seconds, and at once when a step made a request's
+    first event or its last (time to first token and the end are never held back) or when pushed
+    outside a step (a queued request's cancel, a stop, a failure).
 
-    def __init__(self, model, inbox, conn, **sizes):
+    Why not a message every step: each costs the engine far more than its send. On the demo model
+    (a step about 1 ms) a message a step made one stream's answer 13-15% slower than `generate` and
+    one message an answer 2-4%: the send wakes the server's loop on the other core, and the HTTP
+    work that sets off runs beside the forward (bench/serve_overhead.py --stream-interval,
+    docs/benchmarks.md#serve). A row's tokens made meanwhile go together in the next message, in order."""
+
+    def __init__(self, model, inbox, conn, *, stream_interval: float = STREAM_INTERVAL, **sizes):
         super().__init__(model, **sizes)
         self.inbox, self.conn = inbox, conn
+        self.stream_interval = stream_interval
+        self.clock = time.monotonic  # (a test's own clock)
+        self._sent_at = 0.0  # the clock at the last message
+        self._urgent = False  # an event to send after this step whatever the interval: a first or a last
+        self._quiet: set[int] = set()  # request numbers with no event sent yet
         self._out: list[tuple[int, Event]] = []  # (request number, event) since the last message
         self._out_lock = threading.Lock()
         self._live: dict[int, Ticket] = {}  # request number -> its ticket, until its last event
@@ -368,7 +388,8 @@ class ChildEngine(Engine):
             return super().step()
         finally:
             self._stepping = None
-            self._flush()
+            if self._urgent or self.clock() - self._sent_at >= self.stream_interval:
+                self._flush()
 
     def _accept(self, number: int, request: Request) -> None:
         """Submit one request; its events go to the pipe. Under the engine's lock, so no step admits it
@@ -381,6 +402,7 @@ class ChildEngine(Engine):
                 log.error("a request was refused in the engine's process: %s", e)
                 return self._outbound(number, Event(None, finish="error"))
             self._live[number] = ticket
+            self._quiet.add(number)
             early = list(ticket._events)  # pushed inside submit (nothing to compute)
             ticket._push = functools.partial(self._outbound, number)
         for ev in early:
@@ -392,6 +414,9 @@ class ChildEngine(Engine):
             return  # ended already (a cancel racing the last token)
         with self._out_lock:
             self._out.append((number, event))
+            if event.finish is not None or number in self._quiet:
+                self._urgent = True
+                self._quiet.discard(number)
         if event.finish is not None:
             self._live.pop(number, None)
         if self._stepping != threading.get_ident():
@@ -399,15 +424,15 @@ class ChildEngine(Engine):
 
     def _flush(self) -> None:
         """One message: the counts, the events since the last one, the stats now and then."""
-        now = time.monotonic()
+        now = self.clock()
         stats = None
         if now - self._stats_at >= STATS_EVERY:
             stats, self._stats_at = self.stats, now  # (takes the engine's lock: before _out_lock, never inside)
         with self._out_lock:
-            out, self._out = self._out, []
+            out, self._out, self._urgent = self._out, [], False
             if not out and stats is None and self._sent == (self.steps, self._taken):
                 return
-            self._sent = (self.steps, self._taken)
+            self._sent, self._sent_at = (self.steps, self._taken), now
             try:
                 self.conn.send(("events", self.steps, self._taken, len(self.queue), [packed(*o) for o in out], stats))
             except (OSError, ValueError):  # the parent is gone: serve() sees the end of file
