@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from glassformer.generation import generate
+from glassformer.serve import sse
 from glassformer.text.tokenizer import Tokenizer
 
 from ..support import synthetic_text
@@ -367,3 +368,22 @@ def test_ids_past_the_tokenizers_vocabulary_have_no_text():
     lp = CompletionLogprobs(tok)
     lp.add(past, -1.0, [(past, -1.0)])
     assert lp.take()["tokens"] == [""]
+
+
+def test_events_ready_together_go_out_in_one_write():
+    """sse.events joins the events whose chunks are ready without waiting (`more()`): a message's burst
+    of tokens is one write; the bytes are the same as one event a write."""
+    chunks = [{"i": 0}, {"i": 1}, {"i": 2}, {"i": 3}]
+    ready = iter([True, False, True, True])  # asked after each chunk: is the next one ready already?
+
+    async def source():
+        for c in chunks:
+            yield c
+
+    async def written(more):
+        return [part async for part in sse.events(source(), lambda e: {}, more)]
+
+    joined, single = asyncio.run(written(lambda: next(ready))), asyncio.run(written(None))
+    assert b"".join(joined) == b"".join(single) == b"".join(sse.event(c) for c in chunks) + sse.DONE
+    assert joined == [sse.event(chunks[0]) + sse.event(chunks[1]), sse.event(chunks[2]) + sse.event(chunks[3]) + sse.DONE]
+    assert len(single) == 5

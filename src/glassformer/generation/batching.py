@@ -179,6 +179,11 @@ class Ticket:
         if waiters:
             self._engine._wake(waiters)
 
+    @property
+    def pending(self) -> bool:
+        """Whether an event has come that no iterator has taken yet."""
+        return bool(self._events)
+
     def _pop(self) -> Event | None:
         with self._cond:
             return self._events.popleft() if self._events else None

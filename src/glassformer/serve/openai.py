@@ -278,7 +278,8 @@ class _Stream(StreamingResponse):
     the client left before the first chunk (then the chunks' generator never ran its own cleanup)."""
 
     def __init__(self, chunks, replies: list[Reply]):
-        super().__init__(sse.events(chunks, _stream_error), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        more = lambda: any(r.ticket.pending for r in replies)  # noqa: E731
+        super().__init__(sse.events(chunks, _stream_error, more), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
         self.replies = replies
 
     async def __call__(self, scope, receive, send) -> None:

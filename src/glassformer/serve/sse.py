@@ -23,11 +23,20 @@ def event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
-async def events(chunks: AsyncIterator[dict], on_error) -> AsyncIterator[bytes]:
-    """The chunks as events, then [DONE]; an exception becomes the error event `on_error(exc)` gives."""
+async def events(chunks: AsyncIterator[dict], on_error, more=None) -> AsyncIterator[bytes]:
+    """The chunks as events, then [DONE]; an exception becomes the error event `on_error(exc)` gives.
+
+    `more()` says whether the next chunk is ready without waiting (its tokens have come): while it
+    is, events are gathered and written together, so the tokens that came in one message of the
+    engine go out in one write, not one each (docs/serve.md#streaming)."""
+    held: list[bytes] = []
     try:
         async for chunk in chunks:
-            yield event(chunk)
+            held.append(event(chunk))
+            if more is None or not more():
+                yield b"".join(held)
+                held = []
     except Exception as e:  # noqa: BLE001 -- the client gets an error object, never a traceback
-        yield event(on_error(e))
-    yield DONE
+        held.append(event(on_error(e)))
+    held.append(DONE)
+    yield b"".join(held)
