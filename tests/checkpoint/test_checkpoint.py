@@ -83,9 +83,13 @@ def test_a_checkpoint_written_before_the_one_forward_change_gives_identical_logi
     data = REPO / "tests" / "data"
     model, _ = glassformer.load(data / "tiny_checkpoint_v1")
     ref = load_file(data / "tiny_checkpoint_v1_logits.safetensors")
+    # The reference logits were computed on another CPU: the library's matrix products pick their
+    # kernels by the chip, and another summation order moves float32 logits of magnitude ~4 by a few
+    # units in the last place (seen: 1.7e-6 on an AVX-512 chip where the writing machine gave them bit
+    # for bit). A change to the forward itself moves them by orders of magnitude more.
     with torch.no_grad():
         logits, _ = model.eval()(ref["ids"])
-    assert torch.equal(logits, ref["logits"])
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
     with torch.enable_grad():  # the training path's kernels too (the formula RMSNorm, the fused QKV)
         train_logits, _ = model(ref["ids"])
-    torch.testing.assert_close(train_logits.detach(), ref["logits"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(train_logits.detach(), ref["logits"], rtol=0, atol=1e-5)

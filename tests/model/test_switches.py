@@ -236,9 +236,11 @@ def test_config_round_trips_and_old_configs_get_the_defaults():
     assert (back.qk_norm, back.logit_softcap, back.value_embeddings) == (False, None, False)
 
 
-def test_an_old_checkpoint_gives_bitwise_the_same_logits():
+def test_an_old_checkpoint_gives_the_same_logits():
     """tests/data/tiny_checkpoint_v1's config.json predates the switches: they default off, and
-    its logits stay bitwise those it was saved with."""
+    its logits stay those it was saved with (bitwise on the machine that wrote them; within a few
+    units in the last place on a chip whose matrix-product kernels sum in another order:
+    tests/checkpoint/test_checkpoint.py)."""
     from safetensors.torch import load_file
 
     import glassformer
@@ -249,7 +251,7 @@ def test_an_old_checkpoint_gives_bitwise_the_same_logits():
     ref = load_file(data / "tiny_checkpoint_v1_logits.safetensors")
     with torch.no_grad():
         logits, _ = model.eval()(ref["ids"])
-    assert torch.equal(logits, ref["logits"])
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
 
 
 def test_the_logit_lens_ends_at_the_capped_logits():

@@ -212,7 +212,9 @@ def test_cli_trace_writes_a_strict_trace_file(tmp_path, capsys):
     assert "blocks.1.attn.tiles" in d["probes"] and "blocks.1.attn.wq.weight" in d["weights"]
     assert set(d["analysis"]) >= {"norm_rms", "head_summary", "logit_lens", "decode_step", "flash_walkthrough"}
     t = trace(m, ids, layers=[1])
-    assert torch.allclose(Trace.from_dict(d)["blocks.1.ffn.act"], t["blocks.1.ffn.act"], rtol=1e-6, atol=1e-9)
+    # The file's numbers came through the tiled kernel, these through the default one: another summation
+    # order, a few units in the last place (5.6e-9 on this layer's values of up to 0.016 on an AVX-512 chip).
+    torch.testing.assert_close(Trace.from_dict(d)["blocks.1.ffn.act"], t["blocks.1.ffn.act"], rtol=1e-6, atol=1e-7)
     assert glassformer.explain(d, "blocks.1.attn.q", [2, 1, 3]).result == pytest.approx(
         t.value("blocks.1.attn.q", [2, 1, 3]), abs=1e-5)
     assert "wrote" in capsys.readouterr().out

@@ -11,7 +11,7 @@ events come back up another, a message at most every few milliseconds while stre
 (`ChildEngine`: a request's first and last events at once), which is handed to the tickets (`batching.Ticket`, the
 same blocking and asyncio iterators), waking each event loop once per message. Who reads that pipe: a
 reader thread here, or, given `start(loop=...)`, that asyncio loop itself (`loop.add_reader`), as
-`glassformer serve` does: its HTTP side then takes each step's events on the loop that streams them,
+`glassformer serve` does: its HTTP side then takes the engine's events on the loop that streams them,
 with no thread to wake and no hand-over between threads per message (docs/benchmarks.md#serve).
 
 What can be answered at submit time is answered here, synchronously, with the engine's own errors:
@@ -93,7 +93,7 @@ class ProcessEngine:
         # Two one-way pipes, not one two-way socket: a socket wakes a reader blocked on it whenever its
         # peer drains what it wrote, so the child's reader woke at every step's message.
         inbox, self._down = ctx.Pipe(duplex=False)  # requests and cancels: parent -> child
-        self._up, outbox = ctx.Pipe(duplex=False)  # each step's events: child -> parent
+        self._up, outbox = ctx.Pipe(duplex=False)  # the steps' events: child -> parent
         self.process = ctx.Process(target=child_main, args=((inbox, outbox), self.load, self.sizes, self.threads,
                                                             os.getpid()), name="glassformer-engine", daemon=True)
         self.process.start()
