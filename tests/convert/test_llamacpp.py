@@ -1,7 +1,7 @@
 """llama.cpp itself (through llama-cpp-python) runs what `convert --to-gguf` writes as glassformer
 does: the same token ids for 50 texts, the same 20 greedy tokens, last-position logits within
-1e-3 of max |logit| in f32 (llama.cpp's KV cache in f32) and 1e-2 in f16, and q8_0 agreeing on
-at least 18 of 20 greedy tokens of a model trained here. On a model trained here with its own
+1e-3 of max |logit| in f32 (llama.cpp's KV cache in f32) and 1e-2 in f16, and q8_0's argmax agreeing
+with at least 18 of 20 greedy tokens of a model trained here (fed our tokens, position by position). On a model trained here with its own
 tokenizer, and on Llama (Llama 3's tokenizer layout), Qwen2 and GPT-2 fixtures imported with
 `convert --from-hf`. Skipped unless llama_cpp imports (`make test-llamacpp` installs it)."""
 
@@ -139,9 +139,15 @@ def test_f16_logits(name, exported, ours):
 
 
 def test_q8_0_greedy_tokens_of_the_trained_model(exported, ours):
-    _, _, ids, _, greedy = ours["trained"]
-    _, tokens = _llama_greedy(_llama(exported["trained"]["q8_0"]), ids, STEPS)
-    assert sum(a == b for a, b in zip(tokens, greedy)) >= 18
+    """Teacher-forced on our greedy continuation, so one flipped near-tie is one miss, not a diverged
+    rest: how many of llama.cpp's argmaxes at the 20 positions are our tokens. (Free-running, the count
+    hung on where the first flip fell, which moves with the kernels llama.cpp was built with.)"""
+    model, _, ids, _, greedy = ours["trained"]
+    llm = _llama(exported["trained"]["q8_0"])
+    llm.reset()
+    llm.eval(ids + greedy[:-1])
+    picked = [int(np.argmax(llm.scores[len(ids) - 1 + i])) for i in range(STEPS)]
+    assert sum(a == b for a, b in zip(picked, greedy)) >= 18, (picked, greedy)
 
 
 VARIANTS = {  # switches whose weights or keys the export changes, each checked at every position
