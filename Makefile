@@ -49,7 +49,7 @@ test: venv
 # for this machine's CPU: the native build crashed (a segmentation fault) in q8_0 decoding on a CPU
 # with AMX. A wheel pip cached before that (a native build) is dropped once, while the stamp is missing.
 LLAMACPP := llama-cpp-python==0.3.36
-LLAMACPP_STAMP := $(HOME)/.cache/glassformer/llama-cpp-python-0.3.36-portable
+LLAMACPP_STAMP := $(HOME)/.cache/glassformer/$(subst ==,-,$(LLAMACPP))-portable
 test-llamacpp: venv
 	@if [ ! -f "$(LLAMACPP_STAMP)" ]; then $(PIP) cache remove llama_cpp_python >/dev/null 2>&1 || true; fi
 	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PIP) install -q "$(LLAMACPP)"

@@ -17,7 +17,8 @@ layer to the next is what that layer costs.
         [--prompt-tokens 16] [--stream-interval MS[,MS...]]
 
 --stream-interval 0,5 runs the process and http layers twice, as process@0 / http@0 (the engine's
-process sends a message every step) and process@5 / http@5 (at most every 5 ms; the default is 20).
+process sends a message every step) and process@5 / http@5 (at most every 5 ms; the default is the
+server's, 20).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from _common import write_json  # noqa: E402
 
 from glassformer import generate, load  # noqa: E402
 from glassformer.generation.batching import Engine, Request  # noqa: E402
-from glassformer.serve.worker import ProcessEngine  # noqa: E402
+from glassformer.serve.worker import STREAM_INTERVAL, ProcessEngine  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -109,7 +110,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--text", default=str(served.DEFAULT_TEXT))
-    ap.add_argument("--stream-interval", default="20", metavar="MS[,MS...]",
+    ap.add_argument("--stream-interval", default=f"{STREAM_INTERVAL * 1e3:g}", metavar="MS[,MS...]",
                     help="the process engine's and the server's stream interval in ms (--stream-interval-ms); "
                          "several: each layer once for each, side by side")
     ap.add_argument("--out", default=None)

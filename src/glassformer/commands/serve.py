@@ -15,6 +15,8 @@ KEY_ENV = "GLASSFORMER_API_KEY"
 
 
 def add_arguments(p) -> None:
+    from ..serve.worker import STREAM_INTERVAL
+
     p.add_argument("--checkpoint", required=True, metavar="CKPT",
                    help="checkpoint, training run or Hugging Face folder, or a Hub name org/name[@revision]")
     p.add_argument("--host", default="127.0.0.1",
@@ -38,9 +40,10 @@ def add_arguments(p) -> None:
                    help="where the model runs: 'process' (default) a process of its own, so HTTP work never waits "
                         "on the forward's interpreter lock; 'thread' a thread of the server's process (what "
                         "--explorer runs, its traces taking turns with the engine on the one model)")
-    p.add_argument("--stream-interval-ms", type=float, default=20.0, metavar="MS",
-                   help="the engine's process sends the tokens it made at most every MS milliseconds (a request's "
-                        "first token and its last at once; 0: every step): docs/serve.md#the-engines-process")
+    p.add_argument("--stream-interval-ms", type=float, default=STREAM_INTERVAL * 1e3, metavar="MS",
+                   help="the engine's process sends the tokens it made at most every MS milliseconds (default "
+                        "%(default)g; a request's first token and its last at once; 0: every step): "
+                        "docs/serve.md#the-engines-process")
     p.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
     p.add_argument("--threads", type=int, default=0,
                    help="the engine's torch threads on the CPU (0: as OMP_NUM_THREADS says if set, else one less than "
@@ -80,6 +83,7 @@ def model_id(args) -> str:
 
 def _check(args) -> None:
     from ..errors import UserError
+    from ..serve.worker import MAX_STREAM_INTERVAL
     from .options import quantize_method
 
     for flag in ("max_batch", "max_queue", "prefill_chunk"):
@@ -89,8 +93,9 @@ def _check(args) -> None:
         raise UserError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
-    if not 0 <= args.stream_interval_ms <= 1000:
-        raise UserError(f"--stream-interval-ms must be between 0 and 1000, got {args.stream_interval_ms:g}")
+    if not 0 <= args.stream_interval_ms <= MAX_STREAM_INTERVAL * 1e3:
+        raise UserError(f"--stream-interval-ms must be between 0 and {MAX_STREAM_INTERVAL * 1e3:g}, "
+                        f"got {args.stream_interval_ms:g}")
     if args.threads < 0:
         raise UserError(f"--threads must be >= 1 (or 0 for the default), got {args.threads}")
     quantize_method(args)  # a bad --quantize fails before anything listens

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 STATS_EVERY = 0.25  # seconds between the child's full stats (its counts ride on every message)
 STREAM_INTERVAL = 0.02  # seconds: the child's messages come at most this often while it streams (ChildEngine)
+MAX_STREAM_INTERVAL = 1.0  # seconds: the longest a stream interval may be
 STOP_WAIT = 30.0  # seconds the child gets to end its requests and exit before it is terminated
 
 
@@ -61,8 +62,8 @@ class ProcessEngine:
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
             if int(v) != v or v < 1:
                 raise UserError(f"{name} must be an integer >= 1, got {v}")
-        if not 0 <= stream_interval <= 1:
-            raise UserError(f"stream_interval must be between 0 and 1 second, got {stream_interval}")
+        if not 0 <= stream_interval <= MAX_STREAM_INTERVAL:
+            raise UserError(f"stream_interval must be between 0 and {MAX_STREAM_INTERVAL:g} s, got {stream_interval}")
         self.load, self.max_batch, self.max_queue = load, max_batch, max_queue
         self.sizes = dict(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk, compile=compile,
                           stream_interval=stream_interval)
@@ -343,10 +344,10 @@ class ChildEngine(Engine):
     outside a step (a queued request's cancel, a stop, a failure).
 
     Why not a message every step: each costs the engine far more than its send. On the demo model
-    (a step about 1 ms) a message a step made one stream's answer 13-15% slower than `generate` and
-    one message an answer 2-4%: the send wakes the server's loop on the other core, and the HTTP
-    work that sets off runs beside the forward (bench/serve_overhead.py --stream-interval,
-    docs/benchmarks.md#serve). A row's tokens made meanwhile go together in the next message, in order."""
+    (a step about 1 ms) a message a step made one stream's answer 13-14% slower than `generate`, a
+    message at most every 20 ms 4%, and only the first and the last 2%: the send wakes the server's
+    loop on the other core, and the HTTP work that sets off runs beside the forward
+    (bench/serve_overhead.py --stream-interval 0,20,1000, docs/benchmarks.md#serve). A row's tokens made meanwhile go together in the next message, in order."""
 
     def __init__(self, model, inbox, conn, *, stream_interval: float = STREAM_INTERVAL, **sizes):
         super().__init__(model, **sizes)
