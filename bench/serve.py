@@ -6,11 +6,11 @@ engine side by side (`--engine process`, the default: the engine in a process of
 For each shape: a random model (weights drawn larger than the init, so greedy argmaxes are not
 near-ties) with a BPE tokenizer trained on the given text is saved as a checkpoint and served with
 `glassformer serve --max-batch 16 --engine E` for each engine E; the benchmark's client (asyncio +
-aiohttp, the `bench` extra, in this process) sends streaming /v1/completions requests of the same
-prompt length, greedy, and reads them as they come, each on a connection it opened before the
-round's clock starts (GET /health), as a client that keeps its connection does.
-Rounds alternate in-process generate and each engine's numbers of streams, so a busy machine
-slows all alike. Reported per number of streams (the best round by aggregate tokens/s): aggregate
+aiohttp, the `bench` extra, in this process; or `--client raw`, HTTP/1.1 by hand, the least a client
+costs) sends streaming /v1/completions requests of the same prompt length, greedy, and reads them as
+they come, each on a connection it opened before the round's clock starts (GET /health), as a
+client that keeps its connection does. Rounds alternate in-process generate and each engine's (and
+client's) numbers of streams, those in another order each round, so a busy machine slows all alike. Reported per number of streams (the best round by aggregate tokens/s): aggregate
 tokens/s (completion tokens of all streams / the wall time from the first request to the last
 [DONE]), p50/p99 time to first token, p50/p99 gap between chunks (a chunk is a token, except where
 a partial UTF-8 character or a stop string holds text back); one stream's time against in-process
@@ -21,7 +21,7 @@ client share the machine.
 
     python bench/serve.py [--shapes reference,demo] [--streams 1,4,16] [--rounds 3] [--threads 2] [--server-threads N]
         [--engine thread,process] [--new-tokens 128] [--prompt-tokens 64] [--text FILE] [--compile] [--quick]
-        [--repeat R] [--client aiohttp|httpx] [--lockstep]
+        [--repeat R] [--client aiohttp|httpx|raw[,...]] [--lockstep]
     --repeat R: each measurement R times over, one after another (default: until one stream has made 256 tokens)
     --lockstep: each stream's next request waits for every stream's request before (the old default)
     --engine process@0,process@5: the process engine served with --stream-interval-ms 0 and 5, side by side
@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import numpy as np
@@ -168,7 +169,10 @@ async def one_stream(client, url: str, ids: list[int], n: int) -> dict:
     body = {"model": "bench", "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     seen = {"start": time.perf_counter(), "chunks": [], "tokens": None}
-    if CLIENT == "httpx":
+    if CLIENT == "raw":
+        async for line in client.lines("POST", url + "/completions", json.dumps(body).encode()):
+            _chunk(line, seen)
+    elif CLIENT == "httpx":
         async with client.stream("POST", url + "/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
@@ -181,10 +185,59 @@ async def one_stream(client, url: str, ids: list[int], n: int) -> dict:
     return {**seen, "end": time.perf_counter()}
 
 
+class RawClient:
+    """The leanest client (`--client raw`): HTTP/1.1 written and read by hand over kept-alive asyncio
+    connections, one per request in flight, so what the client costs a request and a chunk is little
+    more than its writes, its line reads and a JSON parse, and the figures are the server's rather
+    than a client library's (aiohttp builds, tracks and parses each request in some hundred
+    microseconds of Python: docs/benchmarks.md#serve)."""
+
+    def __init__(self):
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def __aenter__(self) -> "RawClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for _, w in self.idle:
+            w.close()
+
+    async def lines(self, method: str, url: str, body: bytes = b""):
+        """The answer's body line by line as it comes (a chunked body, or one of Content-Length); the
+        status must be 200. The connection is kept for the next request once the body is read."""
+        u = urllib.parse.urlsplit(url)
+        r, w = conn = self.idle.pop() if self.idle else await asyncio.open_connection(u.hostname, u.port)
+        w.write(f"{method} {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        status = await r.readline()
+        if status.split(b" ")[1:2] != [b"200"]:
+            raise RuntimeError(f"{method} {url}: {status!r}")
+        headers = {}
+        while (line := await r.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if headers.get("transfer-encoding") == "chunked":
+            held = b""
+            while size := int((await r.readline()).split(b";")[0], 16):
+                held += (await r.readexactly(size + 2))[:-2]  # the chunk, less its CRLF
+                *done, held = held.split(b"\n")
+                for line in done:
+                    yield line + b"\n"
+            await r.readline()  # the blank line after the last chunk
+            if held:
+                yield held
+        else:
+            for line in (await r.readexactly(int(headers.get("content-length", 0)))).splitlines(keepends=True):
+                yield line
+        self.idle.append(conn)
+
+
 def _session(n: int):
     """The client for n concurrent streams. It shares the two cores with the server: aiohttp reads a
     streamed chunk for about a third of httpx's CPU (`--client httpx` compares; docs/benchmarks.md#serve),
-    CPU that would be charged to the server's figures."""
+    CPU that would be charged to the server's figures; `--client raw` costs less again (RawClient)."""
+    if CLIENT == "raw":
+        return RawClient()
     if CLIENT == "httpx":
         limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
         return httpx.AsyncClient(timeout=None, limits=limits)
@@ -216,6 +269,10 @@ async def streams(url: str, rows: list[list[int]], n: int, repeat: int = 1) -> l
 
 
 async def _health(client, url: str) -> None:
+    if CLIENT == "raw":
+        async for _ in client.lines("GET", url.removesuffix("/v1") + "/health"):
+            pass
+        return
     if CLIENT == "httpx":
         await client.get(url.removesuffix("/v1") + "/health")
         return
@@ -311,10 +368,11 @@ class LlamaServer:
 
 
 def measure(servers: dict[str, Served], model, tok, rows, n: int, args, llama: LlamaServer | None) -> dict:
-    """Rounds alternating in-process generate, every engine's numbers of streams, and llama-server's
-    1 and 8 streams when given (a busy machine then slows all alike); the best round of each. One
-    stream's best against generate's best is the server's overhead (the same tokens: generate stops
-    where the server stops)."""
+    """Rounds alternating in-process generate, every contender's numbers of streams (an engine read by
+    a client: `contenders`), and llama-server's 1 and 8 streams when given (a busy machine then slows
+    all alike), the contenders in turn in another order each round, so none is always the one right
+    after generate; the best round of each. One stream's best against generate's best is the server's
+    overhead (the same tokens: generate stops where the server stops)."""
     counts = sorted(set(args.streams) | ({1, 8} if llama else set()))
     # Each measurement spans at least REPEAT_TOKENS of one stream: the demo shape's 48-token answer
     # alone takes ~65 ms, where one scheduling hiccup moved the one-stream figure by a quarter.
@@ -323,11 +381,15 @@ def measure(servers: dict[str, Served], model, tok, rows, n: int, args, llama: L
     inproc, theirs = [], []
     ours = {e: [] for e in servers}
     peaks, idle = {e: [0] for e in servers}, {e: s.rss() for e, s in servers.items()}
-    for _ in range(args.rounds):
+    global CLIENT
+    names = list(servers)
+    for r in range(args.rounds):
         inproc.append(in_process(model, tok, rows[0], n, repeat))
-        for e, server in servers.items():
-            ours[e].append(one_round(server.url, rows, n, counts, server, peaks[e], repeat))
+        for e in names[r % len(names):] + names[:r % len(names)]:
+            CLIENT = client_of(e, args.client)
+            ours[e].append(one_round(servers[e].url, rows, n, counts, servers[e], peaks[e], repeat))
         if llama is not None:
+            CLIENT = args.client[0]
             theirs.append(one_round(llama.url, rows, n, [1, 8], repeat=repeat))
     made, fastest = inproc[0][1], min(sec for sec, _ in inproc) / repeat  # one generate's seconds
     out = {"repeat": repeat, "in_process": {"tokens": made, "seconds": fastest, "tokens_per_s": made / fastest},
@@ -403,19 +465,30 @@ def bench_shape(name: str, shape: dict, text: str, args) -> dict:
                 llama = LlamaServer(args.llama_server, gguf, args.threads, 8, P + n + 8)
             for e in args.engine:
                 kind, _, interval = e.partition("@")  # process@MS: --stream-interval-ms MS
-                servers[e] = Served(Path(tmp) / name, args.server_threads, max(args.streams), args.compile, kind,
-                                    float(interval) if interval else None)
+                server = Served(Path(tmp) / name, args.server_threads, max(args.streams), args.compile, kind,
+                                float(interval) if interval else None)
+                servers.update((c, server) for c in contenders(e, args.client))
                 for k in sorted(set([1, 2, 4, 8, 16] if args.compile else [1]) | {max(args.streams)}):
-                    asyncio.run(streams(servers[e].url, rows[:k], 4))  # warm-up (with --compile: every batch bucket)
+                    asyncio.run(streams(server.url, rows[:k], 4))  # warm-up (with --compile: every batch bucket)
             res = {"shape": {**shape, "vocab_size": tok.vocab_size}, "prompt_tokens": P, "new_tokens": n,
                    "kv_bytes_per_row": KVCache.for_model(model, 1).row_bytes(),
                    **measure(servers, model, tok, rows, n, args, llama)}
         finally:
-            for server in servers.values():
+            for server in {id(s): s for s in servers.values()}.values():
                 server.stop()
             if llama is not None:
                 llama.stop()
     return res
+
+
+def contenders(engine: str, clients: list[str]) -> list[str]:
+    """The names an engine's server is measured under: the engine, or "ENGINE/CLIENT" for each of
+    several clients (the same server read by each client in turn)."""
+    return [engine] if len(clients) == 1 else [f"{engine}/{c}" for c in clients]
+
+
+def client_of(name: str, clients: list[str]) -> str:
+    return name.rpartition("/")[2] if len(clients) > 1 else clients[0]
 
 
 def report(name: str, r: dict) -> None:
@@ -472,8 +545,10 @@ def main() -> None:
     ap.add_argument("--engine", default="thread,process",
                     help="the engines to serve with, side by side in the same rounds (glassformer serve --engine); "
                          "process@MS serves with --stream-interval-ms MS (e.g. process@0,process@5)")
-    ap.add_argument("--client", default="aiohttp", choices=["aiohttp", "httpx"],
-                    help="the streaming client: aiohttp (a third of httpx's CPU a chunk), or httpx to compare")
+    ap.add_argument("--client", default="aiohttp",
+                    help="the streaming client: aiohttp (a third of httpx's CPU a chunk), httpx to compare, or raw: "
+                         "HTTP/1.1 by hand, the least a client can cost (RawClient); several (raw,aiohttp): each "
+                         "engine read by each in the same rounds, reported as ENGINE/CLIENT")
     ap.add_argument("--repeat", type=int, default=0,
                     help="run each number of streams (and generate) this many times over in a round, one after "
                          "another (0: until one stream has made at least 256 tokens)")
@@ -487,10 +562,13 @@ def main() -> None:
     args.engine = args.engine.split(",")
     if not {e.partition("@")[0] for e in args.engine} <= {"thread", "process"}:
         ap.error(f"--engine: thread and/or process (process@MS: with --stream-interval-ms MS), got {','.join(args.engine)}")
+    args.client = args.client.split(",")
+    if not set(args.client) <= {"aiohttp", "httpx", "raw"}:
+        ap.error(f"--client: aiohttp, httpx and/or raw, got {','.join(args.client)}")
     if args.quick:
         args.rounds, args.new_tokens = 2, 32
     global CLIENT, LOCKSTEP
-    CLIENT, LOCKSTEP = args.client, args.lockstep
+    CLIENT, LOCKSTEP = args.client[0], args.lockstep
     torch.set_num_threads(args.threads)
     args.server_threads = args.server_threads or args.threads
     text = Path(args.text).read_text(encoding="utf-8")
