@@ -8,16 +8,17 @@ near-ties) with a BPE tokenizer trained on the given text is saved as a checkpoi
 `glassformer serve --max-batch 16 --engine E` for each engine E; the benchmark's client (asyncio +
 aiohttp, the `bench` extra, in this process; or `--client raw`, HTTP/1.1 by hand, the least a client
 costs) sends streaming /v1/completions requests of the same prompt length, greedy, and reads them as
-they come, each on a connection it opened before the round's clock starts (GET /health), as a
-client that keeps its connection does. Rounds alternate in-process generate and each engine's (and
-client's) numbers of streams, those in another order each round, so a busy machine slows all alike. Reported per number of streams (the best round by aggregate tokens/s): aggregate
-tokens/s (completion tokens of all streams / the wall time from the first request to the last
-[DONE]), p50/p99 time to first token, p50/p99 gap between chunks (a chunk is a token, except where
-a partial UTF-8 character or a stop string holds text back); one stream's time against in-process
-`generate` of the same tokens with the same thread count, unless --server-threads gives the server
-another (the best of each: the server overhead, HTTP client included); the KV cache bytes of one row, and the server's resident memory growth per
-active row at the highest number of streams (the engine's process included). The server and the
-client share the machine.
+they come, each on a connection it opened before the round's clock starts (GET /health), as a client
+that keeps its connection does. Rounds alternate in-process generate and each engine's (and
+client's) numbers of streams, those in another order each round, so a busy machine slows all alike.
+Reported per number of streams (the best round by aggregate tokens/s): aggregate tokens/s
+(completion tokens of all streams / the wall time from the first request to the last [DONE]),
+p50/p99 time to first token, p50/p99 gap between chunks (a chunk is a token, except where a partial
+UTF-8 character or a stop string holds text back); one stream's time against in-process `generate`
+of the same tokens with the same thread count, unless --server-threads gives the server another (the
+best of each: the server overhead, HTTP client included); the KV cache bytes of one row, and the
+server's resident memory growth per active row at the highest number of streams (the engine's
+process included). The server and the client share the machine.
 
     python bench/serve.py [--shapes reference,demo] [--streams 1,4,16] [--rounds 3] [--threads 2] [--server-threads N]
         [--engine thread,process] [--new-tokens 128] [--prompt-tokens 64] [--text FILE] [--compile] [--quick]
@@ -189,8 +190,7 @@ class RawClient:
     """The leanest client (`--client raw`): HTTP/1.1 written and read by hand over kept-alive asyncio
     connections, one per request in flight, so what the client costs a request and a chunk is little
     more than its writes, its line reads and a JSON parse, and the figures are the server's rather
-    than a client library's (aiohttp builds, tracks and parses each request in some hundred
-    microseconds of Python: docs/benchmarks.md#serve)."""
+    than a client library's (the client's CPU a token beside aiohttp's: docs/benchmarks.md#serve)."""
 
     def __init__(self):
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
@@ -367,9 +367,10 @@ class LlamaServer:
         self.proc.wait(60)
 
 
-def measure(servers: dict[str, Served], model, tok, rows, n: int, args, llama: LlamaServer | None) -> dict:
-    """Rounds alternating in-process generate, every contender's numbers of streams (an engine read by
-    a client: `contenders`), and llama-server's 1 and 8 streams when given (a busy machine then slows
+def measure(servers: dict[str, Served], clients: dict[str, str], model, tok, rows, n: int, args,
+            llama: LlamaServer | None) -> dict:
+    """Rounds alternating in-process generate, every contender's numbers of streams (the server
+    `servers[name]` read by the client `clients[name]`: `contenders`), and llama-server's 1 and 8 streams when given (a busy machine then slows
     all alike), the contenders in turn in another order each round, so none is always the one right
     after generate; the best round of each. One stream's best against generate's best is the server's
     overhead (the same tokens: generate stops where the server stops)."""
@@ -386,7 +387,7 @@ def measure(servers: dict[str, Served], model, tok, rows, n: int, args, llama: L
     for r in range(args.rounds):
         inproc.append(in_process(model, tok, rows[0], n, repeat))
         for e in names[r % len(names):] + names[:r % len(names)]:
-            CLIENT = client_of(e, args.client)
+            CLIENT = clients[e]
             ours[e].append(one_round(servers[e].url, rows, n, counts, servers[e], peaks[e], repeat))
         if llama is not None:
             CLIENT = args.client[0]
@@ -455,7 +456,7 @@ def bench_shape(name: str, shape: dict, text: str, args) -> dict:
         build(shape, text, Path(tmp) / name)
         model, tok = load(Path(tmp) / name)  # in-process generate runs the checkpoint the server loads
         rows = prompts(tok, max(args.streams), P)
-        llama, servers = None, {}
+        llama, started, servers, clients = None, [], {}, {}
         try:
             if args.llama_server:  # its own process
                 gguf = Path(tmp) / f"{name}.gguf"
@@ -467,28 +468,26 @@ def bench_shape(name: str, shape: dict, text: str, args) -> dict:
                 kind, _, interval = e.partition("@")  # process@MS: --stream-interval-ms MS
                 server = Served(Path(tmp) / name, args.server_threads, max(args.streams), args.compile, kind,
                                 float(interval) if interval else None)
-                servers.update((c, server) for c in contenders(e, args.client))
+                started.append(server)
+                for contender, client in contenders(e, args.client):
+                    servers[contender], clients[contender] = server, client
                 for k in sorted(set([1, 2, 4, 8, 16] if args.compile else [1]) | {max(args.streams)}):
                     asyncio.run(streams(server.url, rows[:k], 4))  # warm-up (with --compile: every batch bucket)
             res = {"shape": {**shape, "vocab_size": tok.vocab_size}, "prompt_tokens": P, "new_tokens": n,
                    "kv_bytes_per_row": KVCache.for_model(model, 1).row_bytes(),
-                   **measure(servers, model, tok, rows, n, args, llama)}
+                   **measure(servers, clients, model, tok, rows, n, args, llama)}
         finally:
-            for server in {id(s): s for s in servers.values()}.values():
+            for server in started:
                 server.stop()
             if llama is not None:
                 llama.stop()
     return res
 
 
-def contenders(engine: str, clients: list[str]) -> list[str]:
-    """The names an engine's server is measured under: the engine, or "ENGINE/CLIENT" for each of
-    several clients (the same server read by each client in turn)."""
-    return [engine] if len(clients) == 1 else [f"{engine}/{c}" for c in clients]
-
-
-def client_of(name: str, clients: list[str]) -> str:
-    return name.rpartition("/")[2] if len(clients) > 1 else clients[0]
+def contenders(engine: str, clients: list[str]) -> list[tuple[str, str]]:
+    """(name, client) of each way an engine's server is measured: named as the engine, or
+    "ENGINE/CLIENT" for each of several clients (the same server read by each client in turn)."""
+    return [(engine if len(clients) == 1 else f"{engine}/{c}", c) for c in clients]
 
 
 def report(name: str, r: dict) -> None:

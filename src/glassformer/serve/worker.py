@@ -1,18 +1,19 @@
 """The engine in a process of its own (`ProcessEngine`), so the model's forward and the HTTP
 process never wait on each other's interpreter lock.
 
-Why: with the engine on a thread of the server's process, its decode step took 1.85 ms against
-1.24 ms in-process on the demo shape (docs/benchmarks.md#serve): the lock handed back and forth
-between the forward's many small operations and the thread taking each token. Here a child process
-(the "spawn" start method: safe with torch and CUDA) loads the checkpoint itself through the loader
-it is given (a picklable callable, e.g. the one `glassformer serve` loads with), builds the same
+Why: with the engine on a thread of the server's process, its decode step took 1.85 ms against 1.24
+ms in-process on the demo shape (docs/benchmarks.md#serve): the lock handed back and forth between
+the forward's many small operations and the thread taking each token. Here a child process (the
+"spawn" start method: safe with torch and CUDA) loads the checkpoint itself through the loader it is
+given (a picklable callable, e.g. the one `glassformer serve` loads with), builds the same
 `generation.batching.Engine` and runs its loop. Requests and cancels go down a pipe; the steps'
 events come back up another, a message at most every few milliseconds while streaming
-(`ChildEngine`: a request's first and last events at once), which is handed to the tickets (`batching.Ticket`, the
-same blocking and asyncio iterators), waking each event loop once per message. Who reads that pipe: a
-reader thread here, or, given `start(loop=...)`, that asyncio loop itself (`loop.add_reader`), as
-`glassformer serve` does: its HTTP side then takes the engine's events on the loop that streams them,
-with no thread to wake and no hand-over between threads per message (docs/benchmarks.md#serve).
+(`ChildEngine`: a request's first and last events at once), which is handed to the tickets
+(`batching.Ticket`, the same blocking and asyncio iterators), waking each event loop once per
+message. Who reads that pipe: a reader thread here, or, given `start(loop=...)`, that asyncio loop
+itself (`loop.add_reader`), as `glassformer serve` does: its HTTP side then takes the engine's
+events on the loop that streams them, with no thread to wake and no hand-over between threads per
+message (docs/benchmarks.md#serve).
 
 What can be answered at submit time is answered here, synchronously, with the engine's own errors:
 the request's checks (`check_request`, against the model's config the child sends once loaded),
@@ -343,11 +344,12 @@ class ChildEngine(Engine):
     first event or its last (time to first token and the end are never held back) or when pushed
     outside a step (a queued request's cancel, a stop, a failure).
 
-    Why not a message every step: each costs the engine far more than its send. On the demo model
-    (a step about 1 ms) a message a step made one stream's answer 13-14% slower than `generate`, a
-    message at most every 20 ms 4%, and only the first and the last 2%: the send wakes the server's
-    loop on the other core, and the HTTP work that sets off runs beside the forward
-    (bench/serve_overhead.py --stream-interval 0,20,1000, docs/benchmarks.md#serve). A row's tokens made meanwhile go together in the next message, in order."""
+    Why not a message every step: on the demo model (a step about 1 ms) a message a step made one
+    stream's answer 13-14% slower than `generate`, a message at most every 20 ms 4%, and only the
+    first and the last 2% (bench/serve_overhead.py --stream-interval 0,20,1000,
+    docs/benchmarks.md#serve): about 0.14 ms of the engine's time a message, mostly the send, which
+    wakes the server's loop on the other core. A row's tokens made meanwhile go together in the
+    next message, in order."""
 
     def __init__(self, model, inbox, conn, *, stream_interval: float = STREAM_INTERVAL, **sizes):
         super().__init__(model, **sizes)
