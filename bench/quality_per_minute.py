@@ -75,7 +75,8 @@ def main() -> None:
         raise SystemExit(f"{corpus} not found: pass --corpus PATH to tinyshakespeare.txt")
     work = Path(args.work or tempfile.mkdtemp(prefix="gf-quality-"))
     work.mkdir(parents=True, exist_ok=True)
-    results = {"corpus": corpus.name, "budget_s": args.budget, "cpu_count": os.cpu_count(), "runs": {}}
+    results = {"corpus": corpus.name, "budget_s": args.budget, "cpu_count": os.cpu_count(),
+               "prepare_command": f"glassformer prepare --corpus {corpus.name} {args.prepare_args}".strip(), "runs": {}}
 
     if not args.skip_nanogpt:
         cli("prepare", "--corpus", str(corpus), "--out", str(work / "data-char"), "--vocab-size", "257",

@@ -42,7 +42,14 @@ RECIPES = {
     "3 layers": {"model": {"n_layers": 3}}, "5 layers": {"model": {"n_layers": 5}},
     "ffn 256": {"model": {"ffn_dim": 256}}, "ffn 512": {"model": {"ffn_dim": 512}},
     "vocab 1024": {"model": {"vocab_size": 1024}}, "naive attention": {"model": {"attention": "naive"}},
-    "vocab 4096": {"model": {"vocab_size": 4096}}, "--dtype bf16": {"bf16": True},
+    "vocab 4096": {"model": {"vocab_size": 4096}}, "vocab 512": {"model": {"vocab_size": 512}},
+    "vocab 1536": {"model": {"vocab_size": 1536}}, "vocab 768": {"model": {"vocab_size": 768}},
+    "vocab 1024 + 5 layers": {"model": {"vocab_size": 1024, "n_layers": 5}},
+    "vocab 1024 + 6 layers": {"model": {"vocab_size": 1024, "n_layers": 6}},
+    "vocab 1024 + ffn 512": {"model": {"vocab_size": 1024, "ffn_dim": 512}},
+    "vocab 1024 + dim 160": {"model": {"vocab_size": 1024, "dim": 160, "n_heads": 5, "n_kv_heads": 5, "ffn_dim": 480}},
+    "vocab 1024 + context 96": {"batch": 8, "T": 96, "model": {"vocab_size": 1024, "max_seq_len": 96}},
+    "--dtype bf16": {"bf16": True},
     "--dtype bf16 with bf16 attention": {"bf16": True, "bf16_attention": True},
 }
 
