@@ -423,3 +423,27 @@ def test_cli_bad_input_is_one_error_line(capsys, argv, msg):
     assert main(["cost", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and msg in err[0]
+
+
+def preset_row(name: str) -> str:
+    """A row of docs/cost.md's "Figures for the presets", rendered from `estimate`."""
+    from glassformer.cost.report import human
+
+    cfg = ModelConfig.from_preset(name)
+    T = min(cfg.max_seq_len, 8192)
+    r = estimate(cfg, batch=1, seq=T)
+    return (f"| {name} | {r['params']:,} | {r['params_non_embedding']:,} | {T} | {human(r['flops_per_token'])} "
+            f"({human(r['flops_per_token_no_scores'])}) | {r['crossover_seq']:,} | {r['kv_cache_bytes_per_token']:,} | "
+            f"{human(r['train_memory_bytes'], 'B', 1024)} | {r['decode']['tokens_per_second_bound']:.3g} |")
+
+
+def test_the_docs_preset_table_is_what_estimate_says():
+    """Every row of the table in docs/cost.md is today's `estimate`, so a changed preset or memory model
+    shows up here rather than as a stale figure."""
+    doc = (REPO / "docs" / "cost.md").read_text()
+    table = doc.split("## Figures for the presets", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| preset")]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert names and set(names) <= set(PRESETS)
+    for name, row in zip(names, rows):
+        assert row == preset_row(name), f"docs/cost.md's {name} row is stale; today: {preset_row(name)}"
