@@ -150,9 +150,6 @@ def _rss(pid: int) -> int:
 # ----------------------------------------------------------------------------- the client
 
 
-CLIENT = "aiohttp"  # --client
-
-
 def _chunk(line: bytes, seen: dict) -> None:
     """One SSE line of a stream into `seen`: a chunk's time when it carries text, the usage's count."""
     line = line.rstrip(b"\r\n")
@@ -170,10 +167,10 @@ async def one_stream(client, url: str, ids: list[int], n: int) -> dict:
     body = {"model": "bench", "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     seen = {"start": time.perf_counter(), "chunks": [], "tokens": None}
-    if CLIENT == "raw":
+    if isinstance(client, RawClient):
         async for line in client.lines("POST", url + "/completions", json.dumps(body).encode()):
             _chunk(line, seen)
-    elif CLIENT == "httpx":
+    elif isinstance(client, httpx.AsyncClient):
         async with client.stream("POST", url + "/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
@@ -232,13 +229,13 @@ class RawClient:
         self.idle.append(conn)
 
 
-def _session(n: int):
-    """The client for n concurrent streams. It shares the two cores with the server: aiohttp reads a
+def _session(kind: str, n: int):
+    """The client `kind` (--client: aiohttp, httpx or raw) for n concurrent streams. It shares the two cores with the server: aiohttp reads a
     streamed chunk for about a third of httpx's CPU (`--client httpx` compares; docs/benchmarks.md#serve),
     CPU that would be charged to the server's figures; `--client raw` costs less again (RawClient)."""
-    if CLIENT == "raw":
+    if kind == "raw":
         return RawClient()
-    if CLIENT == "httpx":
+    if kind == "httpx":
         limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
         return httpx.AsyncClient(timeout=None, limits=limits)
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n + 4), timeout=aiohttp.ClientTimeout(total=None))
@@ -247,12 +244,14 @@ def _session(n: int):
 LOCKSTEP = False  # --lockstep: each repeat waits for every stream of the one before
 
 
-async def streams(url: str, rows: list[list[int]], n: int, repeat: int = 1) -> list[dict]:
-    """The rows' streams at once, each stream's `repeat` requests one after another on its connection:
-    a client that asks again as soon as its answer is done, whatever the other streams are at (as
-    concurrent clients do, and as continuous batching admits them). With LOCKSTEP, each repeat starts
-    when every stream's request of the one before has ended instead: the batch drains and refills."""
-    async with _session(len(rows)) as client:
+async def streams(url: str, rows: list[list[int]], n: int, repeat: int = 1,
+                  client_kind: str = "aiohttp") -> list[dict]:
+    """The rows' streams at once, read by a `client_kind` client (_session), each stream's `repeat`
+    requests one after another on its connection: a client that asks again as soon as its answer is
+    done, whatever the other streams are at (as concurrent clients do, and as continuous batching
+    admits them). With LOCKSTEP, each repeat starts when every stream's request of the one before
+    has ended instead: the batch drains and refills."""
+    async with _session(client_kind, len(rows)) as client:
         # Each stream's connection opened before the clock starts, as a client keeping its connection does
         # (the openai package): a fresh client's first request costs it 15-20 ms (measured on a busy machine).
         await asyncio.gather(*(_health(client, url) for _ in rows))
@@ -269,11 +268,11 @@ async def streams(url: str, rows: list[list[int]], n: int, repeat: int = 1) -> l
 
 
 async def _health(client, url: str) -> None:
-    if CLIENT == "raw":
+    if isinstance(client, RawClient):
         async for _ in client.lines("GET", url.removesuffix("/v1") + "/health"):
             pass
         return
-    if CLIENT == "httpx":
+    if isinstance(client, httpx.AsyncClient):
         await client.get(url.removesuffix("/v1") + "/health")
         return
     async with client.get(url.removesuffix("/v1") + "/health") as r:
@@ -312,16 +311,17 @@ def sample_rss(server: Served, stop: threading.Event, peak: list[int]) -> None:
         peak[0] = max(peak[0], server.rss())
 
 
-def one_round(url: str, rows, n: int, counts: list[int], watch: Served | None = None,
+def one_round(url: str, rows, n: int, counts: list[int], client_kind: str, watch: Served | None = None,
               peak: list[int] | None = None, repeat: int = 1) -> dict[int, dict]:
-    """Each number of concurrent streams once (`repeat` times over); with `watch`, its peak memory at the highest."""
+    """Each number of concurrent streams once (`repeat` times over) read by a `client_kind` client; with
+    `watch`, its peak memory at the highest."""
     out = {}
     for c in counts:
         stop = threading.Event()
         if watch is not None and c == max(counts):
             threading.Thread(target=sample_rss, args=(watch, stop, peak), daemon=True).start()
         cpu, theirs = time.process_time(), watch.cpu() if watch is not None else (0.0, 0.0)
-        runs = asyncio.run(streams(url, rows[:c], n, repeat))
+        runs = asyncio.run(streams(url, rows[:c], n, repeat, client_kind))
         cpu = time.process_time() - cpu  # the client's own CPU (this process: nothing else runs in it meanwhile)
         server, engine = (b - a for a, b in zip(theirs, watch.cpu())) if watch is not None else (0.0, 0.0)
         stop.set()
@@ -370,10 +370,11 @@ class LlamaServer:
 def measure(servers: dict[str, Served], clients: dict[str, str], model, tok, rows, n: int, args,
             llama: LlamaServer | None) -> dict:
     """Rounds alternating in-process generate, every contender's numbers of streams (the server
-    `servers[name]` read by the client `clients[name]`: `contenders`), and llama-server's 1 and 8 streams when given (a busy machine then slows
-    all alike), the contenders in turn in another order each round, so none is always the one right
-    after generate; the best round of each. One stream's best against generate's best is the server's
-    overhead (the same tokens: generate stops where the server stops)."""
+    `servers[name]` read by the client `clients[name]`: `contenders`), and llama-server's 1 and 8
+    streams when given (a busy machine then slows all alike), the contenders in another order each
+    round, so none is always the one right after generate; the best round of each. One stream's best
+    against generate's best is the server's overhead (the same tokens: generate stops where the server
+    stops)."""
     counts = sorted(set(args.streams) | ({1, 8} if llama else set()))
     # Each measurement spans at least REPEAT_TOKENS of one stream: the demo shape's 48-token answer
     # alone takes ~65 ms, where one scheduling hiccup moved the one-stream figure by a quarter.
@@ -382,16 +383,13 @@ def measure(servers: dict[str, Served], clients: dict[str, str], model, tok, row
     inproc, theirs = [], []
     ours = {e: [] for e in servers}
     peaks, idle = {e: [0] for e in servers}, {e: s.rss() for e, s in servers.items()}
-    global CLIENT
     names = list(servers)
     for r in range(args.rounds):
         inproc.append(in_process(model, tok, rows[0], n, repeat))
         for e in names[r % len(names):] + names[:r % len(names)]:
-            CLIENT = clients[e]
-            ours[e].append(one_round(servers[e].url, rows, n, counts, servers[e], peaks[e], repeat))
+            ours[e].append(one_round(servers[e].url, rows, n, counts, clients[e], servers[e], peaks[e], repeat))
         if llama is not None:
-            CLIENT = args.client[0]
-            theirs.append(one_round(llama.url, rows, n, [1, 8], repeat=repeat))
+            theirs.append(one_round(llama.url, rows, n, [1, 8], args.client[0], repeat=repeat))
     made, fastest = inproc[0][1], min(sec for sec, _ in inproc) / repeat  # one generate's seconds
     out = {"repeat": repeat, "in_process": {"tokens": made, "seconds": fastest, "tokens_per_s": made / fastest},
            "engines": {}}
@@ -472,7 +470,7 @@ def bench_shape(name: str, shape: dict, text: str, args) -> dict:
                 for contender, client in contenders(e, args.client):
                     servers[contender], clients[contender] = server, client
                 for k in sorted(set([1, 2, 4, 8, 16] if args.compile else [1]) | {max(args.streams)}):
-                    asyncio.run(streams(server.url, rows[:k], 4))  # warm-up (with --compile: every batch bucket)
+                    asyncio.run(streams(server.url, rows[:k], 4, client_kind=args.client[0]))  # warm-up (with --compile: every batch bucket)
             res = {"shape": {**shape, "vocab_size": tok.vocab_size}, "prompt_tokens": P, "new_tokens": n,
                    "kv_bytes_per_row": KVCache.for_model(model, 1).row_bytes(),
                    **measure(servers, clients, model, tok, rows, n, args, llama)}
@@ -566,8 +564,8 @@ def main() -> None:
         ap.error(f"--client: aiohttp, httpx and/or raw, got {','.join(args.client)}")
     if args.quick:
         args.rounds, args.new_tokens = 2, 32
-    global CLIENT, LOCKSTEP
-    CLIENT, LOCKSTEP = args.client[0], args.lockstep
+    global LOCKSTEP
+    LOCKSTEP = args.lockstep
     torch.set_num_threads(args.threads)
     args.server_threads = args.server_threads or args.threads
     text = Path(args.text).read_text(encoding="utf-8")
