@@ -14,7 +14,7 @@ contenders; reported: the best round of each and, per round, each against that r
 layer to the next is what that layer costs.
 
     python bench/serve_overhead.py [--shape demo|reference] [--rounds 7] [--repeat 6] [--new-tokens 48]
-        [--prompt-tokens 16] [--stream-interval MS[,MS...]]
+        [--prompt-tokens 16] [--stream-interval MS[,MS...]] [--client aiohttp|httpx|raw]
 
 --stream-interval 0,5 runs the process and http layers twice, as process@0 / http@0 (the engine's
 process sends a message every step) and process@5 / http@5 (at most every 5 ms; the default is the
@@ -88,13 +88,13 @@ def timed(fn, repeat: int) -> float:
     return (time.perf_counter() - t) / repeat
 
 
-async def http_tokens(fn, url: str) -> int:
-    async with served._session(1) as client:
+async def http_tokens(fn, url: str, client_kind: str) -> int:
+    async with served._session(client_kind, 1) as client:
         return await fn(client)
 
 
-async def timed_http(fn, url: str, repeat: int) -> float:
-    async with served._session(1) as client:
+async def timed_http(fn, url: str, repeat: int, client_kind: str) -> float:
+    async with served._session(client_kind, 1) as client:
         await served._health(client, url)  # the connection opened before the clock, as bench/serve.py does
         t = time.perf_counter()
         for _ in range(repeat):
@@ -113,6 +113,8 @@ def main() -> None:
     ap.add_argument("--stream-interval", default=f"{STREAM_INTERVAL * 1e3:g}", metavar="MS[,MS...]",
                     help="the process engine's and the server's stream interval in ms (--stream-interval-ms); "
                          "several: each layer once for each, side by side")
+    ap.add_argument("--client", choices=("aiohttp", "httpx", "raw"), default="aiohttp",
+                    help="the http layer's client (bench/serve.py's --client)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -129,14 +131,14 @@ def main() -> None:
             want = fns["generate"]()  # warm-up, and every layer's answer checked against generate's
             for name in order[1:]:
                 if name in urls:
-                    assert asyncio.run(http_tokens(fns[name], urls[name])) == len(want), f"{name}: another token count"
+                    assert asyncio.run(http_tokens(fns[name], urls[name], args.client)) == len(want), f"{name}: another token count"
                 else:
                     assert fns[name]() == want, f"{name}: other tokens than generate's"
             for name in order:
-                asyncio.run(timed_http(fns[name], urls[name], 2)) if name in urls else timed(fns[name], 2)
+                asyncio.run(timed_http(fns[name], urls[name], 2, args.client)) if name in urls else timed(fns[name], 2)
             rounds = []
             for r in range(args.rounds):
-                got = {name: asyncio.run(timed_http(fns[name], urls[name], args.repeat)) if name in urls
+                got = {name: asyncio.run(timed_http(fns[name], urls[name], args.repeat, args.client)) if name in urls
                        else timed(fns[name], args.repeat) for name in order}
                 rounds.append(got)
                 print(f"round {r + 1}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in got.items()) + " ms an answer",
@@ -154,7 +156,7 @@ def main() -> None:
     write_json(args.out or RESULTS / f"serve_overhead_{args.shape}.json", {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "shape": args.shape, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-        "repeat": args.repeat, "stream_interval_ms": intervals, "rounds": rounds, "best_s": best, "paired_median_overhead": paired})
+        "repeat": args.repeat, "client": args.client, "stream_interval_ms": intervals, "rounds": rounds, "best_s": best, "paired_median_overhead": paired})
 
 
 if __name__ == "__main__":
