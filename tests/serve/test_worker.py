@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -78,13 +79,14 @@ def test_submit_time_checks_are_answered_in_the_parent(fragile):
 
 
 class _Pipe:
-    """The child's end of its pipe to the parent: each message kept with the (test's) clock at its send."""
+    """The child's end of its pipe to the parent: each message kept, read back from its bytes as
+    `Connection.recv` reads them, with the (test's) clock at its send."""
 
     def __init__(self, clock):
         self.clock, self.sent = clock, []
 
-    def send(self, message) -> None:
-        self.sent.append((self.clock[0], message))
+    def send_bytes(self, data: bytes) -> None:
+        self.sent.append((self.clock[0], pickle.loads(data)))
 
 
 @pytest.mark.parametrize("interval", [0.0, 0.02])

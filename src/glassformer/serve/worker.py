@@ -29,6 +29,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -189,7 +190,7 @@ class ProcessEngine:
     def _send(self, message) -> bool:
         try:
             with self._send_lock:
-                self._down.send(message)
+                send(self._down, message)
             return True
         except (OSError, ValueError):  # the child is gone (the reader ends its tickets)
             return False
@@ -291,6 +292,14 @@ def _running_loop():
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def send(conn, message) -> None:
+    """`conn.send(message)` with the plain pickler: multiprocessing's own (ForkingPickler) copies its
+    table of reducers, torch's many among them, for every message, a cost on the engine's side of
+    each message between two steps (docs/benchmarks.md#serve). `recv()` reads either. What the two
+    processes exchange (requests, events, counts) holds no tensor to share."""
+    conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
 
 def packed(number: int, event: Event) -> tuple:
@@ -437,6 +446,6 @@ class ChildEngine(Engine):
                 return
             self._sent, self._sent_at = (self.steps, self._taken), now
             try:
-                self.conn.send(("events", self.steps, self._taken, len(self.queue), [packed(*o) for o in out], stats))
+                send(self.conn, ("events", self.steps, self._taken, len(self.queue), [packed(*o) for o in out], stats))
             except (OSError, ValueError):  # the parent is gone: serve() sees the end of file
                 pass
