@@ -292,6 +292,15 @@ REFERENCE_SHAPE = dict(
 # ----------------------------------------------------------------------------- training
 
 
+# prepare's BPE vocabulary when none is given: 1024 (2048 until the eighth tuning round, where on
+# tinyshakespeare 1024 tokens and epoch sampling trained to lower held-out bits per byte in the same
+# CPU time: docs/benchmarks.md#quality-per-cpu-minute-on-tinyshakespeare).
+DEFAULT_VOCAB_SIZE = 1024
+SAMPLINGS = ("epochs", "random")  # how training draws its windows: TrainConfig.sampling, text.data.get_batch
+# Training settings whose default changed after runs were saved without them: what those runs used.
+SAVED_BEFORE = {"sampling": "random"}
+
+
 @dataclass
 class TrainConfig:
     """Everything `glassformer train` needs besides the model; each field's doc is its --help text.
@@ -316,6 +325,8 @@ class TrainConfig:
     """'cpu', 'cuda', 'mps' or 'auto' (cuda if present, else cpu)."""
     seed: int = 1337
     """Seeds the weights, the batches (drawn from (seed, step)) and dropout."""
+    sampling: str = "epochs"
+    """How the training windows are drawn: 'epochs' (each token once an epoch: the windows tile the text from an offset drawn each epoch, in a shuffled order) or 'random' (each window anywhere, drawn anew: some text twice, other text not at all; the only way before; docs/data.md#batches-glassformertextdata)."""
     batch_size: int = 8
     """Sequences per optimizer step, over all processes together (the global batch)."""
     micro_batch: int = 0
@@ -413,6 +424,8 @@ class TrainConfig:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0; got lr={self.lr}, min_lr={self.min_lr}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(f"sampling must be {' or '.join(SAMPLINGS)}, got {self.sampling!r}")
         if self.schedule not in ("cosine", "wsd"):
             raise ValueError(f"schedule must be cosine or wsd, got {self.schedule!r}")
         if not 0.0 < self.decay_frac <= 1.0:
@@ -428,6 +441,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_saved(cls, d: dict[str, Any]) -> "TrainConfig":
+        """The settings a run saved (train_state.json's config): a setting it predates takes the value
+        the run had then (SAVED_BEFORE), not today's default, so resuming or explaining it keeps its batches."""
+        return cls.from_dict({**SAVED_BEFORE, **d})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":

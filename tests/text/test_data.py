@@ -75,6 +75,42 @@ def test_batch_starts_cover_the_file(arange_file):
     assert int(starts.min()) < 100 and int(starts.max()) > 4890  # the whole range is drawn from, last window included
 
 
+def _reads(arange_file, sampling: str, windows: int, T: int = 16, B: int = 8) -> torch.Tensor:
+    """How often each token of the file was read (as an input) by the first `windows` windows."""
+    steps = -(-windows // B)
+    starts = torch.cat([get_batch(arange_file, B, T, seed=4, step=s, sampling=sampling)[0][:, 0]
+                        for s in range(steps)])[:windows]  # (windows,)
+    return torch.bincount((starts[:, None] + torch.arange(T)).reshape(-1), minlength=5000)  # (5000,)
+
+
+def test_each_token_comes_once_an_epoch(arange_file):
+    """sampling "epochs": an epoch's windows tile the file T apart from one offset, in a shuffled
+    order, so n epochs read each token n times (but the few the offsets leave out at the ends),
+    where drawing each start anew reads some tokens far more often than others."""
+    T, n_windows = 16, (5000 - 16) // 16  # 311 windows an epoch
+    one = get_batch(arange_file, n_windows, T, seed=4, step=0)[0][:, 0]  # (311,) the whole of epoch 0 in one batch
+    offset = int(one[0]) % T
+    assert sorted(one.tolist()) == [offset + k * T for k in range(n_windows)]
+    assert one.tolist() != sorted(one.tolist())  # shuffled
+    reads = _reads(arange_file, "epochs", 3 * n_windows)
+    inner = reads[T:5000 - 2 * T]  # the ends: where each epoch's offset starts and stops its tiling
+    assert int(inner.min()) == int(inner.max()) == 3
+    anew = _reads(arange_file, "random", 3 * n_windows)[T:5000 - 2 * T]
+    assert int(anew.min()) <= 1 and int(anew.max()) >= 6  # with replacement: the spread epochs remove
+    nxt = get_batch(arange_file, n_windows, T, seed=4, step=1)[0][:, 0]  # epoch 1: another order (and offset)
+    assert nxt.tolist() != one.tolist()
+
+
+def test_conversation_blocks_come_once_an_epoch():
+    """With block data each block start is a unit: once an epoch, in a shuffled order."""
+    ids = torch.arange(33 * 10)  # ten blocks of 33 tokens
+    firsts = torch.cat([get_batch(ids, 5, 32, seed=2, step=s, block=33)[0][:, 0] for s in range(4)])  # (20,)
+    assert sorted(firsts[:10].tolist()) == sorted(firsts[10:].tolist()) == [33 * k for k in range(10)]
+    assert firsts[:10].tolist() != firsts[10:].tolist()
+    with pytest.raises(UserError, match="sampling must be one of"):
+        get_batch(ids, 5, 32, 0, 0, sampling="sequential")
+
+
 def test_batch_errors(arange_file):
     with pytest.raises(UserError, match="too few"):
         get_batch(arange_file, 2, 5000, 0, 0)

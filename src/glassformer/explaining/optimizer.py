@@ -245,7 +245,7 @@ def resume_run(folder: Path, data: str | Path | None = None) -> tuple[RunState, 
     weights and optimizer state, the run's data, batch shape and autocast, through train/setup.py's
     own functions, without touching the run folder (no metrics cut back, no checkpoint written)."""
     model_sd, optim_sd, state, _ = load_training(folder)
-    cfg = TrainConfig.from_dict(state["config"])
+    cfg = TrainConfig.from_saved(state["config"])
     d = Dist()
     device, note = _device(cfg.device)
     data = Path(data or cfg.data)

@@ -8,6 +8,7 @@ files, meta.json's keys and the batch rule: docs/data.md#the-prepared-folder, #b
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..config import DEFAULT_VOCAB_SIZE, SAMPLINGS
 from ..errors import UserError
 from ..files import read_json
 
@@ -101,23 +103,61 @@ def batch_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(x & 0x7FFFFFFFFFFFFFFF)
 
 
-def batch_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
-    """Start offsets (B,) of the global batch's windows of T+1 tokens in a file of n_tokens."""
+def batch_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step: int,
+                 sampling: str = "epochs") -> torch.Tensor:
+    """Start offsets (B,) of the global batch's windows of T+1 tokens in a file of n_tokens. With
+    sampling "epochs", an epoch's windows tile the file T tokens apart from the epoch's offset, so
+    each token is read once an epoch (`epoch_draws`); with "random", each start is drawn anew from
+    anywhere (some text then comes twice in an epoch's worth of windows, other text not at all)."""
     if n_tokens < seq_len + 1:
         raise UserError(f"the token file has {n_tokens} tokens, too few for one window of {seq_len}+1: "
                         f"use a longer corpus or a shorter context")
+    if sampling == "epochs":
+        n_windows = max(1, (n_tokens - seq_len) // seq_len)
+        slack = n_tokens - seq_len - 1 - (n_windows - 1) * seq_len  # room left after the last window: >= T-1 unless tiny
+        units, offsets = epoch_draws(n_windows, batch_size, seed, step, slack)  # (B,) each
+        return units * seq_len + offsets  # (B,)
     return torch.randint(0, n_tokens - seq_len, (batch_size,), generator=batch_generator(seed, step))  # (B,)
 
 
-def block_batch_starts(n_tokens: int, block: int, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
+def epoch_draws(n_units: int, batch_size: int, seed: int, step: int, slack: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampling without replacement (random reshuffling): the units (B,) of 0 … n_units-1 that
+    step `step`'s global batch takes, and their epoch's offset (B,) in 0 … slack. The batches of
+    steps 0, 1, 2, … take epoch 0's units in the order of a permutation drawn from (seed, epoch 0),
+    then epoch 1's in another, and so on: every unit once an epoch, and still a function of
+    (seed, step) alone."""
+    j = step * batch_size + torch.arange(batch_size)  # (B,) the global numbers of this batch's windows
+    epochs, at = j // n_units, j % n_units  # (B,) each
+    units, offsets = torch.empty(batch_size, dtype=torch.int64), torch.empty(batch_size, dtype=torch.int64)
+    for e in epochs.unique().tolist():
+        here = epochs == e
+        offset, order = _epoch(n_units, seed, e, slack)
+        units[here], offsets[here] = order[at[here]], offset
+    return units, offsets  # (B,) each
+
+
+@functools.lru_cache(maxsize=8)
+def _epoch(n_units: int, seed: int, epoch: int, slack: int) -> tuple[int, torch.Tensor]:
+    """(offset, permutation of the units) of one epoch, from the generator of (seed, -1 - epoch), a
+    step no batch draws from. The offset moves the windows' boundaries from one epoch to the next."""
+    g = batch_generator(seed, -1 - epoch)
+    offset = int(torch.randint(0, slack + 1, (1,), generator=g))
+    return offset, torch.randperm(n_units, generator=g)
+
+
+def block_batch_starts(n_tokens: int, block: int, batch_size: int, seq_len: int, seed: int, step: int,
+                       sampling: str = "epochs") -> torch.Tensor:
     """Start offsets (B,) of windows of T+1 tokens drawn at block boundaries (k * block), so a
-    window of conversation data begins with a whole conversation."""
+    window of conversation data begins with a whole conversation; each block start once an epoch
+    (sampling "epochs") or drawn anew ("random")."""
     from .conversations import block_starts
 
     n_starts = block_starts(n_tokens, block, seq_len + 1)
     if n_starts < 1:
         raise UserError(f"the token file has {n_tokens} tokens, too few for one window of {seq_len}+1: "
                         f"use more conversations or a shorter context")
+    if sampling == "epochs":
+        return epoch_draws(n_starts, batch_size, seed, step)[0] * block  # (B,)
     return torch.randint(0, n_starts, (batch_size,), generator=batch_generator(seed, step)) * block  # (B,)
 
 
@@ -130,23 +170,26 @@ def _rows(arr, starts: list[int], n: int) -> torch.Tensor:
 
 def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
               rank: int = 0, world_size: int = 1, device: str | torch.device | None = None,
-              mask=None, block: int | None = None):
+              mask=None, block: int | None = None, sampling: str = "epochs"):
     """(x, y): this rank's rows of the global batch drawn from (seed, step).
 
     tokens: a TokenFile, numpy array or 1-D tensor of ids. batch_size is the GLOBAL batch B
     (divisible by world_size); each rank gets B / world_size rows, rank r the rows
     r*B/W … (r+1)*B/W - 1, so concatenating the ranks' x in rank order gives world_size=1's x.
-    x, y: int64 (B/W, T), y shifted left one token; mask, block: docs/data.md#conversation-data.
+    x, y: int64 (B/W, T), y shifted left one token; mask, block: docs/data.md#conversation-data;
+    sampling: "epochs" (each window once an epoch, the default) or "random" (batch_starts).
     """
+    if sampling not in SAMPLINGS:
+        raise UserError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0 … world_size-1 (world_size {world_size})")
     if batch_size % world_size:
         raise UserError(f"global batch size {batch_size} is not divisible by {world_size} ranks: choose a multiple of {world_size}")
     arr = tokens.array if isinstance(tokens, TokenFile) else tokens
     if block is None:
-        starts = batch_starts(len(arr), batch_size, seq_len, seed, step)  # (B,)
+        starts = batch_starts(len(arr), batch_size, seq_len, seed, step, sampling)  # (B,)
     else:
-        starts = block_batch_starts(len(arr), block, batch_size, seq_len, seed, step)  # (B,)
+        starts = block_batch_starts(len(arr), block, batch_size, seq_len, seed, step, sampling)  # (B,)
     per = batch_size // world_size
     mine = starts[rank * per:(rank + 1) * per].tolist()  # (B/W,) only this rank's windows are read
     rows = _rows(arr, mine, seq_len + 1)  # (B/W, T+1)
@@ -253,7 +296,7 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
             add_chat_tokens: bool = False, bpe_dropout: float = 0.0, dropout_copies: int = 6) -> dict:
     """Write a prepared data folder at `out` (atomically) and return its meta.json.
     corpus: a glassformer.corpus.Corpus. tokenizer: a Tokenizer to reuse; if None, byte-level
-    BPE is trained on the training split alone, to vocab_size (default 2048). context: the
+    BPE is trained on the training split alone, to vocab_size (default DEFAULT_VOCAB_SIZE). context: the
     longest window a model will draw; both splits must hold context+1 tokens. tokenizer_sample_mb:
     train the tokenizer on about this many MB, taken evenly (docs/data.md#streaming-and-exactness);
     add_chat_tokens: the chat tokens and default template too (docs/data.md#conversation-data).
@@ -304,7 +347,7 @@ def _check_prepare(corpus, out: Path, tokenizer, vocab_size, context: int, sampl
     if out.exists() and not (out / "meta.json").is_file() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not a prepared data folder: choose a new or empty folder")
     if tokenizer is None:
-        vocab_size = check_vocab_size(2048 if vocab_size is None else vocab_size)
+        vocab_size = check_vocab_size(DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)
     if context < 1:
         raise UserError(f"--context {context} must be at least 1")
     if not sample_mb > 0:
@@ -465,7 +508,7 @@ def _train_chat_tokenizer(corpus, vocab_size: int | None):
     """Byte-level BPE trained on the training conversations' message text."""
     from .tokenizer import Tokenizer, check_vocab_size
 
-    vocab_size = check_vocab_size(2048 if vocab_size is None else vocab_size)
+    vocab_size = check_vocab_size(DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)
     return Tokenizer.train((m["content"] for c in corpus.train for m in c.messages), vocab_size)
 
 

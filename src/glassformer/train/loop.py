@@ -75,7 +75,7 @@ def one_step(run: RunState) -> None:
         torch.manual_seed(cfg.seed * 1_000_003 + run.step * d.world_size + d.rank)
     run.lr = lr_at(run.step, cfg.lr, cfg.min_lr, cfg.warmup_steps, run.total_steps or 10**9, cfg.schedule, cfg.decay_frac)
     xs, ys = get_batch(run.train_tokens, cfg.batch_size, run.seq_len, cfg.seed, run.step, d.rank, d.world_size,
-                       mask=run.train_mask, block=run.block)  # (B/W, T); ys -1 where the mask says no loss
+                       mask=run.train_mask, block=run.block, sampling=cfg.sampling)  # (B/W, T); ys -1 where the mask says no loss
     res = train_step(run.net, run.optimizer, xs, ys, accum=run.accum, lr=run.lr, grad_clip=cfg.grad_clip,
                      autocast=run.autocast, d=d, device=run.device, masked=run.train_mask is not None)
     if not res.stepped:
