@@ -105,6 +105,8 @@ def main() -> None:
     results["runs"]["glassformer"] = {"command": f"glassformer train --time-budget {budget:.0f} {args.train_args}".strip(),
                                       "wall_s": round(wall, 1), "steps": state["step"], "eval": ev,
                                       "time_budget_plan": state.get("time_budget_plan"),
+                                      # the settings the run resolved, defaults included (which change between rounds)
+                                      "train_config": {k: v for k, v in state["config"].items() if k not in ("data", "out")},
                                       "curve": curve(run), "model": json.loads((run / "latest").parent.joinpath(
                                           (run / "latest").read_text().strip(), "config.json").read_text())["model"]}
     print(f"\nheld-out bits per byte on {corpus.name} (last 10%), {os.cpu_count()} CPU cores")
