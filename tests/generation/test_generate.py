@@ -104,6 +104,20 @@ def test_stop_sequence_ends_after_it():
 # ----------------------------------------------------------------------------- filters
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (3, 50), (16, 2048)])
+def test_first_argmax_is_argmax_ties_and_nan_included(rows, vocab):
+    """The greedy pick (sampling.first_argmax, through max()) is torch's argmax: the first of equal
+    maxima, and a NaN wherever argmax picks one."""
+    from glassformer.generation.sampling import first_argmax
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randint(0, 4, (rows, vocab), generator=g).float()  # (R, V) few values: many ties
+    assert torch.equal(first_argmax(x), x.argmax(-1))
+    x[0, vocab // 2] = float("nan")
+    assert torch.equal(first_argmax(x), x.argmax(-1))
+    assert torch.equal(first_argmax(x[:, None, :]), x[:, None, :].argmax(-1))  # (R, 1, V): the last axis
+
+
 def test_top_k_keeps_exactly_k_even_with_ties():
     logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, 2.0]])
     p = logits_to_probs(logits, top_k=2)

@@ -34,7 +34,7 @@ from ..kv_cache import KVCache
 from ..probes import active as probes_active
 from .compiled import compile_step, step_key
 from .logprobs import TokenLogprob, logprobs_of, prompt_logprobs
-from .sampling import apply_repetition_penalty, check_sampling, sample
+from .sampling import apply_repetition_penalty, check_sampling, first_argmax, sample
 from .session import _ends_with_stop, _stops
 
 __all__ = ["QueueFull", "ContextLengthExceeded", "EngineStopped", "Request", "Event", "Ticket", "Engine",
@@ -241,7 +241,7 @@ def greedy_tokens(logits: torch.Tensor, rows: list) -> list[int | None]:
     greedy = [r.request.temperature == 0 and r.seen is None and not r.ticket.cancelled for r in rows]
     if sum(greedy) < 2:
         return [None] * len(rows)
-    return [t if g else None for t, g in zip(logits.argmax(-1).tolist(), greedy)]
+    return [t if g else None for t, g in zip(first_argmax(logits).tolist(), greedy)]
 
 
 def wake_loops(wakes: dict) -> None:
