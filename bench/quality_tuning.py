@@ -9,6 +9,8 @@ CPU s/step is r times today's gets about 3300 / r steps in a quiet 126 s with tw
     python bench/quality_tuning.py --run NAME STEPS --data DATA -- [train flags]
         # train NAME at STEPS steps, one thread, no evaluations on the way; then `glassformer eval`
         # over the whole held-out split; appends {name, steps, flags, cpu_s, bpb} to --out
+    python bench/quality_tuning.py --coverage STEPS --data DATA
+        # how often each training token is read over STEPS steps of 8 windows of 64, for each sampling
     python bench/quality_tuning.py --gap STEPS --data DATA [--every 330] -- [train flags]
         # train at STEPS steps, one thread, the whole held-out split evaluated every --every steps;
         # each evaluation beside the mean training loss of the steps since the one before (--out)
@@ -141,18 +143,50 @@ def gap(steps: int, every: int, data: Path, flags: list[str]) -> dict:
             "tokens_per_step": batch_tokens, "intervals": out}
 
 
+def coverage(steps: int, data: Path, batch: int = 8, seq_len: int = 64, seed: int = 1337) -> dict:
+    """How often each training token is read (as a window's input) over `steps` steps of `batch` windows,
+    for each way of drawing them (`get_batch`'s sampling): text/data.py's own draws, no training."""
+    sys.path.insert(0, str(REPO / "src"))
+    import torch
+
+    from glassformer.config import SAMPLINGS
+    from glassformer.text.data import batch_starts
+
+    n = json.loads((data / "meta.json").read_text())["train_tokens"]
+    out = {}
+    for sampling in SAMPLINGS:
+        starts = torch.cat([batch_starts(n, batch, seq_len, seed, s, sampling) for s in range(steps)])  # (steps*B,)
+        edges = torch.zeros(n + 1)
+        edges.index_add_(0, starts, torch.ones(len(starts)))
+        edges.index_add_(0, starts + seq_len, -torch.ones(len(starts)))
+        reads = edges.cumsum(0)[:n - 1]  # (n-1,) windows covering each token as an input
+        q = torch.quantile(reads[:min(len(reads), 1 << 24)], torch.tensor([0.01, 0.5, 0.99])).tolist()
+        out[sampling] = {"mean": round(float(reads.mean()), 2), "min": int(reads.min()), "max": int(reads.max()),
+                         "p01_p50_p99": q, "never_read": int((reads == 0).sum())}
+    return {"steps": steps, "batch": batch, "seq_len": seq_len, "seed": seed, "train_tokens": n, "reads": out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40, help="timed steps per recipe and round")
     ap.add_argument("--run", nargs=2, metavar=("NAME", "STEPS"), help="train one recipe instead (flags after --)")
     ap.add_argument("--gap", type=int, metavar="STEPS", help="the training/held-out gap of one run instead")
+    ap.add_argument("--coverage", type=int, metavar="STEPS",
+                    help="how often each training token is read over STEPS steps, for each sampling, instead")
     ap.add_argument("--every", type=int, default=330, help="steps between evaluations (with --gap)")
     ap.add_argument("--data", default="data", help="prepared tinyshakespeare (with --run, --gap)")
     ap.add_argument("--out", default=None, help="results file")
     ap.add_argument("--recipes", default=None, help="price these recipes only (comma-separated names), beside the defaults")
     args, flags = ap.parse_known_args()
     flags = [f for f in flags if f != "--"]
+    if args.coverage:
+        res = coverage(args.coverage, Path(args.data))
+        for k, v in res["reads"].items():
+            print(f"{k:>7}: {v['mean']} reads a token on average, 1st/50th/99th percentile {v['p01_p50_p99']}, "
+                  f"{v['min']}-{v['max']}, {v['never_read']} tokens never read")
+        write_json(args.out or REPO / "bench" / "results" / "sampling_coverage.json", res)
+        return
     if args.gap:
         res = gap(args.gap, args.every, Path(args.data), flags)
         for i in res["intervals"]:

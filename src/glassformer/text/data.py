@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import DEFAULT_VOCAB_SIZE, SAMPLINGS
+from ..config import DEFAULT_VOCAB_SIZE, SAMPLINGS, TrainConfig
 from ..errors import UserError
 from ..files import read_json
 
@@ -103,8 +103,7 @@ def batch_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(x & 0x7FFFFFFFFFFFFFFF)
 
 
-def batch_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step: int,
-                 sampling: str = "epochs") -> torch.Tensor:
+def batch_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step: int, sampling: str) -> torch.Tensor:
     """Start offsets (B,) of the global batch's windows of T+1 tokens in a file of n_tokens. With
     sampling "epochs", an epoch's windows tile the file T tokens apart from the epoch's offset, so
     each token is read once an epoch (`epoch_draws`); with "random", each start is drawn anew from
@@ -146,7 +145,7 @@ def _epoch(n_units: int, seed: int, epoch: int, slack: int) -> tuple[int, torch.
 
 
 def block_batch_starts(n_tokens: int, block: int, batch_size: int, seq_len: int, seed: int, step: int,
-                       sampling: str = "epochs") -> torch.Tensor:
+                       sampling: str) -> torch.Tensor:
     """Start offsets (B,) of windows of T+1 tokens drawn at block boundaries (k * block), so a
     window of conversation data begins with a whole conversation; each block start once an epoch
     (sampling "epochs") or drawn anew ("random")."""
@@ -170,14 +169,14 @@ def _rows(arr, starts: list[int], n: int) -> torch.Tensor:
 
 def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
               rank: int = 0, world_size: int = 1, device: str | torch.device | None = None,
-              mask=None, block: int | None = None, sampling: str = "epochs"):
+              mask=None, block: int | None = None, sampling: str = TrainConfig.sampling):
     """(x, y): this rank's rows of the global batch drawn from (seed, step).
 
     tokens: a TokenFile, numpy array or 1-D tensor of ids. batch_size is the GLOBAL batch B
     (divisible by world_size); each rank gets B / world_size rows, rank r the rows
     r*B/W … (r+1)*B/W - 1, so concatenating the ranks' x in rank order gives world_size=1's x.
     x, y: int64 (B/W, T), y shifted left one token; mask, block: docs/data.md#conversation-data;
-    sampling: "epochs" (each window once an epoch, the default) or "random" (batch_starts).
+    sampling: "epochs" (each window once an epoch; training's default) or "random" (batch_starts).
     """
     if sampling not in SAMPLINGS:
         raise UserError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
