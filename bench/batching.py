@@ -6,7 +6,8 @@ same rows and positions).
 done by the library's plain product instead of the held oneDNN-packed weights (model.few_rows), in the
 same rounds; `--pack-all` with every few-row product packed for oneDNN, the small weights too (model.PACK_MIN = 0);
 `--fused-mask` with the step's attention through the fused kernel and a boolean mask instead
-of two batched products (attention/sdpa.py MASKED_DECODE).
+of two batched products (attention/sdpa.py MASKED_DECODE); `--length-step 64` with a batched step's
+cache read rounded up to a multiple of 64 slots instead of batching.EAGER_LENGTH_STEP.
 
 Every round runs each contender once, alternating (a busy machine slows all alike); the best round
 counts. Requests are submitted together and the engine is stepped in this thread; an event's time is
@@ -14,7 +15,11 @@ when the step that made it returned. The engine's tokens for request j equal `ge
 (checked each round, greedy and seeded). bench/serve.py measures the same through the HTTP server.
 
     python bench/batching.py [--shape reference|demo] [--streams 1,4,16] [--rounds 3] [--threads 2] [--new-tokens 128]
-        [--prompt-tokens 64] [--temperature 0] [--compile] [--library] [--pack-all] [--fused-mask] [--quick]
+        [--prompt-tokens 64] [--temperature 0] [--compile] [--library] [--pack-all] [--fused-mask]
+        [--length-step N] [--quick]
+
+Each variant is also reported against eager by the median of the rounds' own ratios (each round's pair
+taken next to each other: this machine's speed drifts over seconds).
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 import glassformer.attention.sdpa as sdpa_module  # noqa: E402
+import glassformer.generation.batching as batching_module  # noqa: E402
 import glassformer.model as model_module  # noqa: E402
 from glassformer import ModelConfig, Transformer, generate  # noqa: E402
 from glassformer.config import PRESETS, REFERENCE_SHAPE  # noqa: E402
-from glassformer.generation.batching import LENGTH_STEP, Engine, Request, round_up  # noqa: E402
+from glassformer.generation.batching import Engine, Request, slots_to_read  # noqa: E402
 from glassformer.kv_cache import KVCache  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -73,7 +79,7 @@ def run_engine(engine: Engine, prompts, n: int, kw: dict) -> dict:
 def forward_only(model, rows: int, context: int, steps: int) -> float:
     """Seconds per batched decode forward of `rows` rows at per-row positions near `context` (no sampling),
     reading the slots an engine step reads there (up to the furthest row's, rounded up)."""
-    cache = KVCache.for_model(model, rows).view(0, rows, round_up(context + rows, LENGTH_STEP, model.config.max_seq_len))
+    cache = KVCache.for_model(model, rows).view(0, rows, slots_to_read(context + rows, model.config.max_seq_len, False, False))
     pos = torch.arange(rows) + context if rows > 1 else context  # one row: an int position, as the engine steps it
     tok = torch.zeros(rows, 1, dtype=torch.long)
     model(tok, cache=cache, pos=pos)
@@ -100,6 +106,8 @@ def main() -> None:
                     help="also with every few-row product through oneDNN's packed weight, however small (model.PACK_MIN = 0)")
     ap.add_argument("--fused-mask", action="store_true",
                     help="also eager with a step's attention through the fused kernel and a boolean mask, side by side")
+    ap.add_argument("--length-step", type=int, default=None,
+                    help="also eager with a batched step's cache read rounded up to a multiple of this many slots")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, one round")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -122,7 +130,7 @@ def main() -> None:
     gkw = {"greedy": True} if args.temperature == 0 else kw
     refs = [list(generate(model, p, max_new_tokens=N, seed=j, **gkw)) for j, p in enumerate(prompts)]
     modes = (["eager"] + (["library"] * args.library) + (["pack_all"] * args.pack_all) + (["fused_mask"] * args.fused_mask)
-             + (["compiled"] * args.compile))
+             + (["length_step"] * (args.length_step is not None)) + (["compiled"] * args.compile))
     pack_min = model_module.PACK_MIN
 
     def set_pack_min(v: int) -> None:  # the held copies remember whether they were packed: rebuild them
@@ -137,13 +145,16 @@ def main() -> None:
         for c in counts:
             run_engine(engines["compiled"], prompts[:c], 4, kw)
     best: dict = {}
-    variants = [m for m in modes if m in ("library", "pack_all", "fused_mask")]  # switches of the eager engine
+    variants = [m for m in modes if m in ("library", "pack_all", "fused_mask", "length_step")]  # switches of the eager engine
+    length_step = batching_module.EAGER_LENGTH_STEP
+    per_round: dict[str, list[float]] = {}  # "mode/count" -> each round's tokens/s
     fsteps: dict[str, dict[int, float]] = {m: {} for m in ["eager"] + variants}  # mode -> rows -> s a forward
 
     def use(m: str) -> None:  # the switches of mode m (eager, compiled: all at their defaults)
         model_module.PACKS = packs and m != "library"
         sdpa_module.MASKED_DECODE = m != "fused_mask"
         set_pack_min(0 if m == "pack_all" else pack_min)
+        batching_module.EAGER_LENGTH_STEP = args.length_step if m == "length_step" else length_step
 
     for r in range(args.rounds):
         t = time.perf_counter()
@@ -157,6 +168,7 @@ def main() -> None:
                 use("eager")
                 assert res.pop("_tokens") == refs[:c], "the engine's tokens differ from generate's"
                 key = f"{m}/{c}"
+                per_round.setdefault(key, []).append(res["tokens_per_s"])
                 if key not in best or res["tokens_per_s"] > best[key]["tokens_per_s"]:
                     best[key] = res
         for c in counts:  # the batched forward alone, in the same round (its best too), each variant's too
@@ -180,7 +192,10 @@ def main() -> None:
         "forward_only_library_s_per_step": {str(c): s for c, s in library_steps.items()},
         "forward_only_fused_mask_s_per_step": {str(c): s for c, s in fused_steps.items()},
         "forward_only_pack_all_s_per_step": {str(c): s for c, s in pack_all_steps.items()},
-        "packs": packs, "pack_min": pack_min,
+        "forward_only_length_step_s_per_step": {str(c): s for c, s in fsteps.get("length_step", {}).items()},
+        "packs": packs, "pack_min": pack_min, "eager_length_step": length_step, "length_step": args.length_step,
+        "paired_vs_eager": {k: statistics.median(a / b for a, b in zip(v, per_round["eager/" + k.split("/")[1]]))
+                            for k, v in per_round.items() if not k.startswith(("eager/", "compiled/"))},
     }
     one = best.get("eager/1")
     for k, v in best.items():
@@ -198,6 +213,11 @@ def main() -> None:
         print("forward alone, every few-row product packed, ms a step:", {c: round(s * 1e3, 2) for c, s in pack_all_steps.items()})
     if fused_steps:
         print("forward alone, fused kernel with a mask, ms a step:", {c: round(s * 1e3, 2) for c, s in fused_steps.items()})
+    if "length_step" in fsteps:
+        print(f"forward alone, read rounded to {args.length_step} slots, ms a step:",
+              {c: round(s * 1e3, 2) for c, s in fsteps["length_step"].items()})
+    for k, v in result["paired_vs_eager"].items():
+        print(f"{k} against eager, median of the rounds' own ratios: {v:.3f}x")
     print("forward alone, ms a step:", {c: round(s * 1e3, 2) for c, s in steps.items()},
           f"generate {result['generate_tokens_per_s']:.1f} tokens/s; KV per row {result['kv_bytes_per_row'] / 2**20:.1f} MiB")
     write_json(args.out or RESULTS / "batching.json", result)
