@@ -9,7 +9,7 @@ same rounds; `--pack-all` with every few-row product packed for oneDNN, the smal
 of two batched products (attention/sdpa.py MASKED_DECODE); `--length-step 64` with a batched step's
 cache read rounded up to a multiple of 64 slots instead of batching.EAGER_LENGTH_STEP.
 
-Every round runs each contender once, alternating (a busy machine slows all alike); the best round
+Every round runs each contender once, in another order each round (a busy machine slows all alike); the best round
 counts. Requests are submitted together and the engine is stepped in this thread; an event's time is
 when the step that made it returned. The engine's tokens for request j equal `generate` of prompt j
 (checked each round, greedy and seeded). bench/serve.py measures the same through the HTTP server.
@@ -161,7 +161,7 @@ def main() -> None:
         list(generate(model, prompts[0], max_new_tokens=N, seed=0, **gkw))
         gen = N / (time.perf_counter() - t)
         best["generate_tokens_per_s"] = max(best.get("generate_tokens_per_s", 0), gen)
-        for m in modes:
+        for m in modes[r % len(modes):] + modes[:r % len(modes)]:  # another order each round: none always runs first
             for c in counts:
                 use(m)
                 res = run_engine(engines[m], prompts[:c], N, kw)
