@@ -146,7 +146,7 @@ def main() -> None:
             run_engine(engines["compiled"], prompts[:c], 4, kw)
     best: dict = {}
     variants = [m for m in modes if m in ("library", "pack_all", "fused_mask", "length_step")]  # switches of the eager engine
-    length_step = batching_module.EAGER_LENGTH_STEP
+    default_step = batching_module.EAGER_LENGTH_STEP
     per_round: dict[str, list[float]] = {}  # "mode/count" -> each round's tokens/s
     fsteps: dict[str, dict[int, float]] = {m: {} for m in ["eager"] + variants}  # mode -> rows -> s a forward
 
@@ -154,7 +154,7 @@ def main() -> None:
         model_module.PACKS = packs and m != "library"
         sdpa_module.MASKED_DECODE = m != "fused_mask"
         set_pack_min(0 if m == "pack_all" else pack_min)
-        batching_module.EAGER_LENGTH_STEP = args.length_step if m == "length_step" else length_step
+        batching_module.EAGER_LENGTH_STEP = args.length_step if m == "length_step" else default_step
 
     for r in range(args.rounds):
         t = time.perf_counter()
@@ -179,8 +179,9 @@ def main() -> None:
                 mine[c] = min(mine.get(c, s), s)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in best.items() if k != "generate_tokens_per_s"),
               f"generate {best['generate_tokens_per_s']:.1f} tokens/s", flush=True)
-    steps, library_steps = fsteps["eager"], fsteps.get("library", {})
-    fused_steps, pack_all_steps = fsteps.get("fused_mask", {}), fsteps.get("pack_all", {})
+    steps = fsteps["eager"]
+    labels = {"library": "library products", "pack_all": "every few-row product packed",
+              "fused_mask": "fused kernel with a mask", "length_step": f"read rounded to {args.length_step} slots"}
     result = {
         "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
         "shape": shape, "prompt_tokens": P, "new_tokens": N, "rounds": args.rounds,
@@ -189,11 +190,8 @@ def main() -> None:
         "generate_tokens_per_s": best.pop("generate_tokens_per_s"),
         "runs": best,
         "forward_only_s_per_step": {str(c): s for c, s in steps.items()},
-        "forward_only_library_s_per_step": {str(c): s for c, s in library_steps.items()},
-        "forward_only_fused_mask_s_per_step": {str(c): s for c, s in fused_steps.items()},
-        "forward_only_pack_all_s_per_step": {str(c): s for c, s in pack_all_steps.items()},
-        "forward_only_length_step_s_per_step": {str(c): s for c, s in fsteps.get("length_step", {}).items()},
-        "packs": packs, "pack_min": pack_min, "eager_length_step": length_step, "length_step": args.length_step,
+        **{f"forward_only_{m}_s_per_step": {str(c): s for c, s in fsteps.get(m, {}).items()} for m in labels},
+        "packs": packs, "pack_min": pack_min, "eager_length_step": default_step, "length_step": args.length_step,
         "paired_vs_eager": {k: statistics.median(a / b for a, b in zip(v, per_round["eager/" + k.split("/")[1]]))
                             for k, v in per_round.items() if not k.startswith(("eager/", "compiled/"))},
     }
@@ -207,15 +205,8 @@ def main() -> None:
         print(f"{k:>12}: {v['tokens_per_s']:7.1f} tokens/s ({v['vs_one_stream']:.2f}x one stream, "
               f"{v['vs_generate']:.2f}x generate), ttft p50 {v['ttft_p50_s'] * 1e3:.1f} ms p99 "
               f"{v['ttft_p99_s'] * 1e3:.1f} ms, gap p50 {v['gap_p50_s'] * 1e3:.1f} ms p99 {v['gap_p99_s'] * 1e3:.1f} ms")
-    if library_steps:
-        print("forward alone, library products, ms a step:", {c: round(s * 1e3, 2) for c, s in library_steps.items()})
-    if pack_all_steps:
-        print("forward alone, every few-row product packed, ms a step:", {c: round(s * 1e3, 2) for c, s in pack_all_steps.items()})
-    if fused_steps:
-        print("forward alone, fused kernel with a mask, ms a step:", {c: round(s * 1e3, 2) for c, s in fused_steps.items()})
-    if "length_step" in fsteps:
-        print(f"forward alone, read rounded to {args.length_step} slots, ms a step:",
-              {c: round(s * 1e3, 2) for c, s in fsteps["length_step"].items()})
+    for m in variants:
+        print(f"forward alone, {labels[m]}, ms a step:", {c: round(s * 1e3, 2) for c, s in fsteps[m].items()})
     for k, v in result["paired_vs_eager"].items():
         print(f"{k} against eager, median of the rounds' own ratios: {v:.3f}x")
     print("forward alone, ms a step:", {c: round(s * 1e3, 2) for c, s in steps.items()},
