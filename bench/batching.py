@@ -6,7 +6,9 @@ same rows and positions).
 done by the library's plain product instead of the held oneDNN-packed weights (model.few_rows), in the
 same rounds; `--pack-all` with every few-row product packed for oneDNN, the small weights too (model.PACK_MIN = 0);
 `--fused-mask` with the step's attention through the fused kernel and a boolean mask instead
-of two batched products (attention/sdpa.py MASKED_DECODE); `--length-step 64` with a batched step's
+of two batched products (attention/sdpa.py MASKED_DECODE); `--library-attention` with it through the two
+batched products (what runs where the C++ kernel of attention/cpu_decode.py cannot be built: cpu_decode.enabled
+off), not the kernel; `--length-step 64` with a batched step's
 cache read rounded up to a multiple of 64 slots instead of batching.EAGER_LENGTH_STEP.
 
 Every round runs each contender once, in another order each round (a busy machine slows all alike); the best round
@@ -16,7 +18,7 @@ when the step that made it returned. The engine's tokens for request j equal `ge
 
     python bench/batching.py [--shape reference|demo] [--streams 1,4,16] [--rounds 3] [--threads 2] [--new-tokens 128]
         [--prompt-tokens 64] [--temperature 0] [--compile] [--library] [--pack-all] [--fused-mask]
-        [--length-step N] [--quick]
+        [--library-attention] [--length-step N] [--quick]
 
 Each variant is also reported against eager by the median of the rounds' own ratios (each round's pair
 taken next to each other: this machine's speed drifts over seconds).
@@ -36,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
+import glassformer.attention.cpu_decode as cpu_decode_module  # noqa: E402
 import glassformer.attention.sdpa as sdpa_module  # noqa: E402
 import glassformer.generation.batching as batching_module  # noqa: E402
 import glassformer.model as model_module  # noqa: E402
@@ -106,6 +109,8 @@ def main() -> None:
                     help="also with every few-row product through oneDNN's packed weight, however small (model.PACK_MIN = 0)")
     ap.add_argument("--fused-mask", action="store_true",
                     help="also eager with a step's attention through the fused kernel and a boolean mask, side by side")
+    ap.add_argument("--library-attention", action="store_true",
+                    help="also eager with a many-row step's attention through the two batched products instead of the C++ kernel")
     ap.add_argument("--length-step", type=int, default=None,
                     help="also eager with a batched step's cache read rounded up to a multiple of this many slots")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, one round")
@@ -130,6 +135,7 @@ def main() -> None:
     gkw = {"greedy": True} if args.temperature == 0 else kw
     refs = [list(generate(model, p, max_new_tokens=N, seed=j, **gkw)) for j, p in enumerate(prompts)]
     modes = (["eager"] + (["library"] * args.library) + (["pack_all"] * args.pack_all) + (["fused_mask"] * args.fused_mask)
+             + (["library_attention"] * args.library_attention)
              + (["length_step"] * (args.length_step is not None)) + (["compiled"] * args.compile))
     pack_min = model_module.PACK_MIN
 
@@ -145,7 +151,7 @@ def main() -> None:
         for c in counts:
             run_engine(engines["compiled"], prompts[:c], 4, kw)
     best: dict = {}
-    variants = [m for m in modes if m in ("library", "pack_all", "fused_mask", "length_step")]  # switches of the eager engine
+    variants = [m for m in modes if m in ("library", "pack_all", "fused_mask", "library_attention", "length_step")]  # switches of the eager engine
     default_step = batching_module.EAGER_LENGTH_STEP
     per_round: dict[str, list[float]] = {}  # "mode/count" -> each round's tokens/s
     fsteps: dict[str, dict[int, float]] = {m: {} for m in ["eager"] + variants}  # mode -> rows -> s a forward
@@ -153,6 +159,7 @@ def main() -> None:
     def use(m: str) -> None:  # the switches of mode m (eager, compiled: all at their defaults)
         model_module.PACKS = packs and m != "library"
         sdpa_module.MASKED_DECODE = m != "fused_mask"
+        cpu_decode_module.enabled = m not in ("fused_mask", "library_attention")  # the kernel takes the step before either
         set_pack_min(0 if m == "pack_all" else pack_min)
         batching_module.EAGER_LENGTH_STEP = args.length_step if m == "length_step" else default_step
 
@@ -181,7 +188,8 @@ def main() -> None:
               f"generate {best['generate_tokens_per_s']:.1f} tokens/s", flush=True)
     steps = fsteps["eager"]
     labels = {"library": "library products", "pack_all": "every few-row product packed",
-              "fused_mask": "fused kernel with a mask", "length_step": f"read rounded to {args.length_step} slots"}
+              "fused_mask": "fused kernel with a mask", "library_attention": "two batched products",
+              "length_step": f"read rounded to {args.length_step} slots"}
     result = {
         "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
         "shape": shape, "prompt_tokens": P, "new_tokens": N, "rounds": args.rounds,

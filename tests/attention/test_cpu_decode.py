@@ -1,5 +1,5 @@
-"""The compiled CPU decode step's attention kernel (attention/cpu_decode.cpp) against the naive
-kernel, its building and fallback, and its place in a compiled session."""
+"""The CPU decode steps' attention kernel (attention/cpu_decode.cpp) against the naive kernel, its
+building and fallback, and its place in a compiled session and in a continuous-batching step."""
 
 import subprocess
 import sys
@@ -10,6 +10,7 @@ import torch
 from glassformer.attention import cpu_decode
 from glassformer.attention.naive import naive_attention
 from glassformer.generation.session import Session
+from glassformer.kv_cache import KVCache
 
 from ..support import tiny_model
 from ..support import greedy_by_full_forward
@@ -42,6 +43,55 @@ def test_kernel_equals_naive_attention(H, K, G):
             got = cpu_decode.attention(q, k, v, H ** -0.5, chunks)
             assert got.shape == (B, K * G, 1, H)
             assert (got - want).abs().max() < 1e-5, (T, chunks)  # fp32 against float64
+
+
+@pytest.mark.parametrize("H", cpu_decode.HEAD_DIMS)
+def test_each_row_reads_its_own_keys(H):
+    """lens: row b reads only its first lens[b] keys, as a continuous-batching step's rows at their own
+    positions do (the naive kernel with each row's query at position lens[b] - 1); beyond T reads all T;
+    none: zeros, as from the naive kernel. Stretches of positions merged where a row ends inside one."""
+    K, G, S, T = 2, 3, 400, 350
+    lens = torch.tensor([1, 5, 300, 0, 1000, 17, 349])
+    B = len(lens)
+    kc, vc = torch.randn(B, K, S, H), torch.randn(B, K, S, H)
+    q = torch.randn(B, K * G, 1, H) * 3
+    k, v = kc[:, :, :T], vc[:, :, :T]
+    kr, vr = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, N, T, H)
+    q_pos = (lens.clamp(max=T) - 1)[:, None]  # (B, 1): the row at lens 0 reads nothing
+    want = naive_attention(q.double(), kr.double(), vr.double(), q_pos=q_pos, scale=H ** -0.5).float()
+    assert want[3].abs().max() == 0
+    for chunks in (0, 1, 3):
+        got = cpu_decode.attention(q, k, v, H ** -0.5, chunks, lens)
+        assert (got - want).abs().max() < 1e-5, chunks
+    every = cpu_decode.attention(q, k, v, H ** -0.5, 0, torch.full((B,), T))
+    assert (every - cpu_decode.attention(q, k, v, H ** -0.5)).abs().max() == 0  # lens T: all of them
+    with pytest.raises(ValueError, match="wants lens"):
+        cpu_decode.attention(q, k, v, 1.0, 0, lens[:3])
+
+
+def test_a_batched_step_at_each_rows_position_calls_the_kernel(monkeypatch):
+    """A continuous-batching step (rows at their own positions, plain causal) goes through the kernel once
+    a layer where it is built, with the logits of the two batched products it replaces (cpu_decode.enabled off)."""
+    model = tiny_model()  # head size 16
+    B, P = 3, 10
+    ids = torch.randint(0, model.config.vocab_size, (B, P))
+    step = torch.randint(0, model.config.vocab_size, (B, 1))
+    pos = torch.tensor([4, 9, 2])
+
+    def run():
+        cache = KVCache.for_model(model, B)
+        with torch.no_grad():
+            model(ids, cache=cache.view(0, B), pos=0)  # every row's first P slots
+            with torch.profiler.profile() as prof:
+                logits, _ = model(step, cache=cache.view(0, B, 16), pos=pos)
+        return logits, sum(e.count for e in prof.key_averages() if e.key == "glassformer::cpu_decode_attention")
+
+    got, calls = run()
+    assert calls == model.config.n_layers
+    monkeypatch.setattr(cpu_decode, "enabled", False)
+    want, calls = run()
+    assert calls == 0
+    assert (got - want).abs().max() < 1e-4
 
 
 def test_threads_and_scale():

@@ -1,9 +1,11 @@
-"""A compiled CPU session's decode attention: a small C++ kernel (cpu_decode.cpp), built once per machine.
+"""The CPU decode steps' attention: a small C++ kernel (cpu_decode.cpp), built once per machine.
 
 At one query attention only streams the cached keys and values, which the library route (sdpa.py's
 batched products) does slowly (bench/decode_attention.py); this reads each row once for its group of
-query heads. Only Session(compile=True) on the CPU loads it; where it cannot be built load() warns
-once and the library route stays. Why, how and where it is cached: docs/generation.md#compiled-steps."""
+query heads, each row up to its own position where a continuous-batching step's rows stand at theirs
+(bench/batching.py --library-attention). Session(compile=True) and the batching Engine on the CPU load
+it; where it cannot be built load() warns once and the library route stays. Why, how and where it is
+cached: docs/generation.md#compiled-steps."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 HEAD_DIMS = (16, 32, 64, 128)  # what the kernel is built for (its registers per query head)
 MIN_CHUNK = 256  # positions: a thread gets a stretch at least this long (shorter ones cost more to merge)
 
-enabled = True  # False: compiled steps keep the library products (set before a step is compiled; for benchmarks)
+enabled = True  # False: steps keep the library products (compiled: set before a step is compiled; for benchmarks)
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -78,12 +80,12 @@ def load() -> bool:
             raise RuntimeError("no C++ compiler found (set CXX)")
         lib = ctypes.CDLL(str(_build(cxx)))
     except (OSError, RuntimeError) as e:
-        warnings.warn(f"the CPU decode attention kernel could not be built, compiled steps use the library "
+        warnings.warn(f"the CPU decode attention kernel could not be built, compiled and batched steps use the library "
                       f"products instead: {e}", RuntimeWarning, stacklevel=2)
         return False
     fn = lib.glassformer_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 9 + [ctypes.c_float] + [ctypes.c_int64] * 2
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 9 + [ctypes.c_float] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
     _lib = lib
     return True
 
@@ -111,7 +113,8 @@ def chunks_for(rows: int, T: int, threads: int) -> int:
     return max(1, min(want, T // MIN_CHUNK))
 
 
-def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks: int = 0) -> torch.Tensor:
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks: int = 0,
+         lens: torch.Tensor | None = None) -> torch.Tensor:
     if _lib is None:
         raise RuntimeError("cpu_decode.load() has not built the kernel")
     strides = _strides(q, k, v)
@@ -120,12 +123,16 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks
             f"cpu_decode: wants q (B, N, 1, H) and k, v (B, K, T, H), fp32 on the CPU, rows contiguous, "
             f"H in {HEAD_DIMS}; got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}")
     (ks, vs), (B, N, _, H), (K, T) = strides, q.shape, k.shape[1:3]
+    if lens is not None and (lens.shape != (B,) or lens.dtype != torch.int64 or lens.device.type != "cpu"):
+        raise ValueError(f"cpu_decode: wants lens (B,) = ({B},) int64 on the CPU; got {tuple(lens.shape)} {lens.dtype}")
     qc = q.contiguous()
+    lc = None if lens is None else lens.contiguous()
     out = torch.empty_like(qc)
     threads = torch.get_num_threads()
     n = chunks or chunks_for(B * K, T, threads)
     err = _lib.glassformer_decode_attention(qc.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                                            B, K, N // K, H, T, ks[0], ks[1], vs[0], vs[1], scale, threads, n)
+                                            B, K, N // K, H, T, ks[0], ks[1], vs[0], vs[1], scale, threads, n,
+                                            None if lc is None else lc.data_ptr())
     if err:
         raise ValueError(f"cpu_decode: shapes it is not built for (head size {H}, {T} positions)")
     return out
@@ -134,16 +141,19 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks
 # An operator of its own, so that a compiled graph calls it as one opaque step; registered with
 # torch.library's plain API rather than its custom_op decorator, which wraps every call for autograd.
 _OPS = torch.library.Library("glassformer", "DEF")
-_OPS.define("cpu_decode_attention(Tensor q, Tensor k, Tensor v, float scale, int chunks=0) -> Tensor")
+_OPS.define("cpu_decode_attention(Tensor q, Tensor k, Tensor v, float scale, int chunks=0, Tensor? lens=None) -> Tensor")
 _OPS.impl("cpu_decode_attention", _run, "CPU")
 
 
 @torch.library.register_fake("glassformer::cpu_decode_attention")
-def _(q, k, v, scale, chunks=0):
+def _(q, k, v, scale, chunks=0, lens=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks: int = 0) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks: int = 0,
+              lens: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T · scale) v for one query per row: q (B, N, 1, H); k, v (B, K, T, H) with
-    contiguous rows (views into a longer cache are fine); (B, N, 1, H). chunks 0: chunks_for."""
-    return torch.ops.glassformer.cpu_decode_attention(q, k, v, scale, chunks)
+    contiguous rows (views into a longer cache are fine); (B, N, 1, H). chunks 0: chunks_for.
+    lens (B,) int64: row b reads only its first lens[b] keys (clipped to 0..T; none: zeros), as a
+    continuous-batching step's rows at their own positions do; None: every row all T."""
+    return torch.ops.glassformer.cpu_decode_attention(q, k, v, scale, chunks, lens)

@@ -320,8 +320,11 @@ class Engine:
         # Decode steps at the batch sizes of BUCKETS, padded with rows that touch no real row's keys:
         # what a compiled step needs (few shapes); settable on an eager engine (tests).
         self.pad_rows = bool(compile)
-        if compile and self.device.type == "cpu":
-            cpu_decode.load()  # one row's compiled attention (as a compiled Session's), built once
+        if self.device.type == "cpu":
+            # The C++ attention kernel, built once: a compiled one-row step's (as a compiled Session's), and
+            # every many-row step's, whose rows read their keys up to their own positions
+            # (bench/batching.py --library-attention, docs/benchmarks.md#continuous-batching-in-process)
+            cpu_decode.load()
         if not compile and self.device.type == "cpu":
             model.hold_rows()  # eager one-row products from row-block copies (as a Session does)
 
