@@ -21,7 +21,7 @@ when the step that made it returned. The engine's tokens for request j equal `ge
         [--library-attention] [--length-step N] [--quick]
 
 Each variant is also reported against eager by the median of the rounds' own ratios (each round's pair
-taken next to each other: this machine's speed drifts over seconds).
+taken next to each other: this machine's speed drifts over seconds), its tokens/s and its forward alone's time.
 """
 
 from __future__ import annotations
@@ -155,6 +155,7 @@ def main() -> None:
     default_step = batching_module.EAGER_LENGTH_STEP
     per_round: dict[str, list[float]] = {}  # "mode/count" -> each round's tokens/s
     fsteps: dict[str, dict[int, float]] = {m: {} for m in ["eager"] + variants}  # mode -> rows -> s a forward
+    fround: dict[str, list[float]] = {}  # "mode/rows" -> each round's s a forward
 
     def use(m: str) -> None:  # the switches of mode m (eager, compiled: all at their defaults)
         model_module.PACKS = packs and m != "library"
@@ -184,6 +185,7 @@ def main() -> None:
                 s = forward_only(model, c, P + N // 2, 8 if args.quick else 20)
                 use("eager")
                 mine[c] = min(mine.get(c, s), s)
+                fround.setdefault(f"{m}/{c}", []).append(s)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in best.items() if k != "generate_tokens_per_s"),
               f"generate {best['generate_tokens_per_s']:.1f} tokens/s", flush=True)
     steps = fsteps["eager"]
@@ -202,6 +204,9 @@ def main() -> None:
         "packs": packs, "pack_min": pack_min, "eager_length_step": default_step, "length_step": args.length_step,
         "paired_vs_eager": {k: statistics.median(a / b for a, b in zip(v, per_round["eager/" + k.split("/")[1]]))
                             for k, v in per_round.items() if not k.startswith(("eager/", "compiled/"))},
+        # the forward alone likewise: a variant's time over eager's in the same round (above 1: slower)
+        "forward_paired_vs_eager": {k: statistics.median(a / b for a, b in zip(v, fround["eager/" + k.split("/")[1]]))
+                                    for k, v in fround.items() if not k.startswith("eager/")},
     }
     one = best.get("eager/1")
     for k, v in best.items():
@@ -217,6 +222,8 @@ def main() -> None:
         print(f"forward alone, {labels[m]}, ms a step:", {c: round(s * 1e3, 2) for c, s in fsteps[m].items()})
     for k, v in result["paired_vs_eager"].items():
         print(f"{k} against eager, median of the rounds' own ratios: {v:.3f}x")
+    for k, v in result["forward_paired_vs_eager"].items():
+        print(f"forward alone, {k} over eager's time, median of the rounds' own ratios: {v:.3f}")
     print("forward alone, ms a step:", {c: round(s * 1e3, 2) for c, s in steps.items()},
           f"generate {result['generate_tokens_per_s']:.1f} tokens/s; KV per row {result['kv_bytes_per_row'] / 2**20:.1f} MiB")
     write_json(args.out or RESULTS / "batching.json", result)
