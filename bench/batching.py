@@ -8,7 +8,8 @@ same rounds; `--pack-all` with every few-row product packed for oneDNN, the smal
 `--fused-mask` with the step's attention through the fused kernel and a boolean mask instead
 of two batched products (attention/sdpa.py MASKED_DECODE); `--library-attention` with it through the two
 batched products (what runs where the C++ kernel of attention/cpu_decode.py cannot be built: cpu_decode.enabled
-off), not the kernel; `--length-step 64` with a batched step's
+off), not the kernel; `--onednn-products` with the few-row products over oneDNN's packed weights instead of
+the C++ kernel's panels (cpu_decode.products off); `--length-step 64` with a batched step's
 cache read rounded up to a multiple of 64 slots instead of batching.EAGER_LENGTH_STEP.
 
 Every round runs each contender once, in another order each round (a busy machine slows all alike); the best round
@@ -18,7 +19,7 @@ when the step that made it returned. The engine's tokens for request j equal `ge
 
     python bench/batching.py [--shape reference|demo] [--streams 1,4,16] [--rounds 3] [--threads 2] [--new-tokens 128]
         [--prompt-tokens 64] [--temperature 0] [--compile] [--library] [--pack-all] [--fused-mask]
-        [--library-attention] [--length-step N] [--quick]
+        [--library-attention] [--onednn-products] [--length-step N] [--quick]
 
 Each variant is also reported against eager by the median of the rounds' own ratios (each round's pair
 taken next to each other: this machine's speed drifts over seconds), its tokens/s and its forward alone's time.
@@ -111,6 +112,8 @@ def main() -> None:
                     help="also eager with a step's attention through the fused kernel and a boolean mask, side by side")
     ap.add_argument("--library-attention", action="store_true",
                     help="also eager with a many-row step's attention through the two batched products instead of the C++ kernel")
+    ap.add_argument("--onednn-products", action="store_true",
+                    help="also eager with the few-row products over oneDNN's packed weights instead of the C++ kernel's panels")
     ap.add_argument("--length-step", type=int, default=None,
                     help="also eager with a batched step's cache read rounded up to a multiple of this many slots")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, one round")
@@ -136,12 +139,14 @@ def main() -> None:
     refs = [list(generate(model, p, max_new_tokens=N, seed=j, **gkw)) for j, p in enumerate(prompts)]
     modes = (["eager"] + (["library"] * args.library) + (["pack_all"] * args.pack_all) + (["fused_mask"] * args.fused_mask)
              + (["library_attention"] * args.library_attention)
+             + (["onednn_products"] * args.onednn_products)
              + (["length_step"] * (args.length_step is not None)) + (["compiled"] * args.compile))
     pack_min = model_module.PACK_MIN
 
-    def set_pack_min(v: int) -> None:  # the held copies remember whether they were packed: rebuild them
-        if model_module.PACK_MIN != v:
+    def set_pack_min(v: int, panels: bool = True) -> None:  # the held copies remember how they were packed: rebuild them
+        if model_module.PACK_MIN != v or cpu_decode_module.products != panels:
             model_module.PACK_MIN = v
+            cpu_decode_module.products = panels
             model.hold_rows(False)
             model.hold_rows(True)
 
@@ -151,7 +156,7 @@ def main() -> None:
         for c in counts:
             run_engine(engines["compiled"], prompts[:c], 4, kw)
     best: dict = {}
-    variants = [m for m in modes if m in ("library", "pack_all", "fused_mask", "library_attention", "length_step")]  # switches of the eager engine
+    variants = [m for m in modes if m in ("library", "pack_all", "fused_mask", "library_attention", "onednn_products", "length_step")]  # switches of the eager engine
     default_step = batching_module.EAGER_LENGTH_STEP
     per_round: dict[str, list[float]] = {}  # "mode/count" -> each round's tokens/s
     fsteps: dict[str, dict[int, float]] = {m: {} for m in ["eager"] + variants}  # mode -> rows -> s a forward
@@ -161,7 +166,7 @@ def main() -> None:
         model_module.PACKS = packs and m != "library"
         sdpa_module.MASKED_DECODE = m != "fused_mask"
         cpu_decode_module.enabled = m not in ("fused_mask", "library_attention")  # the kernel takes the step before either
-        set_pack_min(0 if m == "pack_all" else pack_min)
+        set_pack_min(0 if m == "pack_all" else pack_min, panels=m != "onednn_products")
         batching_module.EAGER_LENGTH_STEP = args.length_step if m == "length_step" else default_step
 
     for r in range(args.rounds):
@@ -191,6 +196,7 @@ def main() -> None:
     steps = fsteps["eager"]
     labels = {"library": "library products", "pack_all": "every few-row product packed",
               "fused_mask": "fused kernel with a mask", "library_attention": "two batched products",
+              "onednn_products": "oneDNN's packed products",
               "length_step": f"read rounded to {args.length_step} slots"}
     result = {
         "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},

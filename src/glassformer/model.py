@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import get_kernel
+from .attention import cpu_decode, get_kernel
 from .attention.mask import allowed
 from .config import ModelConfig
 from .probes import tap, wants
@@ -198,6 +198,8 @@ def packed(held: tuple) -> tuple:
     if held[1].numel() < PACK_MIN:
         return (*held[:4], False)
     out_in = held[1].t().contiguous()  # (out, in)
+    if cpu_decode.products_ready():  # the C++ kernel's panels, where an engine built it (cpu_decode.panels)
+        return (*held[:4], cpu_decode.panels(out_in, held[3]))
     return (*held[:4], torch.ops.mkldnn._reorder_linear_weight(out_in, 16))
 
 
@@ -206,6 +208,8 @@ def packed_product(held: tuple, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
     if held[4] is False:  # too small to pack: the plain product over the held (in, out) copy
         y = x2 @ held[1] if held[3] is None else torch.addmm(held[3], x2, held[1])  # (rows, out)
+    elif isinstance(held[4], cpu_decode.Panels):
+        y = cpu_decode.few_rows_product(x2, held[4])  # (rows, out)
     else:
         y = torch.ops.mkldnn._linear_pointwise(x2, held[4], held[3], "none", [], "")  # (rows, out)
     return y.view(*x.shape[:-1], -1)

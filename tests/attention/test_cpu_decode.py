@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from glassformer.attention import cpu_decode
 from glassformer.attention.naive import naive_attention
@@ -199,3 +200,56 @@ def test_tensors_it_does_not_fit_get_a_clear_error():
                  (torch.randn(1, 3, 1, 64), k, k)):  # 3 query heads over 2 KV heads
         with pytest.raises(ValueError, match="cpu_decode: wants"):
             cpu_decode.attention(*args, 0.125)
+
+
+@pytest.mark.parametrize("N,K,bias", [(2048, 384, False), (640, 384, True), (385, 100, True), (17, 33, False)])
+def test_few_rows_product_equals_the_library(N, K, bias):
+    """The kernel's few-row product over panels (the last zero-padded) against F.linear in float64: rows
+    from 1 to 64 (every pass size and remainder), rows apart in memory and strided ones, a bias, one thread
+    and two."""
+    w = torch.randn(N, K)
+    b = torch.randn(N) if bias else None
+    p = cpu_decode.panels(w, b)
+    assert p.n == N and p.w.shape[1] == K and p.w.shape[0] * p.w.shape[2] >= N
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (1, 2, 5, 6, 7, 13, 14, 15, 16, 33, 64):
+                for x in (torch.randn(m, K), torch.randn(m, K + 3)[:, :K], torch.randn(m, 2 * K)[:, ::2]):
+                    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+                    got = cpu_decode.few_rows_product(x, p)
+                    assert got.shape == (m, N)
+                    assert (got - want).abs().max() < 1e-5 * K, (threads, m, x.stride())
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="wants x"):
+        cpu_decode.few_rows_product(torch.randn(2, K + 1), p)
+
+
+def test_a_batched_step_multiplies_by_the_kernels_panels(monkeypatch):
+    """Where the kernel is loaded, a batched decode step's few-row products read panels built at the first
+    such product, with the logits of oneDNN's packed products (cpu_decode.products off, the copies rebuilt)."""
+    import glassformer.model as M
+
+    monkeypatch.setattr(M, "PACK_MIN", 0)  # the tiny model's weights are all small: pack them all
+    model = tiny_model(seed=3)
+    model.hold_rows()
+    tok, pos = torch.randint(0, model.config.vocab_size, (8, 1)), torch.arange(8) + 3
+    ctx = torch.randint(0, model.config.vocab_size, (8, 3))
+
+    def step():
+        cache = KVCache.for_model(model, 8)
+        with torch.no_grad():
+            model(ctx, cache=cache)
+            return model(tok, cache=cache, pos=pos)[0]
+
+    panels = step()
+    attn, ffn = model.blocks[0].attn, model.blocks[0].ffn
+    assert all(isinstance(h[4], cpu_decode.Panels) for h in (attn.held, attn.wo.held, ffn.held, model.blocks[0].ffn.w_down.held))
+    monkeypatch.setattr(cpu_decode, "products", False)
+    model.hold_rows(False)
+    model.hold_rows()
+    onednn = step()
+    assert not isinstance(attn.held[4], cpu_decode.Panels)
+    torch.testing.assert_close(panels, onednn, atol=1e-5, rtol=0)

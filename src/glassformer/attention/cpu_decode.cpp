@@ -1,5 +1,6 @@
 // One decode step's attention on the CPU, for compiled sessions and for continuous batching's
-// many-row steps, each row up to its own position (attention/cpu_decode.py builds it).
+// many-row steps, each row up to its own position, and those steps' few-row weight products (at
+// the end of this file; attention/cpu_decode.py builds it).
 //
 // At one query per row a decode step's attention reads every cached key and value once and
 // does almost no arithmetic per byte: it is bound by how fast a core streams memory. The
@@ -337,6 +338,67 @@ extern "C" int glassformer_decode_attention(
         for (int64_t d = 0; d < H; ++d) o[d] += w * a[d];
       }
       for (int64_t d = 0; d < H; ++d) o[d] /= l;
+    }
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A decode step's weight products over a few rows (a continuous-batching step: 2 to 64 rows).
+//
+// y (M, N) = x (M, K) · Wᵀ + bias with W held as panels: ceil(N / NP) panels of (K, NP) floats,
+// NP = 2 vectors of columns, each panel's columns contiguous a row of K at a time, the last panel
+// zero-padded. A panel is streamed from memory once, on its first pass of R rows, and read from the
+// L1/L2 cache on its other passes; panels follow one another in memory, so the step's weights
+// stream as one sequence, which the library's packed product (oneDNN's) at a few rows, its weights
+// in memory rather than in the caches, did not keep up (bench/batching.py --onednn-products).
+// The R·2 sums of a pass stay in registers beside the panel's 2 vectors and the row's broadcast.
+constexpr int NP = 2 * W;             // columns a panel
+constexpr int RP = (REGS - 3) / 2;    // rows a pass: 6 with AVX2's 16 registers, 14 with 32
+
+template <int RR>
+static void panel_rows(const float* x, int64_t ldx, int64_t K, const float* wp, const float* bias,
+                       float* y, int64_t ldy, int64_t cols) {
+  vf a[RR][2];
+  const vf b0 = bias ? load(bias) : splat(0.f), b1 = bias ? load(bias + W) : splat(0.f);
+  for (int r = 0; r < RR; ++r) { a[r][0] = b0; a[r][1] = b1; }
+  for (int64_t k = 0; k < K; ++k) {
+    const vf w0 = load(wp + k * NP), w1 = load(wp + k * NP + W);
+    for (int r = 0; r < RR; ++r) {
+      const vf xb = splat(x[r * ldx + k]);
+      a[r][0] += xb * w0;
+      a[r][1] += xb * w1;
+    }
+  }
+  for (int r = 0; r < RR; ++r) {
+    float t[NP];
+    store(t, a[r][0]);
+    store(t + W, a[r][1]);
+    std::memcpy(y + r * ldy, t, cols * sizeof(float));
+  }
+}
+
+template <int... Rs>
+static void rows_pass(int64_t rr, const float* x, int64_t ldx, int64_t K, const float* wp, const float* bias,
+                      float* y, int64_t ldy, int64_t cols) {
+  (void)((rr == Rs ? (panel_rows<Rs>(x, ldx, K, wp, bias, y, ldy, cols), true) : false) || ...);
+}
+
+extern "C" int glassformer_panel_width() { return NP; }
+
+// x rows ldx apart; wp the panels; bias padded to the panels' columns (or null); y (M, N) contiguous.
+extern "C" int glassformer_few_rows_product(const float* x, int64_t M, int64_t K, int64_t ldx, const float* wp,
+                                            int64_t N, const float* bias, float* y, int64_t threads) {
+  if (M < 1 || K < 1 || N < 1 || threads < 1) return 1;
+  const int64_t P = (N + NP - 1) / NP;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && P > 1) schedule(static)
+  for (int64_t p = 0; p < P; ++p) {
+    const float* w = wp + p * K * NP;
+    const float* b = bias ? bias + p * NP : nullptr;
+    const int64_t cols = std::min<int64_t>(NP, N - p * NP);
+    for (int64_t r0 = 0; r0 < M; r0 += RP) {
+      const int64_t rr = std::min<int64_t>(RP, M - r0);
+      rows_pass<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14>(rr, x + r0 * ldx, ldx, K, w, b, y + r0 * N + p * NP, N, cols);
     }
   }
   return 0;

@@ -3,9 +3,10 @@
 At one query attention only streams the cached keys and values, which the library route (sdpa.py's
 batched products) does slowly (bench/decode_attention.py); this reads each row once for its group of
 query heads, each row up to its own position where a continuous-batching step's rows stand at theirs
-(bench/batching.py --library-attention). Session(compile=True) and the batching Engine on the CPU load
-it; where it cannot be built load() warns once and the library route stays. Why, how and where it is
-cached: docs/generation.md#compiled-steps."""
+(bench/batching.py --library-attention). The same library holds a batched step's few-row weight products
+(`panels`, `few_rows_product`: bench/batching.py --onednn-products). Session(compile=True) and the
+batching Engine on the CPU load it; where it cannot be built load() warns once and the library route
+stays. Why, how and where it is cached: docs/generation.md#compiled-steps."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +31,9 @@ HEAD_DIMS = (16, 32, 64, 128)  # what the kernel is built for (its registers per
 MIN_CHUNK = 256  # positions: a thread gets a stretch at least this long (shorter ones cost more to merge)
 
 enabled = True  # False: steps keep the library products (compiled: set before a step is compiled; for benchmarks)
+# False: a few-row product (model.packed) keeps oneDNN's packed weight instead of the kernel's panels
+# (set before the held copies are packed; bench/batching.py --onednn-products)
+products = True
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -86,6 +91,10 @@ def load() -> bool:
     fn = lib.glassformer_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 9 + [ctypes.c_float] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+    fn = lib.glassformer_few_rows_product
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+    lib.glassformer_panel_width.restype = ctypes.c_int
     _lib = lib
     return True
 
@@ -157,3 +166,51 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     lens (B,) int64: row b reads only its first lens[b] keys (clipped to 0..T; none: zeros), as a
     continuous-batching step's rows at their own positions do; None: every row all T."""
     return torch.ops.glassformer.cpu_decode_attention(q, k, v, scale, chunks, lens)
+
+
+# ---------------------------------------------------------------------------------------------- few-row products
+
+
+class Panels(NamedTuple):
+    """A weight (out, in) held for the kernel's few-row product: w (P, in, NP), P panels of NP columns each
+    a row of `in` at a time, the last zero-padded; n = out; bias padded alike (or None)."""
+
+    w: torch.Tensor
+    n: int
+    bias: torch.Tensor | None
+
+
+def products_ready() -> bool:
+    """Whether a few-row product may use the kernel's panels: wanted (`products`) and the kernel loaded."""
+    return products and _lib is not None
+
+
+def panels(out_in: torch.Tensor, bias: torch.Tensor | None = None) -> Panels:
+    """out_in (out, in) fp32 and its bias (out,) as the kernel's panels (built once per held copy)."""
+    if _lib is None:
+        raise RuntimeError("cpu_decode.load() has not built the kernel")
+    N, K = out_in.shape
+    NP = _lib.glassformer_panel_width()
+    P = -(-N // NP)
+    w = out_in.new_zeros(P * NP, K)
+    w[:N] = out_in
+    b = None
+    if bias is not None:
+        b = bias.new_zeros(P * NP)
+        b[:N] = bias
+    return Panels(w.view(P, NP, K).transpose(1, 2).contiguous(), N, b)  # (P, K, NP)
+
+
+def few_rows_product(x2: torch.Tensor, p: Panels) -> torch.Tensor:
+    """x2 (M, in) fp32 on the CPU times a Panels weight, plus its bias: (M, out)."""
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, K = x2.shape
+    if x2.dtype != torch.float32 or K != p.w.shape[1]:
+        raise ValueError(f"cpu_decode: wants x (M, {p.w.shape[1]}) fp32; got {tuple(x2.shape)} {x2.dtype}")
+    y = torch.empty(M, p.n, dtype=x2.dtype)  # (M, out)
+    bias = None if p.bias is None else p.bias.data_ptr()
+    if _lib.glassformer_few_rows_product(x2.data_ptr(), M, K, x2.stride(0), p.w.data_ptr(), p.n, bias,
+                                         y.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"cpu_decode: a product it cannot run ({M} x {K} by {p.n})")
+    return y
