@@ -40,6 +40,25 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
     return reinit(Transformer(cfg), seed=seed).eval()
 
 
+def batched_step(model, rows: int = 8, seed: int = 0):
+    """A function running one continuous-batching-like decode step of `model` (rows at positions 3..,
+    after a 3-token prefill into a fresh cache), fixed inputs each call: its logits (rows, 1, V)."""
+    from glassformer import KVCache
+
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(0, model.config.vocab_size, (rows, 1), generator=g)
+    ctx = torch.randint(0, model.config.vocab_size, (rows, 3), generator=g)
+    pos = torch.arange(rows) + 3
+
+    def step():
+        cache = KVCache.for_model(model, rows)
+        with torch.no_grad():
+            model(ctx, cache=cache)
+            return model(tok, cache=cache, pos=pos)[0]
+
+    return step
+
+
 def greedy_cached(model, ids: torch.Tensor, steps: int) -> list[int]:
     """Greedy tokens with a KV cache: prefill, then one token at a time."""
     from glassformer import KVCache

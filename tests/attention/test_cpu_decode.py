@@ -13,7 +13,7 @@ from glassformer.attention.naive import naive_attention
 from glassformer.generation.session import Session
 from glassformer.kv_cache import KVCache
 
-from ..support import tiny_model
+from ..support import batched_step, tiny_model
 from ..support import greedy_by_full_forward
 
 pytestmark = pytest.mark.skipif(not cpu_decode.load(), reason="the C++ kernel cannot be built here (no compiler)")
@@ -235,15 +235,7 @@ def test_a_batched_step_multiplies_by_the_kernels_panels(monkeypatch):
     monkeypatch.setattr(M, "PACK_MIN", 0)  # the tiny model's weights are all small: pack them all
     model = tiny_model(seed=3)
     model.hold_rows()
-    tok, pos = torch.randint(0, model.config.vocab_size, (8, 1)), torch.arange(8) + 3
-    ctx = torch.randint(0, model.config.vocab_size, (8, 3))
-
-    def step():
-        cache = KVCache.for_model(model, 8)
-        with torch.no_grad():
-            model(ctx, cache=cache)
-            return model(tok, cache=cache, pos=pos)[0]
-
+    step = batched_step(model)
     panels = step()
     attn, ffn = model.blocks[0].attn, model.blocks[0].ffn
     assert all(isinstance(h[4], cpu_decode.Panels) for h in (attn.held, attn.wo.held, ffn.held, model.blocks[0].ffn.w_down.held))

@@ -9,7 +9,7 @@ import torch
 from glassformer import ModelConfig, Transformer
 from glassformer.model import Linear, RMSNorm, apply_rope, hooked, rope_angles, rope_tables, rotate
 
-from ..support import tiny_model
+from ..support import batched_step, tiny_model
 
 
 def pairwise_rope(x, cos, sin, pairs):
@@ -80,7 +80,6 @@ def test_a_batched_decode_step_reads_a_packed_copy_built_on_demand(monkeypatch):
     keep their own products, bit for bit; the model's logits agree with the library's products. A
     weight smaller than PACK_MIN is marked unpacked and multiplied from the held (in, out) copy."""
     import glassformer.model as M
-    from glassformer.kv_cache import KVCache
 
     small = Linear(128, 256, bias=True)  # 128 x 256 < PACK_MIN: not worth oneDNN's call
     small.hold_rows()
@@ -103,15 +102,7 @@ def test_a_batched_decode_step_reads_a_packed_copy_built_on_demand(monkeypatch):
         torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, atol=2e-5, rtol=0)
     model = tiny_model(seed=3).eval()
     model.hold_rows()
-    tok, pos = torch.randint(0, model.config.vocab_size, (8, 1)), torch.arange(8) + 3
-    ctx = torch.randint(0, model.config.vocab_size, (8, 3))
-
-    def step():
-        cache = KVCache.for_model(model, 8)
-        with torch.no_grad():
-            model(ctx, cache=cache)
-            return model(tok, cache=cache, pos=pos)[0]
-
+    step = batched_step(model)
     packed = step()
     attn, ffn = model.blocks[0].attn, model.blocks[0].ffn
     assert attn.held[4] is not None and attn.wo.held[4] is not None and ffn.held[4] is not None  # each product packed
