@@ -3,7 +3,8 @@ between tokens at 1, 4 and 16 concurrent requests on the reference shape (or the
 against in-process `generate` of one prompt, and where a step's time goes (the batched forward alone, at the
 same rows and positions).
 `--library` also runs the engine and the forward with the few-row products of a batched decode step
-done by the library's plain product instead of the held oneDNN-packed weights (model.few_rows), in the
+done by the library's plain product instead of the held packed weights (the kernel library's panels, or
+oneDNN's where it is not built: model.few_rows), in the
 same rounds; `--pack-all` with every few-row product packed for oneDNN, the small weights too (model.PACK_MIN = 0);
 `--fused-mask` with the step's attention through the fused kernel and a boolean mask instead
 of two batched products (attention/sdpa.py MASKED_DECODE); `--library-attention` with it through the two
@@ -49,6 +50,10 @@ from glassformer.generation.batching import Engine, Request, slots_to_read  # no
 from glassformer.kv_cache import KVCache  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+# The eager engine's switches run beside it (each its own flag): what each swaps in, as printed
+VARIANTS = {"library": "library products", "pack_all": "every few-row product packed",
+            "fused_mask": "fused kernel with a mask", "library_attention": "two batched products",
+            "onednn_products": "oneDNN's packed products", "length_step": "read rounded to {} slots"}
 SHAPES = {"reference": REFERENCE_SHAPE, "demo": PRESETS["small"]}  # as bench/serve.py's
 
 
@@ -137,13 +142,11 @@ def main() -> None:
     kw = {"temperature": args.temperature} if args.temperature == 0 else {"temperature": args.temperature, "top_k": 50}
     gkw = {"greedy": True} if args.temperature == 0 else kw
     refs = [list(generate(model, p, max_new_tokens=N, seed=j, **gkw)) for j, p in enumerate(prompts)]
-    modes = (["eager"] + (["library"] * args.library) + (["pack_all"] * args.pack_all) + (["fused_mask"] * args.fused_mask)
-             + (["library_attention"] * args.library_attention)
-             + (["onednn_products"] * args.onednn_products)
-             + (["length_step"] * (args.length_step is not None)) + (["compiled"] * args.compile))
+    variants = [m for m in VARIANTS if getattr(args, m) not in (None, False)]  # switches of the eager engine
+    modes = ["eager"] + variants + (["compiled"] * args.compile)
     pack_min = model_module.PACK_MIN
 
-    def set_pack_min(v: int, panels: bool = True) -> None:  # the held copies remember how they were packed: rebuild them
+    def set_packing(v: int, panels: bool = True) -> None:  # the held copies remember how they were packed: rebuild them
         if model_module.PACK_MIN != v or cpu_decode_module.products != panels:
             model_module.PACK_MIN = v
             cpu_decode_module.products = panels
@@ -156,7 +159,6 @@ def main() -> None:
         for c in counts:
             run_engine(engines["compiled"], prompts[:c], 4, kw)
     best: dict = {}
-    variants = [m for m in modes if m in ("library", "pack_all", "fused_mask", "library_attention", "onednn_products", "length_step")]  # switches of the eager engine
     default_step = batching_module.EAGER_LENGTH_STEP
     per_round: dict[str, list[float]] = {}  # "mode/count" -> each round's tokens/s
     fsteps: dict[str, dict[int, float]] = {m: {} for m in ["eager"] + variants}  # mode -> rows -> s a forward
@@ -166,7 +168,7 @@ def main() -> None:
         model_module.PACKS = packs and m != "library"
         sdpa_module.MASKED_DECODE = m != "fused_mask"
         cpu_decode_module.enabled = m not in ("fused_mask", "library_attention")  # the kernel takes the step before either
-        set_pack_min(0 if m == "pack_all" else pack_min, panels=m != "onednn_products")
+        set_packing(0 if m == "pack_all" else pack_min, panels=m != "onednn_products")
         batching_module.EAGER_LENGTH_STEP = args.length_step if m == "length_step" else default_step
 
     for r in range(args.rounds):
@@ -194,10 +196,7 @@ def main() -> None:
         print(f"round {r + 1}: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in best.items() if k != "generate_tokens_per_s"),
               f"generate {best['generate_tokens_per_s']:.1f} tokens/s", flush=True)
     steps = fsteps["eager"]
-    labels = {"library": "library products", "pack_all": "every few-row product packed",
-              "fused_mask": "fused kernel with a mask", "library_attention": "two batched products",
-              "onednn_products": "oneDNN's packed products",
-              "length_step": f"read rounded to {args.length_step} slots"}
+    labels = {m: v.format(args.length_step) for m, v in VARIANTS.items()}
     result = {
         "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
         "shape": shape, "prompt_tokens": P, "new_tokens": N, "rounds": args.rounds,

@@ -197,9 +197,9 @@ def packed(held: tuple) -> tuple:
         return held
     if held[1].numel() < PACK_MIN:
         return (*held[:4], False)
-    out_in = held[1].t().contiguous()  # (out, in)
     if cpu_decode.products_ready():  # the C++ kernel's panels, where an engine built it (cpu_decode.panels)
-        return (*held[:4], cpu_decode.panels(out_in, held[3]))
+        return (*held[:4], cpu_decode.panels(held[1], held[3]))
+    out_in = held[1].t().contiguous()  # (out, in)
     return (*held[:4], torch.ops.mkldnn._reorder_linear_weight(out_in, 16))
 
 

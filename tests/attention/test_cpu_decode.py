@@ -209,7 +209,7 @@ def test_few_rows_product_equals_the_library(N, K, bias):
     and two."""
     w = torch.randn(N, K)
     b = torch.randn(N) if bias else None
-    p = cpu_decode.panels(w, b)
+    p = cpu_decode.panels(w.t().contiguous(), b)
     assert p.n == N and p.w.shape[1] == K and p.w.shape[0] * p.w.shape[2] >= N
     before = torch.get_num_threads()
     try:

@@ -81,6 +81,10 @@ def test_a_batched_decode_step_reads_a_packed_copy_built_on_demand(monkeypatch):
     weight smaller than PACK_MIN is marked unpacked and multiplied from the held (in, out) copy."""
     import glassformer.model as M
 
+    # oneDNN's packed copy whether or not an engine in this process built the kernel library (whose
+    # panels tests/attention/test_cpu_decode.py covers)
+    monkeypatch.setattr(M.cpu_decode, "products", False)
+
     small = Linear(128, 256, bias=True)  # 128 x 256 < PACK_MIN: not worth oneDNN's call
     small.hold_rows()
     xs = torch.randn(16, 1, 128)

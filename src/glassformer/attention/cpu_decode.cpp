@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if !(defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
@@ -378,10 +379,11 @@ static void panel_rows(const float* x, int64_t ldx, int64_t K, const float* wp, 
   }
 }
 
-template <int... Rs>
-static void rows_pass(int64_t rr, const float* x, int64_t ldx, int64_t K, const float* wp, const float* bias,
-                      float* y, int64_t ldy, int64_t cols) {
-  (void)((rr == Rs ? (panel_rows<Rs>(x, ldx, K, wp, bias, y, ldy, cols), true) : false) || ...);
+// panel_rows<rr> for a pass of rr rows, 1 <= rr <= RP (only those sizes are built).
+template <int... Is>
+static void rows_pass(std::integer_sequence<int, Is...>, int64_t rr, const float* x, int64_t ldx, int64_t K,
+                      const float* wp, const float* bias, float* y, int64_t ldy, int64_t cols) {
+  (void)((rr == Is + 1 ? (panel_rows<Is + 1>(x, ldx, K, wp, bias, y, ldy, cols), true) : false) || ...);
 }
 
 extern "C" int glassformer_panel_width() { return NP; }
@@ -398,7 +400,7 @@ extern "C" int glassformer_few_rows_product(const float* x, int64_t M, int64_t K
     const int64_t cols = std::min<int64_t>(NP, N - p * NP);
     for (int64_t r0 = 0; r0 < M; r0 += RP) {
       const int64_t rr = std::min<int64_t>(RP, M - r0);
-      rows_pass<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14>(rr, x + r0 * ldx, ldx, K, w, b, y + r0 * N + p * NP, N, cols);
+      rows_pass(std::make_integer_sequence<int, RP>{}, rr, x + r0 * ldx, ldx, K, w, b, y + r0 * N + p * NP, N, cols);
     }
   }
   return 0;

@@ -185,20 +185,21 @@ def products_ready() -> bool:
     return products and _lib is not None
 
 
-def panels(out_in: torch.Tensor, bias: torch.Tensor | None = None) -> Panels:
-    """out_in (out, in) fp32 and its bias (out,) as the kernel's panels (built once per held copy)."""
+def panels(in_out: torch.Tensor, bias: torch.Tensor | None = None) -> Panels:
+    """A weight as its (in, out) fp32 copy (model.fresh_rows holds one) and its bias (out,), as the
+    kernel's panels: column blocks of that copy, one after another (built once per held copy)."""
     if _lib is None:
         raise RuntimeError("cpu_decode.load() has not built the kernel")
-    N, K = out_in.shape
+    K, N = in_out.shape
     NP = _lib.glassformer_panel_width()
     P = -(-N // NP)
-    w = out_in.new_zeros(P * NP, K)
-    w[:N] = out_in
+    w = in_out.new_zeros(K, P * NP)
+    w[:, :N] = in_out
     b = None
     if bias is not None:
         b = bias.new_zeros(P * NP)
         b[:N] = bias
-    return Panels(w.view(P, NP, K).transpose(1, 2).contiguous(), N, b)  # (P, K, NP)
+    return Panels(w.view(K, P, NP).permute(1, 0, 2).contiguous(), N, b)  # (P, K, NP)
 
 
 def few_rows_product(x2: torch.Tensor, p: Panels) -> torch.Tensor:

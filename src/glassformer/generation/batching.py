@@ -321,12 +321,12 @@ class Engine:
         # what a compiled step needs (few shapes); settable on an eager engine (tests).
         self.pad_rows = bool(compile)
         if self.device.type == "cpu":
-            # The C++ attention kernel, built once: a compiled one-row step's (as a compiled Session's), and
-            # every many-row step's, whose rows read their keys up to their own positions
-            # (bench/batching.py --library-attention, docs/benchmarks.md#continuous-batching-in-process)
+            # The C++ kernel library, built once: a compiled one-row step's attention (as a compiled Session's),
+            # every many-row step's attention, its rows reading their keys up to their own positions, and its
+            # few-row products (bench/batching.py --library-attention, --onednn-products)
             cpu_decode.load()
-        if not compile and self.device.type == "cpu":
-            model.hold_rows()  # eager one-row products from row-block copies (as a Session does)
+            if not compile:
+                model.hold_rows()  # eager one-row products from row-block copies (as a Session does)
 
     # ---- the public side ---------------------------------------------------------------
     @property
