@@ -236,20 +236,25 @@ def test_time_budget_follows_the_clock_until_the_decay(data, tmp_path, monkeypat
     """Steps that slow down after the calibration: re-planned from their measured speed, the count
     falls and the run ends near its budget; every step's rate is the final count's wsd schedule,
     so the steps taken before a re-plan were at the full rate under the new count too. With
-    --no-follow-clock the calibration's count stays."""
-    import time
+    --no-follow-clock the calibration's count stays. The planner reads a virtual clock that only
+    the steps move (20 ms each, 80 ms after the calibration's), so the counts don't depend on how
+    fast this machine runs a tiny step."""
+    import types
 
     import glassformer.train.loop as train_mod
+    import glassformer.train.setup as setup_mod
     from glassformer.train.optim import decay_start, lr_at
 
-    real_step, calls = train_mod.train_step, []
+    real_step, calls, clock = train_mod.train_step, [], [0.0]
 
     def slowing(*a, **k):
         calls.append(1)
-        if len(calls) > 4:  # after the calibration's steps: 4x slower than a calibrated tiny step or more
-            time.sleep(0.02)
+        clock[0] += 0.02 if len(calls) <= 4 else 0.08  # 4x slower after the calibration's steps
         return real_step(*a, **k)
 
+    virtual = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(train_mod, "time", virtual)
+    monkeypatch.setattr(setup_mod, "time", virtual)
     monkeypatch.setattr(train_mod, "train_step", slowing)
     monkeypatch.setattr(train_mod, "REPLAN_EVERY", 5)
     out = tmp_path / "run"
@@ -263,6 +268,7 @@ def test_time_budget_follows_the_clock_until_the_decay(data, tmp_path, monkeypat
         assert total == plan["calibrated_total_steps"] and "replans" not in plan
         return
     assert total < plan["calibrated_total_steps"] / 2  # the calibration's fast steps promised far more
+    assert 0.9 * 4 <= clock[0] <= 4  # the run ends near its budget, not past it
     assert plan["replans"][-1][1] == total and all(s % 5 == 0 for s, _, _ in plan["replans"])
     # Fixed once the next step decays; no re-plan after that.
     assert plan["decay_from"] == decay_start(3, total, TrainConfig().decay_frac) + 1
