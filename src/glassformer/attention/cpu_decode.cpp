@@ -58,7 +58,7 @@ typedef float v4 __attribute__((vector_size(16)));
 
 static inline vf load(const float* p) { vf x; std::memcpy(&x, p, sizeof x); return x; }
 static inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
-static inline vf splat(float x) { return vf{} + x; }
+static inline vf splat(float x) { return x - vf{}; }  // x - 0 is x, -0 too: one broadcast (0 + x is not: an add first)
 static inline vf pick(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 static inline float lanes_max(vf x) { float m = x[0]; for (int i = 1; i < W; ++i) m = std::max(m, x[i]); return m; }
 static inline float lanes_sum(vf x) { float s = 0.f; for (int i = 0; i < W; ++i) s += x[i]; return s; }
