@@ -203,10 +203,21 @@ class RawClient:
         """The answer's body line by line as it comes (a chunked body, or one of Content-Length); the
         status must be 200. The connection is kept for the next request once the body is read."""
         u = urllib.parse.urlsplit(url)
-        r, w = conn = self.idle.pop() if self.idle else await asyncio.open_connection(u.hostname, u.port)
-        w.write(f"{method} {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        status = await r.readline()
+        request = (f"{method} {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        status = b""
+        while not status:  # a kept connection the server has closed meanwhile answers nothing: a new one
+            kept = bool(self.idle)
+            r, w = conn = self.idle.pop() if kept else await asyncio.open_connection(u.hostname, u.port)
+            try:
+                w.write(request)
+                status = await r.readline()
+            except ConnectionError:
+                status = b""
+            if not status:
+                w.close()
+                if not kept:
+                    break
         if status.split(b" ")[1:2] != [b"200"]:
             raise RuntimeError(f"{method} {url}: {status!r}")
         headers = {}
@@ -226,7 +237,10 @@ class RawClient:
         else:
             for line in (await r.readexactly(int(headers.get("content-length", 0)))).splitlines(keepends=True):
                 yield line
-        self.idle.append(conn)
+        if headers.get("connection", "").lower() == "close":  # llama-server closes after a few requests
+            w.close()
+        else:
+            self.idle.append(conn)
 
 
 def _session(kind: str, n: int):
