@@ -358,16 +358,22 @@ extern "C" int glassformer_decode_attention(
 constexpr int NP = 2 * W;             // columns a panel
 constexpr int RP = (REGS - 3) / 2;    // rows a pass: 6 with AVX2's 16 registers, 14 with 32
 
+// A pass over a panel for RR rows; on the way it prefetches the cache lines of the next panel's rows
+// pf..pf_end, one every `every` k (none where pf == pf_end).
 template <int RR>
 static void panel_rows(const float* x, int64_t ldx, int64_t K, const float* wp, const float* bias,
-                       float* y, int64_t ldy, int64_t cols, const float* pf) {
+                       float* y, int64_t ldy, int64_t cols, const float* pf, const float* pf_end, int64_t every) {
   vf a[RR][2];
   const vf b0 = bias ? load(bias) : splat(0.f), b1 = bias ? load(bias + W) : splat(0.f);
   for (int r = 0; r < RR; ++r) { a[r][0] = b0; a[r][1] = b1; }
+  int64_t wait = 1;
   for (int64_t k = 0; k < K; ++k) {
     const vf w0 = load(wp + k * NP), w1 = load(wp + k * NP + W);
-    if (pf)  // the next panel's row k: one cache line on AVX2, two on AVX-512
-      for (int l = 0; l < NP * 4; l += 64) __builtin_prefetch((const char*)(pf + k * NP) + l, 0, 2);
+    if (pf < pf_end && --wait == 0) {  // a row of the next panel: one cache line on AVX2, two on AVX-512
+      for (int l = 0; l < NP * 4; l += 64) __builtin_prefetch((const char*)pf + l, 0, 2);
+      pf += NP;
+      wait = every;
+    }
     for (int r = 0; r < RR; ++r) {
       const vf xb = splat(x[r * ldx + k]);
       a[r][0] += xb * w0;
@@ -385,8 +391,21 @@ static void panel_rows(const float* x, int64_t ldx, int64_t K, const float* wp, 
 // panel_rows<rr> for a pass of rr rows, 1 <= rr <= RP (only those sizes are built).
 template <int... Is>
 static void rows_pass(std::integer_sequence<int, Is...>, int64_t rr, const float* x, int64_t ldx, int64_t K,
-                      const float* wp, const float* bias, float* y, int64_t ldy, int64_t cols, const float* pf) {
-  (void)((rr == Is + 1 ? (panel_rows<Is + 1>(x, ldx, K, wp, bias, y, ldy, cols, pf), true) : false) || ...);
+                      const float* wp, const float* bias, float* y, int64_t ldy, int64_t cols, const float* pf,
+                      const float* pf_end, int64_t every) {
+  (void)((rr == Is + 1 ? (panel_rows<Is + 1>(x, ldx, K, wp, bias, y, ldy, cols, pf, pf_end, every), true) : false) || ...);
+}
+
+// The passes over a panel after its first compute from the cache while the memory would idle: they
+// fetch the next panel into L2 meanwhile, each its share of that panel's rows spread over its own
+// k loop, so the next panel's first pass waits less. Only where the second pass is full, and only
+// passes of at least half RP rows take a share: a shorter pass ends before its prefetches arrive,
+// and crowding it was slower (bench/few_rows.py: a step's products at 16 rows 0.79x the time of
+// prefetching in the second pass alone, 24 rows 0.84x; 9-11 rows 1.03-1.13x had a short second
+// pass prefetched).
+static int64_t prefetching_passes(int64_t M) {
+  const int64_t full = M / RP, rest = M % RP;
+  return full < 2 ? 0 : full - 1 + (2 * rest >= RP);
 }
 
 extern "C" int glassformer_panel_width() { return NP; }
@@ -396,6 +415,7 @@ extern "C" int glassformer_few_rows_product(const float* x, int64_t M, int64_t K
                                             int64_t N, const float* bias, float* y, int64_t threads) {
   if (M < 1 || K < 1 || N < 1 || threads < 1) return 1;
   const int64_t P = (N + NP - 1) / NP;
+  const int64_t helpers = prefetching_passes(M), share = helpers ? (K + helpers - 1) / helpers : 0;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && P > 1) schedule(static)
   for (int64_t p = 0; p < P; ++p) {
     const float* w = wp + p * K * NP;
@@ -403,11 +423,12 @@ extern "C" int glassformer_few_rows_product(const float* x, int64_t M, int64_t K
     const int64_t cols = std::min<int64_t>(NP, N - p * NP);
     for (int64_t r0 = 0; r0 < M; r0 += RP) {
       const int64_t rr = std::min<int64_t>(RP, M - r0);
-      // A full second pass computes from the cache while the memory would idle: it fetches the next
-      // panel into L2 meanwhile, so that panel's first pass waits less (12-24 rows: the step's
-      // products 9-15% faster, a 16-row forward 3-5%; a short second pass gained nothing: bench/few_rows.py).
-      const float* pf = (r0 == RP && rr == RP && p + 1 < P) ? w + K * NP : nullptr;
-      rows_pass(std::make_integer_sequence<int, RP>{}, rr, x + r0 * ldx, ldx, K, w, b, y + r0 * N + p * NP, N, cols, pf);
+      const int64_t j = r0 / RP - 1;  // this pass among those after the first (-1: the first)
+      const float* next = w + K * NP;  // the next panel
+      const float* pf = j >= 0 && j < helpers && p + 1 < P ? next + std::min(K, j * share) * NP : nullptr;
+      const float* pf_end = pf ? next + std::min(K, (j + 1) * share) * NP : nullptr;
+      rows_pass(std::make_integer_sequence<int, RP>{}, rr, x + r0 * ldx, ldx, K, w, b, y + r0 * N + p * NP, N, cols,
+                pf, pf_end, helpers);
     }
   }
   return 0;
