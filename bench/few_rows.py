@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
 import glassformer.attention.cpu_decode as cpu_decode  # noqa: E402
+import glassformer.model as model  # noqa: E402
 from glassformer.train.metrics import cpu_matmul_peak  # noqa: E402
 
 from decode import bandwidth  # noqa: E402  (bench/ is the script's folder)
@@ -37,14 +38,25 @@ from matvec import step_matrices  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 
 
+def held(w: torch.Tensor, panels: bool) -> tuple:
+    """The (in, out) matrix w held as a batched step holds a Linear's weight (model.fresh_rows, then
+    model.packed): as the kernel's panels, or (panels False) as oneDNN's packed weight."""
+    before, cpu_decode.products = cpu_decode.products, panels
+    try:
+        h = model.packed(model.fresh_rows(None, (w.t(),), (None,)))
+    finally:
+        cpu_decode.products = before
+    assert isinstance(h[4], cpu_decode.Panels) == panels
+    return h
+
+
 def ways(mats: list[torch.Tensor]) -> dict:
-    """name -> a function of the inputs by width (in -> (rows, in)) running the step's products once."""
-    panels = [cpu_decode.panels(w) for w in mats]
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 16) for w in mats]  # (out, in) reordered
+    """name -> a function of the inputs by width (in -> (rows, in)) running the step's products once,
+    each through model.packed_product as a batched step runs it (the library's: a plain product)."""
+    panels, onednn = [held(w, True) for w in mats], [held(w, False) for w in mats]
     return {
-        "panels": lambda xs: [cpu_decode.few_rows_product(xs[w.shape[0]], p) for w, p in zip(mats, panels)],
-        "onednn": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[0]], d, None, "none", [], "")
-                              for w, d in zip(mats, onednn)],
+        "panels": lambda xs: [model.packed_product(h, xs[h[1].shape[0]]) for h in panels],
+        "onednn": lambda xs: [model.packed_product(h, xs[h[1].shape[0]]) for h in onednn],
         "library": lambda xs: [xs[w.shape[0]] @ w for w in mats],
     }
 
@@ -62,6 +74,7 @@ def main() -> None:
     torch.manual_seed(0)
     mats = step_matrices()
     run = ways(mats)
+    assert all(model.PACK_MIN <= w.numel() for w in mats)  # every one packed, as in a step of this shape
     weight_bytes = sum(w.numel() * 4 for w in mats)
     peak, read = cpu_matmul_peak(seconds=1.0), bandwidth()["read"]
     result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},

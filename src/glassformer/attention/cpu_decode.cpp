@@ -400,9 +400,8 @@ static void rows_pass(std::integer_sequence<int, Is...>, int64_t rr, const float
 // fetch the next panel into L2 meanwhile, each its share of that panel's rows spread over its own
 // k loop, so the next panel's first pass waits less. Only where the second pass is full, and only
 // passes of at least half RP rows take a share: a shorter pass ends before its prefetches arrive,
-// and crowding it was slower (bench/few_rows.py: a step's products at 16 rows 0.79x the time of
-// prefetching in the second pass alone, 24 rows 0.84x; 9-11 rows 1.03-1.13x had a short second
-// pass prefetched).
+// and crowding it was slower (measured against the other ways by hand; what this gives against
+// oneDNN's product: bench/few_rows.py, docs/benchmarks.md).
 static int64_t prefetching_passes(int64_t M) {
   const int64_t full = M / RP, rest = M % RP;
   return full < 2 ? 0 : full - 1 + (2 * rest >= RP);
