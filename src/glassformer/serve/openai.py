@@ -20,6 +20,7 @@ from . import backend as prompts
 from . import results, schemas, sse
 from .backend import DEFAULT_COMPLETION_TOKENS, Backend, openai_error
 from .http import json_response
+from .json_only import is_json, not_json
 from .replies import Reply, engine_request, merged, submit
 from .schemas import ApiError, bad
 
@@ -74,14 +75,14 @@ def _router(backend: Backend) -> APIRouter:
 
     @r.post("/tokenize")
     async def tokenize(request: Request):
-        req = schemas.parse(schemas.TokenizeRequest, await request.body())
+        req = schemas.parse(schemas.TokenizeRequest, await _json_body(request))
         backend.check(req.model)
         ids = await run_in_threadpool(prompts.tokenize, backend, req)
         return json_response(200, {"count": len(ids), "max_model_len": backend.max_model_len, "tokens": ids})
 
     @r.post("/detokenize")
     async def detokenize(request: Request):
-        req = schemas.parse(schemas.DetokenizeRequest, await request.body())
+        req = schemas.parse(schemas.DetokenizeRequest, await _json_body(request))
         backend.check(req.model)
         prompts.check_ids(backend, req.tokens, "tokens")
         return json_response(200, {"prompt": backend.tokenizer.decode(req.tokens)})
@@ -98,10 +99,18 @@ async def _parsed(request: Request, kind, backend: Backend):
     """The body as `kind`, with the server ready, the model known and the default-only fields at their defaults."""
     if backend.status != "ok":
         backend.check(None)
-    req = schemas.parse(kind, await request.body())
+    req = schemas.parse(kind, await _json_body(request))
     backend.check(req.model)
     schemas.check_defaults(req)
     return req
+
+
+async def _json_body(request: Request) -> bytes:
+    """The body of a POST that says it is JSON (415 otherwise: serve/json_only.py says why)."""
+    content_type = request.headers.get("content-type")
+    if not is_json(content_type):
+        raise ApiError(415, not_json(content_type))
+    return await request.body()
 
 
 # ----------------------------------------------------------------------------- /v1/completions
