@@ -139,12 +139,15 @@ def test_traces_are_answered_while_clients_hold_half_sent_requests():
     default), so connections arriving together were reset, stalled clients or not. Now the
     queue is uvicorn's, and the stalled clients hold only their sockets, until the deadline."""
     limits = Limits(max_body=MAX_BODY, header_timeout=2.0, body_timeout=2.0)
-    app = make_explorer_app(word_explorer(), "127.0.0.1", 0)
+    explorer = word_explorer()
+    explorer.max_queued = 40  # all 40 traces may wait for the model at once (the cap: test_viewer_limits.py)
+    app = make_explorer_app(explorer, "127.0.0.1", 0)
     server = Server(app, "127.0.0.1", 0, limits)
     server.start_in_thread()
     try:
         stalled = [raw(server, b"POST /api/trace HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le") for _ in range(10)]
-        stalled += [raw(server, b"POST /api/trace HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 40\r\n\r\n{\"te")
+        stalled += [raw(server, b"POST /api/trace HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 40\r\n"
+                        b"Content-Type: application/json\r\n\r\n{\"te")
                     for _ in range(10)]
         texts = ["the cat sat", "the mat", "cat on the mat", "sat on mat"]
         together = threading.Barrier(40)
@@ -153,7 +156,8 @@ def test_traces_are_answered_while_clients_hold_half_sent_requests():
             conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
             together.wait()  # all 40 connect at once (the old server reset about half of them)
             try:
-                conn.request("POST", "/api/trace", json.dumps({"text": texts[i % len(texts)]}).encode())
+                conn.request("POST", "/api/trace", json.dumps({"text": texts[i % len(texts)]}).encode(),
+                             {"Content-Type": "application/json"})
                 res = conn.getresponse()
                 return res.status, res.read()
             finally:

@@ -22,6 +22,7 @@ from ..generation.logprobs import raw_logprobs
 from ..generation.sampling_stages import sampling_stages, stage_outputs
 from ..generation.session import generate
 from ..text.labels import token_label
+from . import cancel
 from .sample_calc import probability_calcs
 
 MAX_TOKENS = 64  # new tokens per generation in the explorer: the page's trace grows with T², its data with T
@@ -48,7 +49,11 @@ def new_tokens(model, ids: list[int], max_tokens: int, settings: dict, stop: lis
     """The tokens `glassformer.generate` gives after `ids` with these settings (a seed fixes the draws),
     the stop token included where it came: the same as `glassformer generate` prints."""
     kw = {k: settings[k] for k in SETTINGS if k in settings}
-    return [int(i) for i in generate(model, ids, max_new_tokens=max_tokens, stop=stop, **kw)]
+    out = []
+    for i in generate(model, ids, max_new_tokens=max_tokens, stop=stop, **kw):
+        out.append(int(i))
+        cancel.check()  # the explorer's client left: stop at this token, not after max_tokens
+    return out
 
 
 def full_logits(model, ids: list[int]) -> torch.Tensor:

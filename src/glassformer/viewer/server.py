@@ -10,9 +10,11 @@ app (`glassformer serve --explorer`); `make_server` is `glassformer view`'s own 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,6 +24,8 @@ from starlette.responses import Response
 
 from ..errors import UserError
 from ..serve.http import Limits, Server, json_bytes, make_app, plain_error
+from ..serve.json_only import is_json, not_json
+from . import cancel
 from .generated import MAX_TOKENS
 from .render import VIEW_SCRIPTS, _finite, build_payload, render_html, static_file, to_plain
 from .training import NotFound
@@ -30,10 +34,59 @@ MAX_BODY = 64 * 1024  # bytes of one request body
 MAX_TEXT = 2000  # characters of one sentence
 LIMITS = Limits(max_body=MAX_BODY)  # the base's deadlines; the explorer's body limit
 STATIC_FILES = {"glass.css": "text/css; charset=utf-8", **{name: "text/javascript; charset=utf-8" for name in VIEW_SCRIPTS}}
+MAX_QUEUED = 16  # requests waiting for or holding the model's turn; one more is answered 503
 
 
 class TooLarge(Exception):
     """A request over a size limit (answered with 413)."""
+
+
+class WorkQueue:
+    """The explorer's model work, counted: `queued` requests wait for or hold the model's turn, and
+    `abandoned` is how many clients left before their answer (counted when the server sees them go,
+    while their work may still wait or run). Past a cap a request is refused at once (503 with
+    Retry-After) instead of waiting behind work nobody may read any more. One per Explorer (the model
+    is what is scarce); a lock guards the counts because one Explorer may be mounted on apps that run
+    on different event loops."""
+
+    def __init__(self):
+        self.queued = 0
+        self.abandoned = 0
+        self._counts = threading.Lock()
+
+    async def run(self, request: Request, cap: int, fn, *args):
+        """fn(*args) in the thread pool as `request`'s work. When its client disconnects the work is
+        cancelled (viewer/cancel.py): not started if it still waits, stopped at its next check if it
+        runs; ClientLeft is then raised here."""
+        with self._counts:
+            if self.queued >= cap:
+                raise _HTTPError(503, f"the explorer is busy with {cap} requests; retry in a moment",
+                                 {"Retry-After": "1"})
+            self.queued += 1
+        left = threading.Event()
+        watcher = asyncio.ensure_future(self._until_disconnect(request, left))
+        try:
+            return await run_in_threadpool(_work_of, left, fn, *args)
+        finally:
+            watcher.cancel()
+            with self._counts:
+                self.queued -= 1
+
+    async def _until_disconnect(self, request: Request, left: threading.Event) -> None:
+        """Set `left` when the client disconnects. The body is read by now, so the server's next message
+        is the disconnect (reading on is also what lets the server see the connection close)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        left.set()
+        with self._counts:
+            self.abandoned += 1
+
+
+def _work_of(left: threading.Event, fn, *args):
+    """fn(*args) as the work of a client whose leaving sets `left` (in a worker thread)."""
+    with cancel.watching(left):
+        cancel.check()  # the client left while the work waited for a thread: it never starts
+        return fn(*args)
 
 
 @dataclass
@@ -68,15 +121,34 @@ class Explorer:
     generator: Callable[[str, list[int], list[str], int, dict], tuple] | None = None
     cache_size: int = 8
     digits: int = 6  # decimals (or significant digits, as as_dict reads it) of the numbers sent
+    max_queued: int = MAX_QUEUED  # requests waiting for or holding the model's turn (503 past it)
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _work: WorkQueue = field(default_factory=WorkQueue, repr=False)
+
+    def __post_init__(self):
+        if not (isinstance(self.max_queued, int) and not isinstance(self.max_queued, bool) and self.max_queued >= 1):
+            raise UserError(f"max_queued must be an integer of at least 1, got {self.max_queued!r}")
+
+    @property
+    def work(self) -> WorkQueue:
+        """The requests queued for this explorer's model, counted (the server's cap and cancellation)."""
+        return self._work
+
+    @contextmanager
+    def _turn(self):
+        """The model's turn for one request's work (the lock below). Given up at once, the work never
+        started, when the request's client left while it waited (viewer/cancel.py)."""
+        with self._lock:
+            cancel.check()
+            yield
 
     def _traced(self, text: str) -> tuple[dict, dict]:
         """(trace, payload) for `text`, computed once and kept for the next few requests."""
         if len(text) > MAX_TEXT:
             raise TooLarge(f"the sentence has {len(text)} characters; the limit is {MAX_TEXT}")
         # One model, one probe recorder: computations take turns (the recorder is global).
-        with self._lock:
+        with self._turn():
             hit = self._cache.get(text)
             if hit is not None:
                 self._cache.move_to_end(text)
@@ -88,6 +160,7 @@ class Explorer:
 
     def _built(self, ids: list[int], tokens: list[str], text: str) -> tuple[Any, dict]:
         """(trace, payload) of these ids, `text` their sentence (the caller holds the lock)."""
+        cancel.check()  # after a generation: its client may have left meanwhile
         tr = self.trace(ids, tokens)
         shown = self.as_dict(tr, self.digits) if self.as_dict else tr
         args = dict(self.payload_args)
@@ -140,7 +213,7 @@ class Explorer:
         if self.explain is None:
             raise UserError("this server has no calculations to show")
         tr, _ = self._traced(text)
-        with self._lock:
+        with self._turn():
             return to_plain(self.explain(tr, probe, index))
 
 
@@ -160,7 +233,7 @@ class Explorer:
         except ImportError:
             raise UserError("this glassformer cannot explain optimizer updates yet "
                             "(glassformer.explaining.optimizer.explain_update)") from None
-        with self._lock:
+        with self._turn():
             answer = explain_update(self.run.run, step, param, index).to_dict()
             return to_plain({k: v for k, v in answer.items() if k not in UPDATE_TENSORS})
 
@@ -172,7 +245,7 @@ class Explorer:
             raise UserError("this server has no sampling view")
         if len(text) > MAX_TEXT:
             raise TooLarge(f"the sentence has {len(text)} characters; the limit is {MAX_TEXT}")
-        with self._lock:
+        with self._turn():
             ids, _ = self.encode(text)
             if not 0 <= position < len(ids):
                 raise UserError(f"position must be a token index in 0..{len(ids) - 1}, got {position}")
@@ -187,7 +260,7 @@ class Explorer:
             raise UserError("this server cannot generate")
         if len(text) > MAX_TEXT:
             raise TooLarge(f"the sentence has {len(text)} characters; the limit is {MAX_TEXT}")
-        with self._lock:
+        with self._turn():
             ids, tokens = self.encode(text)
             if not ids:
                 raise UserError("the sentence is empty: type a few words")
@@ -202,30 +275,35 @@ UPDATE_TENSORS = ("grad", "clipped", "new_param")  # explain_update's whole tens
 
 
 class _HTTPError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers
 
 
 def _send(status: int, body: bytes, ctype: str, extra: dict | None = None) -> Response:
     return Response(body, status_code=status, media_type=ctype, headers=extra)
 
 
-def _json(status: int, obj: Any) -> Response:
+def _json(status: int, obj: Any, headers: dict | None = None) -> Response:
     try:
         body = json_bytes(obj)
     except ValueError:  # a NaN somewhere: JSON has no spelling for it
         body = json_bytes(_finite(obj))
     # The unread rest of a refused body must not be taken for a next request: close after it.
     extra = {"Connection": "close"} if status in (411, 413) else None
+    if headers:
+        extra = {**(extra or {}), **headers}
     return _send(status, body, "application/json; charset=utf-8", extra)
 
 
 def _error_for(e: Exception) -> Response:
-    """The answer to the user's mistakes (400, 411, 413). Anything else is a bug: raised on,
-    for the HTTP base to answer 500 and log where it happened."""
+    """The answer to the user's mistakes (400, 411, 413, 415), a full queue (503) or a client that
+    left (an empty 204 nobody reads). Anything else is a bug: raised on, for the HTTP base to answer
+    500 and log where it happened."""
     if isinstance(e, _HTTPError):
-        return _json(e.status, {"error": e.message})
+        return _json(e.status, {"error": e.message}, e.headers)
+    if isinstance(e, cancel.ClientLeft):
+        return Response(status_code=204)
     if isinstance(e, TooLarge):
         return _json(413, {"error": str(e)})
     if isinstance(e, NotFound):
@@ -237,7 +315,9 @@ def _error_for(e: Exception) -> Response:
 
 
 async def _read_json(request: Request) -> dict:
-    """The request's JSON object: a length is required (411) and at most MAX_BODY (413)."""
+    """The request's JSON object: a length is required (411) and at most MAX_BODY (413), and the body
+    must say it is JSON (415: a text/plain or form POST needs no CORS preflight, so any page the
+    user visits could send one; an application/json one it cannot)."""
     length = request.headers.get("content-length")
     if length is None:
         raise _HTTPError(411, "a Content-Length header is required")
@@ -245,6 +325,8 @@ async def _read_json(request: Request) -> dict:
         raise _HTTPError(400, "bad Content-Length")
     if int(length) > MAX_BODY:  # refused before any of it is read
         raise _HTTPError(413, f"request body over {MAX_BODY} bytes")
+    if not is_json(request.headers.get("content-type")):
+        raise _HTTPError(415, not_json(request.headers.get("content-type")))
     try:
         obj = json.loads((await request.body()).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -342,15 +424,16 @@ def explorer_router(explorer: Explorer) -> APIRouter:
     """The explorer's routes, to include in any app from serve.http.make_app.
 
     The model runs in the thread pool (the explorer's lock makes the computations take
-    turns), so a slow trace never holds up the event loop that reads other requests.
+    turns), so a slow trace never holds up the event loop that reads other requests. Every
+    computation goes through the explorer's WorkQueue: capped, and cancelled when its client leaves.
     """
     router = APIRouter()
 
     @router.api_route("/", methods=["GET", "HEAD"])
     @router.api_route("/index.html", methods=["GET", "HEAD"])
-    async def page() -> Response:
+    async def page(request: Request) -> Response:
         try:
-            payload = await run_in_threadpool(explorer.payload, explorer.default_text)
+            payload = await _queued(explorer, request, explorer.payload, explorer.default_text)
         except Exception as e:
             return _error_for(e)
         return _send(200, render_html(payload, inline=False).encode("utf-8"), "text/html; charset=utf-8")
@@ -371,7 +454,7 @@ def explorer_router(explorer: Explorer) -> APIRouter:
         """The body's JSON, `work(req)` -> (function, *args) run in the thread pool, its result or the error."""
         try:
             fn, *args = work(await _read_json(request))
-            return _json(200, await run_in_threadpool(fn, *args))
+            return _json(200, await _queued(explorer, request, fn, *args))
         except Exception as e:
             return _error_for(e)
 
@@ -398,14 +481,19 @@ def explorer_router(explorer: Explorer) -> APIRouter:
     return router
 
 
+def _queued(explorer: Explorer, request: Request, fn, *args):
+    """fn(*args) as `request`'s work in the explorer's queue: capped, and cancelled when its client leaves."""
+    return explorer.work.run(request, explorer.max_queued, fn, *args)
+
+
 def run_routes(router: APIRouter, explorer: Explorer, answer) -> None:
     """The Training view's routes (`view --run`; 404 without a run): GET /api/run, its curves and
     checkpoints; POST /api/update, one optimizer update explained. answer: explorer_router's."""
 
     @router.get("/api/run")
-    async def run_view() -> Response:
+    async def run_view(request: Request) -> Response:
         try:
-            return _json(200, await run_in_threadpool(explorer.training))
+            return _json(200, await _queued(explorer, request, explorer.training))
         except Exception as e:
             return _error_for(e)
 
