@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import openai
 
@@ -14,6 +15,7 @@ from glassformer.generation.batching import Engine
 from glassformer.serve.backend import Backend
 from glassformer.serve.http import Limits, Server, make_app
 from glassformer.serve.openai import add_routes, openai_error
+from glassformer.serve.supervisor import Supervisor
 from glassformer.serve.worker import ProcessEngine
 from glassformer.text.chat_template import CHATML_TEMPLATE
 from glassformer.text.tokenizer import Tokenizer
@@ -49,6 +51,19 @@ def gate_hook(forwards, gate, module, args) -> None:
         gate.wait(30)
 
 
+def slow_hook(seconds: float, module, args) -> None:
+    """Each forward takes `seconds` longer (a request of many tokens is still running when the test acts)."""
+    time.sleep(seconds)
+
+
+def thread_exit_hook(exit_id: int, module, args) -> None:
+    """A prompt of only `exit_id` (two or more) ends the engine's thread (SystemExit out of its step,
+    which the loop does not catch, as it catches a failing step's exceptions)."""
+    ids = args[0]
+    if ids.shape[-1] >= 2 and bool((ids == exit_id).all()):
+        raise SystemExit("the engine's thread ends here (the test's)")
+
+
 def failing_hook(raise_id: int, exit_id: int, module, args) -> None:
     """A prompt of only `raise_id` (two or more) makes its forward raise (a failing step); one of only
     `exit_id` ends the process at once. (A decode step feeds one token a row: never these.)"""
@@ -61,9 +76,12 @@ def failing_hook(raise_id: int, exit_id: int, module, args) -> None:
 
 class Served:
     """One server: its URL, model (this process's copy), tokenizer, engine (tickets recorded) and clients.
-    `hook` (picklable) sees every forward of the engine's model, in whichever process it runs."""
+    `hook` (picklable) sees every forward of the engine's model, in whichever process it runs. With
+    `stall_timeout`, a Supervisor watches the engine as in `glassformer serve` (its fatal lines kept
+    in `fatal`)."""
 
-    def __init__(self, max_batch: int, max_queue: int = 64, engine: str = "process", hook=None):
+    def __init__(self, max_batch: int, max_queue: int = 64, engine: str = "process", hook=None,
+                 stall_timeout: float | None = None):
         self.tok = tok = tokenizer()
         self.model = hooked_tiny_model(tok.vocab_size)
         self.eos = list(tok.eos_ids)
@@ -82,6 +100,9 @@ class Served:
         submit = self.engine.submit
         self.engine.submit = lambda r: self._record(submit(r))
         self.backend.ready(self.engine, self.model, tok)
+        self.fatal: list[str] = []
+        self.supervisor = None if stall_timeout is None else \
+            Supervisor(self.backend, stall_timeout=stall_timeout, on_fatal=self.fatal.append).start()
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
         self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
 
@@ -93,5 +114,7 @@ class Served:
         return ticket
 
     def stop(self):
+        if self.supervisor is not None:
+            self.supervisor.stop()
         self.server.stop()
-        self.engine.stop()
+        self.backend.engine.stop()  # (the engine a supervisor started, if it restarted one)

@@ -1,8 +1,8 @@
 """The engine in a process of its own (serve/worker.py): what only it can get wrong. Checks answered
 at submit time in the parent with the engine's own errors; the child's torch threads; the child's
 reader asleep through a stream, and the server's loop reading the child's pipe itself; a failing
-step answering 500 while the server goes on; the child dying mid-request answering 500 at once,
-then 503 and /health 503; the child gone when its parent is killed (kill -9) and when `glassformer
+step answering 500 while the server goes on; the child dying mid-request answering 503 at once,
+then (unsupervised) 503 and /health 503; the child gone when its parent is killed (kill -9) and when `glassformer
 serve` stops; a checkpoint the child cannot load stopping serve with the reason; --engine process
 refused beside --explorer. (The OpenAI routes over it, seeded tokens and a disconnect's cancel down
 the pipe: tests/serve/test_openai.py.)"""
@@ -182,16 +182,18 @@ def test_a_failing_step_answers_500_and_the_server_goes_on(fragile):
 
 
 def test_the_child_dying_ends_its_requests_then_503(fragile):
-    """A request streaming when the child dies, and the one that kills it, both end at once with an
-    error (none hangs); after it, requests get 503 and /health says 503 "down"."""
+    """A request streaming when the child dies, and the one that kills it, both end at once with a 503
+    saying so (none hangs); with no supervisor to restart it (tests/serve/test_supervision.py), later
+    requests get 503 and /health says 503 "down"."""
     pid = fragile.engine.process.pid
     long = fragile.client.completions.create(model=NAME, prompt="The king", max_tokens=100, temperature=0, stream=True)
     next(iter(long))  # streaming
     t = time.perf_counter()
     r = httpx.post(fragile.url + "/v1/completions", json={"model": NAME, "prompt": fragile.EXIT, "max_tokens": 3},
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
-    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-    with pytest.raises(openai.APIError):
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    assert r.json()["error"]["message"].startswith("the engine died while running this request")
+    with pytest.raises(openai.APIError, match="the engine died while running this request"):
         for _ in long:
             pass
     assert time.perf_counter() - t < 20 and wait_gone([pid])

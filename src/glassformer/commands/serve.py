@@ -3,7 +3,9 @@
 The server listens first (GET /health answers 503 "loading"), then starts the engine (by default
 in a process of its own, which loads the model: serve/worker.py; --engine thread or --explorer: on
 a thread of this one) and prints one line, `serving MODEL_ID at http://HOST:PORT/v1`. Ctrl-C (or SIGTERM) stops
-it: running answers get a few seconds to finish. docs/serve.md.
+it: running answers get a few seconds to finish. A watchdog (serve/supervisor.py) restarts an engine
+that dies, once; if it dies again the server exits with status 1 and one line on stderr.
+docs/serve.md.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ KEY_ENV = "GLASSFORMER_API_KEY"
 
 
 def add_arguments(p) -> None:
+    from ..serve.supervisor import STALL_TIMEOUT
     from ..serve.worker import STREAM_INTERVAL
 
     p.add_argument("--checkpoint", required=True, metavar="CKPT",
@@ -44,6 +47,9 @@ def add_arguments(p) -> None:
                    help="the engine's process sends the tokens it made at most every MS milliseconds (default "
                         "%(default)g; a request's first token and its last at once; 0: every step): "
                         "docs/serve.md#the-engines-process")
+    p.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT, metavar="S",
+                   help="GET /health answers 503 'stalled' (and new completions 503) when requests are waiting and "
+                        "no engine step finished for S seconds (default %(default)g): docs/serve.md#supervision")
     p.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
     p.add_argument("--threads", type=int, default=0,
                    help="the engine's torch threads on the CPU (0: as OMP_NUM_THREADS says if set, else one less than "
@@ -98,6 +104,8 @@ def _check(args) -> None:
                         f"got {args.stream_interval_ms:g}")
     if args.threads < 0:
         raise UserError(f"--threads must be >= 1 (or 0 for the default), got {args.threads}")
+    if not args.stall_timeout > 0:  # (NaN too)
+        raise UserError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
     quantize_method(args)  # a bad --quantize fails before anything listens
     if args.explorer and args.engine == "process":
         raise UserError("--explorer runs the engine on a thread (the explorer's traces and the engine take turns "
@@ -182,11 +190,13 @@ def _thread_engine(args, app, model, tok, name: str):
 def run(args) -> int:
     import os
     import signal
+    import sys
     import threading
 
     import torch
 
     from ..serve.backend import Backend
+    from ..serve.supervisor import Supervisor
     from .generate import _load_model
 
     key = api_key(args)
@@ -198,7 +208,8 @@ def run(args) -> int:
     backend = Backend(model_id(args))
     app, server = build(args, backend, key)
     server.start_in_thread()  # /health says "loading" meanwhile
-    engine = None
+    engine = supervisor = None
+    died, dead = [], threading.Event()  # the supervisor's one line, if the engine died past its restart
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):  # both stop it as Ctrl-C does (also when started in the background)
             signal.signal(sig, signal.default_int_handler)
@@ -209,13 +220,20 @@ def run(args) -> int:
             model, tok = _load_model(args)
             engine = _thread_engine(args, app, model, tok, backend.model_id)
             backend.ready(engine, model, tok)
+        supervisor = Supervisor(backend, stall_timeout=args.stall_timeout,
+                                on_fatal=lambda message: (died.append(message), dead.set())).start()
         print(f"serving {backend.model_id} at {server.url}/v1", flush=True)
-        threading.Event().wait()
+        dead.wait()  # until Ctrl-C, or the engine dies past its restart (then exit non-zero)
     except KeyboardInterrupt:
         pass
     finally:
         backend.status = "stopping"
+        if supervisor is not None:
+            supervisor.stop()
         server.stop()
         if engine is not None:
-            engine.stop()
+            backend.engine.stop()  # (a restarted engine, if the first died)
+    if died:
+        print(f"error: {died[0]}", file=sys.stderr)
+        return 1
     return 0

@@ -5,6 +5,7 @@ model's chat template, checked against the vocabulary and the context.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ from .schemas import ApiError, bad
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
                500: "server_error", 503: "server_error"}  # every other status: invalid_request_error
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+log = logging.getLogger(__name__)
 
 
 def openai_error(status: int, message: str) -> dict:
@@ -42,7 +45,9 @@ class TurnTakingEngine(Engine):
 class Backend:
     """What the routes serve: the engine, the tokenizer, the model's name and limits.
     status is 'loading' until `ready()`, then 'ok', 'stopping' once the server stops, and 'down' if
-    the engine's process exited unasked."""
+    the engine's process exited unasked. With a `supervisor` (serve.supervisor) watching the engine,
+    it is 'restarting' while a dead engine is replaced, and 'down' only once that gives up;
+    `health()` also says when an 'ok' engine is stalled."""
 
     model_id: str
     engine: object = None
@@ -53,6 +58,7 @@ class Backend:
     eos: tuple[int, ...] = ()
     status: str = "loading"
     created: int = field(default_factory=lambda: int(time.time()))
+    supervisor: object = None  # serve.supervisor.Supervisor, once one watches the engine
 
     def ready(self, engine, model, tokenizer, template: str | None = None) -> "Backend":
         """Serve `model` through `engine` (started) from now on."""
@@ -61,14 +67,42 @@ class Backend:
         eos = list(getattr(tokenizer, "eos_ids", None) or [])
         eot = getattr(tokenizer, "eot_id", None)
         self.eos = tuple(eos or ([] if eot is None else [eot]))
+        self.serve_with(engine)
         self.status = "ok"
-        if hasattr(engine, "on_exit"):  # an engine in its own process (serve.worker): its exit takes the server down
-            engine.on_exit = self._engine_gone
         return self
 
-    def _engine_gone(self) -> None:
-        if self.status == "ok":
+    def serve_with(self, engine) -> "Backend":
+        """Send requests to `engine` (started and loaded) from now on: at `ready()`, and in place of a dead
+        one (a supervisor's restart; not once the server is stopping)."""
+        self.engine = engine
+        if hasattr(engine, "on_exit"):  # an engine in its own process (serve.worker): told when it exits unasked
+            engine.on_exit = self._engine_gone
+        if self.status == "restarting":
+            self.status = "ok"
+        return self
+
+    def _engine_gone(self, reason: str) -> None:
+        """Unsupervised, a dead engine takes the server down (503 from now on); a supervisor sees it itself."""
+        if self.supervisor is None and self.status == "ok":
+            log.error("%s: the server answers 503 from now on", reason)
             self.status = "down"
+
+    def health(self) -> tuple[int, dict]:
+        """GET /health's status code and body: 200 {"status": "ok"}, else 503 with the status, or 503
+        {"status": "stalled", ...} with the supervisor's figures while the engine is stalled."""
+        if self.status != "ok":
+            return 503, {"status": self.status}
+        stall = None if self.supervisor is None else self.supervisor.stall()
+        if stall is not None:
+            return 503, {"status": "stalled", **stall}
+        return 200, {"status": "ok"}
+
+    def check_engine(self) -> None:
+        """503 (retry shortly) for work that would wait behind a stalled engine, rather than queue it."""
+        stall = None if self.supervisor is None else self.supervisor.stall()
+        if stall is not None:
+            raise ApiError(503, f"the engine has finished no step for {stall['stalled_s']:g} s with "
+                           f"{stall['requests']} requests in hand (stalled); retry shortly", type="server_error")
 
     def check(self, model: str | None) -> None:
         """503 unless serving; 404 for a model this server does not serve."""

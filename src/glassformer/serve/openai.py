@@ -52,8 +52,8 @@ def _router(backend: Backend) -> APIRouter:
     r = APIRouter()
 
     @r.get("/health")
-    async def health():
-        return json_response(200 if backend.status == "ok" else 503, {"status": backend.status})
+    async def health():  # open without a key: what a load balancer or a service manager polls
+        return json_response(*backend.health())
 
     @r.get("/v1/models")
     async def models():
@@ -102,6 +102,7 @@ async def _parsed(request: Request, kind, backend: Backend):
     req = schemas.parse(kind, await _json_body(request))
     backend.check(req.model)
     schemas.check_defaults(req)
+    backend.check_engine()  # not queued behind a stalled engine: docs/serve.md#supervision
     return req
 
 

@@ -17,6 +17,12 @@ from . import schemas
 from .backend import check_context
 from .results import KnownIds
 from .schemas import ApiError, bad
+from .worker import LOST
+
+
+# The ends of a request that the engine chose, not the model: the status and message the client gets.
+ENGINE_ENDS = {"error": (500, "the model failed on this step"), "cancelled": (503, "the server is stopping"),
+               LOST: (503, "the engine died while running this request (the server restarts it): retry shortly")}
 
 
 @dataclass
@@ -59,11 +65,9 @@ class Reply:
                 self.finish = "stop"
                 self.ticket.cancel()
                 return text
-        if ev.finish in ("error", "cancelled") and self.finish is None:  # not by us: the engine failed or stops
+        if ev.finish in ENGINE_ENDS and self.finish is None:  # not by us: the engine failed, died or stops
             self.finish = ev.finish
-            raise ApiError(503 if ev.finish == "cancelled" else 500,
-                           "the server is stopping" if ev.finish == "cancelled" else "the model failed on this step",
-                           type="server_error")
+            raise ApiError(*ENGINE_ENDS[ev.finish], type="server_error")
         if ev.finish is not None and self.finish is None:
             self.finish = ev.finish  # 'stop' (an end-of-turn id) or 'length'
         return text

@@ -19,7 +19,9 @@ What can be answered at submit time is answered here, synchronously, with the en
 the request's checks (`check_request`, against the model's config the child sends once loaded),
 QueueFull (the child's queue as of its last message plus the requests sent since), EngineStopped.
 The child exits with the parent: at the pipe's end of file, and (while it loads) once its parent
-process is gone; it ignores Ctrl-C, which the parent handles by stopping it.
+process is gone; it ignores Ctrl-C, which the parent handles by stopping it. If it exits unasked,
+the requests it held end with finish LOST; what then happens (a restart, the server's exit) is
+serve.supervisor's (`wait_exit`, `held`, `bury`, `successor`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import asyncio
 import functools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -48,6 +51,23 @@ STATS_EVERY = 0.25  # seconds between the child's full stats (its counts ride on
 STREAM_INTERVAL = 0.02  # seconds: the child's messages come at most this often while it streams (ChildEngine)
 MAX_STREAM_INTERVAL = 1.0  # seconds: the longest a stream interval may be
 STOP_WAIT = 30.0  # seconds the child gets to end its requests and exit before it is terminated
+LOST = "lost"  # the finish of a request whose engine died under it (a server answers 503: retry)
+
+
+def exit_reason(code: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal that ended it).
+
+    >>> exit_reason(-9), exit_reason(3), exit_reason(None)
+    ('was killed by signal 9 (SIGKILL)', 'exited with code 3', 'exited')
+    """
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 class ProcessEngine:
@@ -56,8 +76,9 @@ class ProcessEngine:
     `load()` runs in the child and returns the model, or (model, tokenizer); `threads` is the
     child's torch thread count (default: this process's); `stream_interval` the least time in
     seconds between two of the child's messages while it streams (ChildEngine; 0: one a step).
-    `config` and `tokenizer` are the child's once `wait_ready()` returns; `on_exit` is called if
-    the child exits unasked."""
+    `config` and `tokenizer` are the child's once `wait_ready()` returns; `on_exit(reason)` is called
+    if the child exits unasked (the reason a line such as "the engine's process was killed by signal 9
+    (SIGKILL)")."""
 
     def __init__(self, load, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256,
                  compile: bool = False, threads: int | None = None, stream_interval: float = STREAM_INTERVAL):
@@ -77,6 +98,7 @@ class ProcessEngine:
         self._loop = None  # or the asyncio loop that reads the child's pipe instead of a thread
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._reap_lock = threading.Lock()
         self._tickets: dict[int, Ticket] = {}  # request number -> its ticket, until its last event
         self._last = self._seen = self._queued = 0  # numbers sent, numbers the child has taken, its queue
         self._stats: dict = {}
@@ -137,8 +159,10 @@ class ProcessEngine:
             ticket._push(Event(None, finish="length"))  # nothing to compute
             return ticket
         with self._lock:
-            if self._stopping or self._failure is not None:
+            if self._stopping:
                 raise EngineStopped("the server is stopping: try again later")
+            if self._failure is not None:
+                raise EngineStopped(f"{self._failure}: retry shortly")
             if self._waiting() >= self.max_queue:
                 raise QueueFull(f"{self._waiting()} requests are waiting already (the queue's limit): try again later")
             self._last += 1
@@ -158,15 +182,48 @@ class ProcessEngine:
             self._unwatch()
             self._reader = threading.Thread(target=self._read, name="glassformer-engine-reader", daemon=True)
             self._reader.start()
-        self.process.join(STOP_WAIT)
-        if self.process.is_alive():
+        if self._reap(STOP_WAIT) is None:
             log.warning("the engine's process did not stop within %.0f s: terminating it", STOP_WAIT)
             self.process.terminate()
-            self.process.join(5)
+            self._reap(5)
         self._reader.join(5)
         self._end_all("cancelled")
         self._down.close()
         self._up.close()
+
+    # ---- what a supervisor calls (serve.supervisor) -------------------------------------
+    @property
+    def held(self) -> int:
+        """Requests sent to the child and not yet ended: queued there, running, or on their way."""
+        return len(self._tickets)
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """Wait up to `timeout` s for the child to exit unasked: its exit code (negative: the signal that
+        ended it); None while it runs, and after stop() (an exit asked for) at once."""
+        if self.process is None or self._stopping:
+            return None
+        if not multiprocessing.connection.wait([self.process.sentinel], timeout):
+            return None
+        code = self._reap()
+        return None if self._stopping else code
+
+    def bury(self) -> None:
+        """After the child exited unasked: end every request it held (finish LOST, as its end of file
+        does; whichever comes first), take nothing new and close its pipes."""
+        self._unwatch()  # the loop reads the dead pipe no more (a read under way finishes first)
+        with self._lock:
+            self._stopping = True
+        if self._reader is not None:
+            self._reader.join(5)
+        self._end_all(LOST)
+        self._reap()
+        self._down.close()
+        self._up.close()
+
+    def successor(self) -> "ProcessEngine":
+        """A new engine like this one (its loader, sizes and threads, its pipe read where this one's
+        was), started: its child loads meanwhile (`wait_ready`)."""
+        return ProcessEngine(self.load, threads=self.threads, **self.sizes).start(loop=self._loop)
 
     # ---- what tickets call -------------------------------------------------------------
     def _cancel(self, ticket: Ticket) -> None:
@@ -266,18 +323,26 @@ class ProcessEngine:
             wake_loops(wakes)
 
     def _gone(self) -> None:
-        """The child exited: every open request ends ("error" unless stopping); no more are taken."""
+        """The child exited (its pipe's end of file): every open request ends (LOST unless stopping), no
+        more are taken, and `on_exit` is told (else the exit is logged here)."""
+        code = self._reap()  # (its end of file: it has exited, or is about to)
         with self._lock:
             unasked = not self._stopping and self._failure is None
             if self._failure is None:
-                code = self.process.exitcode if not self.process.is_alive() else None
-                self._failure = f"the engine's process exited (exit code {code})"
+                self._failure = f"the engine's process {exit_reason(code)}"
         self._ready.set()
-        if unasked:
+        if unasked and self.on_exit is None:
             log.error("%s: ending every request", self._failure)
-        self._end_all("cancelled" if self._stopping else "error")
+        self._end_all("cancelled" if self._stopping else LOST)
         if unasked and self.on_exit is not None:
-            self.on_exit()
+            self.on_exit(self._failure)
+
+    def _reap(self, timeout: float = 5.0) -> int | None:
+        """The child's exit code once it has exited (within `timeout`). One thread at a time: two joining
+        at once race for the exit status, and the loser reads none."""
+        with self._reap_lock:
+            self.process.join(timeout)
+            return self.process.exitcode
 
     def _end_all(self, finish: str) -> None:
         with self._lock:
