@@ -166,24 +166,26 @@ def test_connections_send_small_writes_at_once():
     assert seen == [1]
 
 
-def test_api_key_guards_the_api_paths_only(server):
+def test_api_key_guards_every_path_but_health(server):
     status, _, body = request(server, "GET", "/health")
     assert status == 200 and json.loads(body) == {"status": "ok"}
-    for path in ("/v1/echo", "/tokenize"):
+    for path, with_key in (("/v1/echo", 200), ("/tokenize", 200), ("/nowhere", 404), ("/", 404)):  # 401 before 404
         status, headers, body = request(server, "POST", path, b"{}")
         assert status == 401 and "Authorization: Bearer" in json.loads(body)["error"]["message"]
         assert headers["www-authenticate"] == "Bearer"
         status, _, body = request(server, "POST", path, b"{}", {"Authorization": "Bearer wrong-key-1234"})
         assert status == 401 and json.loads(body)["error"] == {"message": "invalid API key", "code": 401}
         assert request(server, "POST", path, b"{}", {"Authorization": f"Basic {KEY}"})[0] == 401
-        assert request(server, "POST", path, b"{}", AUTH)[0] == 200
+        assert request(server, "POST", path, b"{}", AUTH)[0] == with_key
 
 
 def test_host_check_and_security_headers(server):
-    status, headers, body = request(server, "GET", "/health", headers={"Host": "evil.example:80"})
-    assert status == 403 and json.loads(body)["error"]["code"] == 403
-    assert headers["x-content-type-options"] == "nosniff"
-    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "[::1]:80"):
+    for host in ("evil.example:80", "127.attacker.example", "127.0.0.1.nip.io", "127.0.0.1.evil.com:80",
+                 "localhost:80:80", "user@localhost", "local host"):
+        status, headers, body = request(server, "GET", "/health", headers={"Host": host})
+        assert status == 403 and json.loads(body)["error"]["code"] == 403, host
+        assert headers["x-content-type-options"] == "nosniff"
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "[::1]:80", "LOCALHOST.", "127.0.3.4:1"):
         status, headers, _ = request(server, "GET", "/health", headers={"Host": host})
         assert status == 200 and headers["x-content-type-options"] == "nosniff"
     # Bound to another address, the user chose to be reached by other names.
@@ -210,7 +212,7 @@ def test_body_limit_by_length_and_by_stream(server):
 
 
 def test_errors_take_the_callers_shape_and_hide_tracebacks(server, caplog):
-    status, _, body = request(server, "GET", "/nowhere")
+    status, _, body = request(server, "GET", "/nowhere", headers=AUTH)
     assert status == 404 and json.loads(body) == {"error": {"message": "not found", "code": 404}}
     with caplog.at_level(logging.INFO):
         status, _, body = request(server, "POST", "/v1/boom", b"secret prompt text", AUTH)
@@ -218,8 +220,8 @@ def test_errors_take_the_callers_shape_and_hide_tracebacks(server, caplog):
     assert b"secret" not in body and b"Traceback" not in body
     # The log says where it broke, and not the message (which may quote a prompt).
     assert "RuntimeError" in caplog.text and "in boom" in caplog.text and "secret" not in caplog.text
-    status, _, body = request(server, "GET", "/docs")  # no docs pages or schema of the API
-    assert status == 404 and request(server, "GET", "/openapi.json")[0] == 404
+    status, _, body = request(server, "GET", "/docs", headers=AUTH)  # no docs pages or schema of the API
+    assert status == 404 and request(server, "GET", "/openapi.json", headers=AUTH)[0] == 404
 
 
 def test_half_sent_requests_are_closed_at_their_deadlines(server):

@@ -70,3 +70,31 @@ def test_serve_prints_one_ready_line_answers_with_the_explorer_and_stops_on_ctrl
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and out == "" and "Traceback" not in err
+
+
+def test_serve_explorer_with_a_key_guards_the_explorer_too(tmp_path):
+    """The issue's reproduction: with --explorer and --api-key, /api/generate answered 200 to anyone."""
+    tiny_checkpoint(tmp_path / "ckpt", synthetic_text(200, 1))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GLASSFORMER_API_KEY": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "glassformer", "serve", "--checkpoint", str(tmp_path / "ckpt"),
+                             "--port", "0", "--explorer", "--api-key", "k"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ready, keyed = proc.stdout.readline(), proc.stdout.readline()
+        found = re.fullmatch(r"serving ckpt at (http://127\.0\.0\.1:\d+)/v1\n", ready)
+        assert found, ready + keyed + (proc.stderr.read() if not keyed else "")
+        root = found[1]
+        assert keyed == f"explorer at {root}/?key=k\n"
+        body = {"text": "hi", "max_tokens": 3}
+        assert httpx.post(root + "/api/generate", json=body, timeout=60).status_code == 401
+        assert httpx.get(root + "/").status_code == 401 and httpx.get(root + "/v1/models").status_code == 401
+        assert httpx.get(root + "/health").json() == {"status": "ok"}  # the one open route
+        key = {"Authorization": "Bearer k"}
+        assert httpx.post(root + "/api/generate", json=body, headers=key, timeout=60).status_code == 200
+        with httpx.Client(base_url=root, timeout=60) as browser:  # the printed URL, as a browser opens it
+            assert browser.get(keyed.strip().removeprefix("explorer at ")).status_code == 303
+            assert browser.get("/").status_code == 200 and browser.post("/api/generate", json=body).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out == "" and "Traceback" not in err

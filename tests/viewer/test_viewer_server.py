@@ -174,10 +174,12 @@ def test_traces_are_answered_while_clients_hold_half_sent_requests():
 
 
 def test_foreign_host_header_refused(served):
-    status, _, _ = request(served, "GET", "/", headers={"Host": "evil.example:8000"})
-    assert status == 403
-    status, _, _ = request(served, "GET", "/", headers={"Host": "localhost:8000"})
-    assert status == 200
+    for host in ("evil.example:8000", "127.attacker.example", "127.0.0.1.nip.io", "127.0.0.1.evil.com:80"):
+        status, _, _ = request(served, "GET", "/", headers={"Host": host})
+        assert status == 403, host
+    for host in ("localhost:8000", "LOCALHOST.:8000", "127.1.2.3"):
+        status, _, _ = request(served, "GET", "/", headers={"Host": host})
+        assert status == 200, host
 
 
 def test_trace_endpoint_recomputes(served):
@@ -225,13 +227,17 @@ def test_the_routes_mount_on_another_app():
     """serve --explorer's way: the explorer's routes on an app with its own error shape and key."""
     from starlette.testclient import TestClient
 
-    from glassformer.serve.http import make_app
+    from glassformer.serve.http import MISSING_KEY, make_app
     from glassformer.viewer.server import explorer_router
 
     app = make_app(host="127.0.0.1", port=0, api_key="k" * 16, error_body=lambda s, m: {"error": {"message": m}})
     app.include_router(explorer_router(word_explorer()))
     client = TestClient(app, base_url="http://127.0.0.1")
-    assert client.get("/").status_code == 200  # the page needs no key: only the API paths do
+    res = client.post("/api/trace", json={"text": "the mat"})  # the explorer's routes need the app's key too
+    assert res.status_code == 401 and res.json() == {"error": {"message": MISSING_KEY}}
+    assert client.get("/").status_code == 401
+    client.headers["Authorization"] = "Bearer " + "k" * 16
+    assert client.get("/").status_code == 200
     res = client.post("/api/trace", json={"text": "the mat"})
     assert res.status_code == 200 and res.json()["trace"]["tokens"] == ["the", "mat"]
     res = client.post("/api/trace", json={"text": "the dog"})  # the explorer's own errors keep their shape
@@ -436,3 +442,43 @@ def test_view_verb_serves_until_ctrl_c(capsys):
     out, err = capsys.readouterr()
     assert seen == [200]
     assert out.strip() == f"explorer at http://127.0.0.1:{port}/  (Ctrl-C to stop)" and err.strip() == "stopped"
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread only")
+def test_view_verb_with_a_key_prints_the_keyed_url_and_guards_every_route(capsys, monkeypatch):
+    import os
+    import signal
+
+    import httpx
+
+    from glassformer.cli import main
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    monkeypatch.setenv("GLASSFORMER_API_KEY", "view key/5")  # serve's variable; the URL escapes it
+    seen = {}
+
+    def client():
+        root = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(600):
+                try:
+                    seen["bare"] = httpx.get(root + "/").status_code
+                    break
+                except httpx.ConnectError:
+                    threading.Event().wait(0.05)
+            seen["trace"] = httpx.post(root + "/api/trace", json={}).status_code
+            with httpx.Client(base_url=root, timeout=60) as browser:  # as a browser opens the printed URL
+                seen["login"] = browser.get("/?key=view%20key%2F5").status_code
+                seen["page"] = browser.get("/").status_code
+                seen["keyed trace"] = browser.post("/api/trace", json={}).status_code
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=client, daemon=True).start()
+    assert main(["view", "--worked", "--port", str(port)]) == 0
+    out, _ = capsys.readouterr()
+    assert seen == {"bare": 401, "trace": 401, "login": 303, "page": 200, "keyed trace": 200}
+    assert out.strip() == f"explorer at http://127.0.0.1:{port}/?key=view%20key%2F5  (Ctrl-C to stop)"

@@ -2,7 +2,8 @@
 
 The server listens first (GET /health answers 503 "loading"), then starts the engine (by default
 in a process of its own, which loads the model: serve/worker.py; --engine thread or --explorer: on
-a thread of this one) and prints one line, `serving MODEL_ID at http://HOST:PORT/v1`. Ctrl-C (or SIGTERM) stops
+a thread of this one) and prints one line, `serving MODEL_ID at http://HOST:PORT/v1` (with --explorer and a key,
+a second: the page's keyed URL). Ctrl-C (or SIGTERM) stops
 it: running answers get a few seconds to finish. A watchdog (serve/supervisor.py) restarts an engine
 that dies, once; if it dies again the server exits with status 1 and one line on stderr.
 docs/serve.md.
@@ -10,10 +11,10 @@ docs/serve.md.
 
 from __future__ import annotations
 
+from .access import KEY_ENV, add_access_arguments, allowed_hosts, api_key  # noqa: F401 (KEY_ENV, api_key: this verb's too)
 from .options import add_base_argument, add_quantize_argument
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"
-KEY_ENV = "GLASSFORMER_API_KEY"
 
 
 def add_arguments(p) -> None:
@@ -31,10 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens fed per step, so running streams keep a bounded gap between tokens")
     p.add_argument("--limit-concurrency", type=int, default=None, help="requests answered at once; one more gets 503")
-    p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' (default: the {KEY_ENV} environment variable, if set)")
-    p.add_argument("--insecure-no-key", action="store_true",
-                   help="serve a non-loopback --host without an API key (anyone who can reach it may use it)")
+    add_access_arguments(p)
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages from ORIGIN call the API (repeatable; default: none)")
     p.add_argument("--explorer", action="store_true",
@@ -59,22 +57,6 @@ def add_arguments(p) -> None:
                    help="weights' dtype (default: as stored)")
     add_quantize_argument(p, "decode")
     add_base_argument(p)
-
-
-def api_key(args) -> str | None:
-    """--api-key, else the environment's key; a non-loopback bind without one refuses to start."""
-    import os
-
-    from ..errors import UserError
-    from ..serve.http import is_loopback
-
-    key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
-    if key is not None and not key.strip():
-        raise UserError("--api-key is empty: give a key, or leave the flag out")
-    if key is None and not is_loopback(args.host) and not args.insecure_no_key:
-        raise UserError(f"--host {args.host} lets other machines reach the server: give --api-key KEY (or set "
-                        f"{KEY_ENV}), or --insecure-no-key to serve without one")
-    return key
 
 
 def model_id(args) -> str:
@@ -107,6 +89,7 @@ def _check(args) -> None:
     if not args.stall_timeout > 0:  # (NaN too)
         raise UserError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
     quantize_method(args)  # a bad --quantize fails before anything listens
+    allowed_hosts(args)  # and a bad --allowed-host
     if args.explorer and args.engine == "process":
         raise UserError("--explorer runs the engine on a thread (the explorer's traces and the engine take turns "
                         "on the one model in one process): leave out --engine process, or --explorer")
@@ -135,7 +118,7 @@ def build(args, backend, key):
 
     limits = Limits(limit_concurrency=args.limit_concurrency)
     app = make_app(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin, limits=limits,
-                   error_body=openai_error)
+                   error_body=openai_error, allowed_hosts=allowed_hosts(args))
     add_routes(app, backend)
     return app, Server(app, args.host, args.port, limits)
 
@@ -196,6 +179,7 @@ def run(args) -> int:
     import torch
 
     from ..serve.backend import Backend
+    from ..serve.http import keyed_url
     from ..serve.supervisor import Supervisor
     from .generate import _load_model
 
@@ -223,6 +207,8 @@ def run(args) -> int:
         supervisor = Supervisor(backend, stall_timeout=args.stall_timeout,
                                 on_fatal=lambda message: (died.append(message), dead.set())).start()
         print(f"serving {backend.model_id} at {server.url}/v1", flush=True)
+        if args.explorer and key is not None:  # the page's address, as a browser opens it once (docs/viewer.md)
+            print(f"explorer at {keyed_url(server.url + '/', key)}", flush=True)
         dead.wait()  # until Ctrl-C, or the engine dies past its restart (then exit non-zero)
     except KeyboardInterrupt:
         pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import UserError
+from .access import add_access_arguments, allowed_hosts, api_key
 from .options import add_base_argument, add_quantize_argument
 
 HELP = "the explorer: a local page that traces a sentence and shows every number of its computation"
@@ -20,9 +21,10 @@ def add_arguments(p) -> None:
     p.add_argument("--variant", default="one_head",
                    help="with --worked: one_head, two_blocks_pre, two_blocks_post, mha, gqa or mqa")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on; anything but loopback lets other machines reach the page")
+                   help="address to listen on; anything but loopback needs an API key (or --insecure-no-key)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--text", default=None, help="the sentence the page opens with")
+    add_access_arguments(p)
     p.add_argument("--device", default="cpu", help="device to run the model on")
     add_quantize_argument(p, "explore")
     add_base_argument(p)
@@ -57,17 +59,20 @@ def build_explorer(args):
 def run(args) -> int:
     import sys
 
-    from ..serve.http import is_loopback
+    from ..serve.http import is_loopback, keyed_url
     from ..viewer.server import make_server
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
+    key, hosts = api_key(args), allowed_hosts(args)  # before the model loads
     explorer = build_explorer(args)
     explorer.payload(explorer.default_text)  # fail now, with a clear message, if the opening sentence cannot be read
-    server = make_server(explorer, args.host, args.port,
-                         on_ready=lambda url: print(f"explorer at {url}/  (Ctrl-C to stop)", flush=True))
-    if not is_loopback(args.host):
-        print(f"warning: listening on {args.host}: other machines can reach this page", file=sys.stderr)
+    server = make_server(explorer, args.host, args.port, api_key=key, allowed_hosts=hosts,
+                         on_ready=lambda url: print(f"explorer at {keyed_url(url + '/', key)}  (Ctrl-C to stop)",
+                                                    flush=True))
+    if not is_loopback(args.host) and key is None:  # (--insecure-no-key)
+        print(f"warning: listening on {args.host} without an API key: anyone who can reach it may use the model",
+              file=sys.stderr)
     server.run()  # until Ctrl-C, which stops it cleanly
     print("stopped", file=sys.stderr)
     return 0

@@ -8,13 +8,18 @@ with its guards, run by uvicorn in-process.
 The guards are pure ASGI middleware (Starlette's BaseHTTPMiddleware would buffer streamed
 answers and hide disconnects), outermost first:
 
-- the Host check: on a loopback bind, a request whose Host header names anything but a
-  loopback name is refused with 403 (a page on another site cannot reach the server by
-  pointing its own name at 127.0.0.1: DNS rebinding);
+- the Host check: on a loopback bind (or wherever the caller names allowed hosts), a request
+  whose Host header is not `localhost`, an address in 127.0.0.0/8, `::1` or one of the
+  allowed names is refused with 403, and so is a Host header that is not a host at all (a
+  page on another site cannot reach the server by pointing its own name at 127.0.0.1: DNS
+  rebinding; `127.0.0.1.evil.example` is a name, not an address);
 - CORS, only when origins are given (Starlette's CORSMiddleware);
-- the gate: a Bearer API key (compared in constant time) for the paths that need one (401),
-  a cap on concurrent requests (503), and the body size limit (413 for a Content-Length
-  over it, or for a streamed body the moment it passes it).
+- the gate: with an API key, every path but the open ones (`/health`) needs it (401): as
+  `Authorization: Bearer KEY`, or as the cookie a browser gets by opening any page once as
+  `/?key=KEY` (answered 303 to the same page without the key, setting an HttpOnly,
+  SameSite=Strict cookie that holds a digest of the key, not the key); both compared in
+  constant time. Then a cap on concurrent requests (503), and the body size limit (413 for a
+  Content-Length over it, or for a streamed body the moment it passes it).
 
 The deadlines sit in the connection itself (`_DeadlineProtocol`, uvicorn's h11 protocol
 with two timers): a request's headers must arrive within `Limits.header_timeout` seconds
@@ -30,14 +35,18 @@ log is off, and no body is ever logged.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import ipaddress
 import json
 import logging
+import re
 import socket
 import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
+from urllib.parse import parse_qsl, quote, urlencode
 
 import h11
 import uvicorn
@@ -53,8 +62,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import UserError
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-KEY_PATHS = ("/v1", "/tokenize", "/detokenize")  # what an API key guards by default; /health stays open
+LOOPBACK_NET = ipaddress.IPv4Network("127.0.0.0/8")  # with "localhost" and ::1: the names a loopback bind answers
+IPV6_LOOPBACK = ipaddress.IPv6Address("::1")
+OPEN_PATHS = ("/health",)  # the paths an API key does not guard (a load balancer's probe); every other needs it
+KEY_COOKIE = "glassformer_key"  # + "_PORT": the browser's proof of the key (cookies do not tell ports apart)
+_HOST_NAME = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*")  # dot-separated labels (IDNs arrive as punycode)
+_PORT = re.compile(r"[0-9]{1,5}")
 # Sent with every answer: no type sniffing, no framing, no caching, no referrer.
 SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"),
                     (b"cache-control", b"no-store"), (b"x-frame-options", b"DENY")]
@@ -84,25 +97,111 @@ class Limits:
     shutdown_timeout: float = 5.0
 
 
+def parse_host(value: str) -> tuple[str, int | None]:
+    """(name, port) of a Host header (port None when it names none); ValueError when it is no host.
+
+    The name comes back normalised: lower case, one trailing dot dropped, an IPv6 address without
+    its brackets in its short form. Refused: spaces, userinfo (`@`), a second colon outside
+    brackets, a port that is not a number in 0..65535, empty labels, IPv6 zone ids.
+
+    >>> parse_host("LocalHost.:8000"), parse_host("[0:0::1]:80"), parse_host("127.0.0.1")
+    (('localhost', 8000), ('::1', 80), ('127.0.0.1', None))
+    >>> bad = ["", "a b", "user@localhost", "::1", "localhost:80:80", "[::1", "[::1]x", "[fe80::1%eth0]",
+    ...        "localhost:", "localhost:99999", "localhost:-1", "..", "a..b", "local/host", "localhost\t"]
+    >>> [b for b in bad if _parses(b)]
+    []
+    """
+    if value.startswith("["):
+        inside, bracket, rest = value[1:].partition("]")
+        try:
+            address = ipaddress.IPv6Address(inside) if bracket and "%" not in inside else None
+        except ValueError:
+            address = None
+        if address is None:
+            raise ValueError(f"not a host: {value!r}")
+        name = address.compressed
+    else:
+        name, colon, port = value.partition(":")
+        name, rest = name.lower(), colon + port
+        name = name[:-1] if name.endswith(".") else name
+        if not _HOST_NAME.fullmatch(name):
+            raise ValueError(f"not a host: {value!r}")
+    if not rest:
+        return name, None
+    if not (rest[0] == ":" and _PORT.fullmatch(rest[1:]) and int(rest[1:]) <= 65535):
+        raise ValueError(f"not a host and port: {value!r}")
+    return name, int(rest[1:])
+
+
+def _parses(value: str) -> bool:
+    try:
+        parse_host(value)
+    except ValueError:
+        return False
+    return True
+
+
 def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or a name, no port) is this machine's loopback.
+    """Whether `host` (a name or an address, no port) is this machine's loopback: `localhost`, an
+    address in 127.0.0.0/8, or ::1. A name that merely starts like one is not.
 
-    >>> [is_loopback(h) for h in ("127.0.0.1", "127.3.4.5", "localhost", "::1", "0.0.0.0", "example.org")]
-    [True, True, True, True, False, False]
+    >>> [is_loopback(h) for h in ("127.0.0.1", "127.3.4.5", "localhost", "LOCALHOST.", "::1", "0.0.0.0",
+    ...                           "example.org", "127.attacker.example", "127.0.0.1.nip.io", "::ffff:127.0.0.1")]
+    [True, True, True, True, True, False, False, False, False, False]
     """
-    return host in LOOPBACK or host.startswith("127.")
+    name = host.lower()
+    if name in ("localhost", "localhost."):
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return address in LOOPBACK_NET if address.version == 4 else address == IPV6_LOOPBACK
 
 
-def host_name(header: str) -> str:
-    """The name part of a Host header.
+def allowed_host(value: str) -> str:
+    """A name the user allows in Host headers (`--allowed-host`), as the Host check compares it;
+    UserError when it is not a host name or address, or names a port.
 
-    >>> host_name("localhost:8000"), host_name("[::1]:80"), host_name("127.0.0.1"), host_name("::1")
-    ('localhost', '::1', '127.0.0.1', '::1')
+    >>> allowed_host("Box.Example."), allowed_host("192.168.1.5"), allowed_host("FE80::1"), allowed_host("[::2]")
+    ('box.example', '192.168.1.5', 'fe80::1', '::2')
     """
-    header = header.strip()
-    if header.startswith("["):
-        return header[1:].split("]", 1)[0]
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    shown = value if value.startswith("[") or ":" not in value else f"[{value}]"  # a bare IPv6 address
+    try:
+        name, port = parse_host(shown)
+    except ValueError:
+        port = name = None
+    if name is None or port is not None:
+        raise UserError(f"--allowed-host takes a host name or address without a port (box.example, "
+                        f"192.168.1.5), got {value!r}")
+    return name
+
+
+def host_allowed(header: str | None, allowed: frozenset[str] = frozenset()) -> bool:
+    """Whether a request with this Host header may be answered: a loopback name or one of `allowed`
+    (names as `allowed_host` gives them). A request without one (HTTP/1.0; never a browser) may.
+
+    >>> [host_allowed(h) for h in ("localhost:8000", "[::1]:80", "127.0.0.1.evil.com:80", "127.1", "evil.com")]
+    [True, True, False, False, False]
+    >>> host_allowed("BOX.example.:8000", frozenset({"box.example"})), host_allowed(None)
+    (True, True)
+    """
+    if header is None:
+        return True
+    try:
+        name, _ = parse_host(header)
+    except ValueError:
+        return False
+    return is_loopback(name) or name in allowed
+
+
+def keyed_url(url: str, key: str | None) -> str:
+    """The page at `url` ("http://HOST:PORT/...") as a browser opens it once to get the key's cookie.
+
+    >>> keyed_url("http://127.0.0.1:8000/", "k y&z"), keyed_url("http://127.0.0.1:8000/", None)
+    ('http://127.0.0.1:8000/?key=k%20y%26z', 'http://127.0.0.1:8000/')
+    """
+    return url if key is None else f"{url}?key={quote(key, safe='')}"
 
 
 def plain_error(status: int, message: str) -> dict:
@@ -138,10 +237,11 @@ def _log_internal(scope, e: Exception) -> None:
 
 
 class HostCheck:
-    """Refuses (403) a foreign Host header on a loopback bind; adds SECURITY_HEADERS to every answer."""
+    """Refuses (403) a Host header that is neither loopback nor `allowed` when `check` is on (a
+    loopback bind, or allowed names given); adds SECURITY_HEADERS to every answer."""
 
-    def __init__(self, app, *, check: bool, error_body: ErrorBody):
-        self.app, self.check, self.error_body = app, check, error_body
+    def __init__(self, app, *, check: bool, allowed: frozenset[str] = frozenset(), error_body: ErrorBody):
+        self.app, self.check, self.allowed, self.error_body = app, check, allowed, error_body
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -152,27 +252,36 @@ class HostCheck:
                 message = {**message, "headers": list(message.get("headers", [])) + SECURITY_HEADERS}
             await send(message)
 
-        name = host_name(Headers(scope=scope).get("host", "127.0.0.1"))
-        if self.check and not is_loopback(name):
-            answer = json_response(403, self.error_body(403, "unexpected Host header: use a loopback name "
-                                                             "(127.0.0.1 or localhost) to reach this server"))
+        if self.check and not host_allowed(Headers(scope=scope).get("host"), self.allowed):
+            answer = json_response(403, self.error_body(403, "unexpected Host header: reach this server as 127.0.0.1 "
+                                                             "or localhost, or start it with --allowed-host NAME"))
             return await answer(scope, receive, send_with_headers)
         await self.app(scope, receive, send_with_headers)
 
 
-class Gate:
-    """The API key (401 on `key_paths`), the cap on concurrent requests (503), the body limit (413)."""
+MISSING_KEY = ("missing API key: send the header 'Authorization: Bearer KEY' (a browser: open the page once "
+               "as /?key=KEY, the URL the server printed)")
 
-    def __init__(self, app, *, api_key: str | None, key_paths: tuple[str, ...], limits: Limits,
+
+class Gate:
+    """The API key (401 on every path but `open_paths`), the cap on concurrent requests (503), the
+    body limit (413). A GET or HEAD whose query holds `key=KEY` is answered 303 to the same path
+    without it, setting the cookie that stands for the key (`cookie_token`) on this port."""
+
+    def __init__(self, app, *, api_key: str | None, open_paths: tuple[str, ...], limits: Limits,
                  error_body: ErrorBody):
         self.app, self.limits, self.error_body = app, limits, error_body
         self.key = None if api_key is None else api_key.encode("utf-8")
-        self.key_paths = key_paths
+        self.token = None if api_key is None else cookie_token(api_key).encode("ascii")
+        self.open_paths = frozenset(open_paths)
         self.active = 0  # requests inside the app now (one event loop: no lock needed)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        login = self._login(scope)
+        if login is not None:
+            return await login(scope, receive, send)
         refusal = self._refusal(scope)
         if refusal is not None:
             status, message, headers = refusal
@@ -196,15 +305,45 @@ class Gate:
         finally:
             self.active -= 1
 
-    def _refusal(self, scope) -> tuple[int, str, dict] | None:
-        headers = Headers(scope=scope)
-        if self.key is not None and self._needs_key(scope["path"]):
-            got = headers.get("authorization", "")
+    def _login(self, scope) -> Response | None:
+        """The answer to a keyed URL (`?key=KEY` on a GET or HEAD): 303 to the path without the key,
+        setting the key's cookie (401 for a wrong key); None for any other request."""
+        if self.key is None or scope["method"] not in ("GET", "HEAD"):
+            return None
+        query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        given = [v for k, v in query if k == "key"]
+        if not given:
+            return None
+        if not hmac.compare_digest(given[-1].encode("utf-8"), self.key):
+            return json_response(401, self.error_body(401, "invalid API key"), {"WWW-Authenticate": "Bearer"})
+        rest = urlencode([(k, v) for k, v in query if k != "key"])
+        where = "/" + scope["path"].lstrip("/") + (f"?{rest}" if rest else "")  # never //host: no redirect away
+        cookie = (f"{_cookie_name(scope)}={self.token.decode()}; Path=/; HttpOnly; SameSite=Strict")
+        return Response(status_code=303, headers={"Location": where, "Set-Cookie": cookie})
+
+    def _key_refusal(self, scope, headers: Headers) -> str | None:
+        """Why this request may not pass the key check (None: it may): the key in the Authorization
+        header, else the cookie a keyed URL set; each compared in constant time."""
+        if self.key is None or scope["path"] in self.open_paths:
+            return None
+        got = headers.get("authorization")
+        if got is not None:
             scheme, _, token = got.partition(" ")
             if scheme.lower() != "bearer" or not token:
-                return 401, "missing API key: send the header 'Authorization: Bearer KEY'", {"WWW-Authenticate": "Bearer"}
-            if not hmac.compare_digest(token.strip().encode("utf-8"), self.key):
-                return 401, "invalid API key", {"WWW-Authenticate": "Bearer"}
+                return MISSING_KEY
+            return None if hmac.compare_digest(token.strip().encode("utf-8"), self.key) else "invalid API key"
+        cookie = Request(scope).cookies.get(_cookie_name(scope))
+        if cookie is None:
+            return MISSING_KEY
+        if not hmac.compare_digest(cookie.encode("utf-8"), self.token):
+            return "invalid API key cookie (the server's key changed?): open the URL the server printed, /?key=KEY"
+        return None
+
+    def _refusal(self, scope) -> tuple[int, str, dict] | None:
+        headers = Headers(scope=scope)
+        why = self._key_refusal(scope, headers)
+        if why is not None:
+            return 401, why, {"WWW-Authenticate": "Bearer"}
         cap = self.limits.limit_concurrency
         if cap is not None and self.active >= cap:
             return 503, f"the server is answering its limit of {cap} requests; retry shortly", {"Retry-After": "1"}
@@ -215,9 +354,6 @@ class Gate:
             if int(length) > self.limits.max_body:
                 return 413, f"request body over {self.limits.max_body} bytes", {"Connection": "close"}
         return None
-
-    def _needs_key(self, path: str) -> bool:
-        return any(path == p or path.startswith(p.rstrip("/") + "/") for p in self.key_paths)
 
     def _capped(self, receive):
         seen = 0
@@ -235,22 +371,41 @@ class Gate:
         return capped_receive
 
 
+def cookie_token(key: str) -> str:
+    """What the key's cookie holds: a digest of the key, so the cookie is no key (and any key's
+    characters are safe in it)."""
+    return hmac.new(key.encode("utf-8"), b"glassformer page cookie", hashlib.sha256).hexdigest()
+
+
+def _cookie_name(scope) -> str:
+    """The key's cookie on this server's port: a browser sends a host's cookies to all its ports, and
+    two servers on one machine keep their keys apart."""
+    server = scope.get("server")
+    return f"{KEY_COOKIE}_{server[1]}" if server and server[1] is not None else KEY_COOKIE
+
+
 # ----------------------------------------------------------------------------- the app
 
 
 def make_app(*, host: str, port: int, api_key: str | None = None, cors_origins=(), limits: Limits = Limits(),
-             error_body: ErrorBody = plain_error, key_paths: tuple[str, ...] = KEY_PATHS) -> FastAPI:
+             error_body: ErrorBody = plain_error, open_paths: tuple[str, ...] = OPEN_PATHS,
+             allowed_hosts=()) -> FastAPI:
     """A FastAPI app with the guards in front and every error answered as JSON by `error_body`.
 
-    No docs pages, no redirects between `/x` and `/x/`: the app answers the paths its routes
-    name and 404 for every other. `port` is part of the signature for the callers' symmetry
-    with Server; the Host check accepts any port.
+    With `api_key`, every path but `open_paths` needs it. The Host check runs on a loopback `host`,
+    or on any `host` once `allowed_hosts` (names or addresses the Host header may also name) are
+    given. No docs pages, no redirects between `/x` and `/x/`: the app answers the paths its routes
+    name and 404 for every other (401 first, without the key). `port` is part of the signature for
+    the callers' symmetry with Server; the Host check accepts any port.
     """
-    middleware = [Middleware(HostCheck, check=is_loopback(host), error_body=error_body)]
+    allowed = frozenset(allowed_host(h) for h in allowed_hosts)
+    middleware = [Middleware(HostCheck, check=is_loopback(host) or bool(allowed), allowed=allowed,
+                             error_body=error_body)]
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                                      allow_headers=["Authorization", "Content-Type"]))
-    middleware.append(Middleware(Gate, api_key=api_key, key_paths=tuple(key_paths), limits=limits, error_body=error_body))
+    middleware.append(Middleware(Gate, api_key=api_key, open_paths=tuple(open_paths), limits=limits,
+                                 error_body=error_body))
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False, middleware=middleware,
                   telemetry=NO_TELEMETRY)
     app.state.error_body = error_body

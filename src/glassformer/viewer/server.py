@@ -502,17 +502,23 @@ def run_routes(router: APIRouter, explorer: Explorer, answer) -> None:
         return await answer(request, lambda req: (explorer.update, *_update_of(req)))
 
 
-def make_explorer_app(explorer: Explorer, host: str = "127.0.0.1", port: int = 8000) -> FastAPI:
-    """The explorer alone on the HTTP base: its Host check, its body limit, `{"error"}` bodies."""
-    app = make_app(host=host, port=port, limits=LIMITS, error_body=plain_error)
+def make_explorer_app(explorer: Explorer, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
+                      allowed_hosts=()) -> FastAPI:
+    """The explorer alone on the HTTP base: its Host check (loopback and `allowed_hosts`), its body
+    limit, `{"error"}` bodies; with `api_key`, every route needs it (docs/viewer.md)."""
+    app = make_app(host=host, port=port, api_key=api_key, limits=LIMITS, error_body=plain_error,
+                   allowed_hosts=allowed_hosts)
     app.include_router(explorer_router(explorer))
     return app
 
 
 def make_server(explorer: Explorer, host: str = "127.0.0.1", port: int = 8000,
-                on_ready: Callable[[str], None] | None = None) -> Server:
+                on_ready: Callable[[str], None] | None = None, *, api_key: str | None = None,
+                allowed_hosts=()) -> Server:
     """A server for `explorer` bound to (host, port) now; port 0 picks a free one.
 
     Serve with `.run()` (until Ctrl-C) or `.start_in_thread()` (tests, notebooks; `.stop()`).
+    `api_key`, `allowed_hosts`: as make_explorer_app.
     """
-    return Server(make_explorer_app(explorer, host, port), host, port, on_ready=on_ready)
+    return Server(make_explorer_app(explorer, host, port, api_key=api_key, allowed_hosts=allowed_hosts), host, port,
+                  on_ready=on_ready)
