@@ -58,7 +58,7 @@ def greedy_text(s: Served, ids: list[int], n: int) -> str:
 
 @pytest.fixture(scope="module")
 def supervised():
-    """A server whose engine process takes 20 ms more a forward (a 100-token request runs for seconds),
+    """A server whose engine process takes 20 ms more a forward (a 120-token request runs for seconds),
     watched with a stall timeout of 1 s."""
     s = Served(max_batch=2, hook=functools.partial(slow_hook, 0.02), stall_timeout=1.0)
     yield s
@@ -70,7 +70,7 @@ def test_a_stopped_engine_holding_a_request_is_stalled_until_it_goes_on(supervis
     s = supervised
     pid = s.backend.engine.process.pid
     ids = s.tok.encode("The king")
-    n = 100
+    n = 120
     stream = s.client.completions.create(model=NAME, prompt=ids, max_tokens=n, temperature=0, stream=True)
     chunks = iter(stream)
     texts = [next(chunks).choices[0].text]  # streaming
@@ -95,7 +95,7 @@ def test_a_killed_engine_process_is_restarted_once_with_a_warning(supervised, ca
     s = supervised
     old = s.backend.engine
     ids = s.tok.encode("The king")
-    stream = s.client.completions.create(model=NAME, prompt=ids, max_tokens=100, temperature=0, stream=True)
+    stream = s.client.completions.create(model=NAME, prompt=ids, max_tokens=120, temperature=0, stream=True)
     chunks = iter(stream)
     next(chunks)
     with caplog.at_level(logging.WARNING, logger="glassformer.serve.supervisor"):
