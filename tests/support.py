@@ -167,8 +167,19 @@ def make_token_stream(folder: Path, vocab_size: int = 512, n_train: int = 20000,
     meta = {"dtype": "uint16", "vocab_size": vocab_size, "eot_id": 0, "train_tokens": n_train,
             "val_tokens": n_val, "train_bytes": 3 * n_train, "val_bytes": 3 * n_val, "corpus": "arithmetic"}
     (folder / "meta.json").write_text(json.dumps(meta))
-    (folder / "tokenizer.json").write_text("{}")  # never read in training; copied into checkpoints
+    word_ids(vocab_size).save(folder / "tokenizer.json")  # train checks the folder's tokenizer; the ids owe it nothing
     return folder
+
+
+def word_ids(vocab_size: int):
+    """A tokenizer of vocab_size ids named t0, t1, ... (a word-level vocabulary): what a folder of
+    made-up ids holds as its tokenizer, since train refuses a folder whose tokenizer does not load."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from glassformer.text.tokenizer import Tokenizer
+
+    return Tokenizer(HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0")))
 
 
 def hf_llama_with_data(root: Path):

@@ -83,6 +83,8 @@ def atomic_text(path: str | Path, text: str) -> None:
 def read_json(path: str | Path, hint: str = ""):
     """The JSON in a user-given file; a UserError naming the file if it does not parse."""
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}){hint}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text, so not JSON (byte {e.object[e.start]:#04x} at offset {e.start}){hint}") from None

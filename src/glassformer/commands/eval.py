@@ -108,13 +108,18 @@ def folder_ids(data, model):
     import numpy as np
 
     from ..errors import UserError
-    from ..text.data import TokenFile, read_meta
+    from ..text.data import TokenFile, check_ids, check_split_length, read_meta
 
     meta = read_meta(data)
     if meta["vocab_size"] != model.config.vocab_size:
         raise UserError(f"{data} was tokenized with {meta['vocab_size']} token ids but the model has "
                         f"{model.config.vocab_size}: use the data folder the model was trained on, or a text file")
-    ids = np.asarray(TokenFile(data / "val.bin", meta["dtype"]).array)
+    if "val_bytes" not in meta:
+        raise UserError(f"{data / 'meta.json'} has no val_bytes, which bits per byte divide by: prepare the folder again")
+    tokens = TokenFile(data / "val.bin", meta["dtype"])
+    check_split_length(tokens, meta, "val")
+    check_ids(tokens, meta["vocab_size"])  # before any window is scored
+    ids = np.asarray(tokens.array)
     n_bytes = int(meta["val_bytes"])  # in a conversation folder, the scored tokens' bytes
     return ids, n_bytes, conversation_scoring(data, meta, len(ids), model.config.max_seq_len)
 

@@ -53,12 +53,116 @@ class TokenFile:
 
 
 def read_meta(folder: str | Path) -> dict:
-    """meta.json of a prepared data folder, with a clear error if the folder is not one."""
+    """meta.json of a prepared data folder, checked (check_meta), with a clear error if the folder is not one."""
     folder = Path(folder)
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
         raise UserError(f"{folder} is not a prepared data folder (no meta.json): run `glassformer prepare --out {folder}`")
-    return read_json(meta_path, "; prepare the folder again")
+    return check_meta(read_json(meta_path, "; prepare the folder again"), meta_path)
+
+
+TOKEN_DTYPES = ("uint16", "uint32")  # what meta.json's "dtype" may say (uint8 is the masks' alone)
+# meta.json's counts: key -> the least value it may hold (present keys are checked; only vocab_size and dtype must be there).
+META_COUNTS = {"eot_id": 0, "train_tokens": 0, "val_tokens": 0, "train_bytes": 0, "val_bytes": 0, "context": 1, "block": 2}
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_meta(meta, path: str | Path) -> dict:
+    """meta (the JSON in meta.json at path) if what training and eval read from it makes sense: an
+    object whose vocab_size is a whole number in 1 … MAX_VOCAB (so a model is never sized from
+    nonsense), dtype a token dtype, each count whole and not negative, eot_id a vocabulary id.
+    Else a UserError naming the file and the key."""
+    from .tokenizer import MAX_VOCAB
+
+    again = f"prepare it again (glassformer prepare --out {Path(path).parent})"
+    if not isinstance(meta, dict):
+        raise UserError(f"{path} must hold a JSON object of the folder's facts, not a {type(meta).__name__}: {again}")
+    vocab = meta.get("vocab_size")
+    if not _whole(vocab) or not 1 <= vocab <= MAX_VOCAB:
+        raise UserError(f"{path}: vocab_size {vocab!r} must be a whole number from 1 to {MAX_VOCAB}: {again}")
+    if meta.get("dtype") not in TOKEN_DTYPES:
+        raise UserError(f"{path}: dtype {meta.get('dtype')!r} must be {' or '.join(TOKEN_DTYPES)}: {again}")
+    for key, least in META_COUNTS.items():
+        value = meta.get(key)
+        if value is not None and (not _whole(value) or value < least):
+            raise UserError(f"{path}: {key} {value!r} must be a whole number of at least {least}: {again}")
+    if meta.get("eot_id") is not None and meta["eot_id"] >= vocab:
+        raise UserError(f"{path}: eot_id {meta['eot_id']} is not an id of the vocabulary of {vocab}: {again}")
+    chat = meta.get("chat")
+    if chat is not None and not (isinstance(chat, dict) and isinstance(chat.get("train_on"), str) and "context" in meta):
+        raise UserError(f"{path}: \"chat\" must be an object with \"train_on\", beside \"context\": {again}")
+    return meta
+
+
+def check_ids(tokens: "TokenFile", vocab_size: int) -> None:
+    """A UserError unless every id in the token file is below vocab_size (the model's embedding has
+    that many rows). One vectorised max over the memory map: 2 GiB of uint16 ids in 0.1 s from the
+    page cache, 1.3 s from disk (docs/data.md#what-train-checks-in-a-data-folder)."""
+    if not len(tokens) or np.iinfo(tokens.dtype).max < vocab_size:  # an empty file, or no id it can hold is too large
+        return
+    top = int(tokens.array.max())
+    if top >= vocab_size:
+        at = _first_at_least(tokens.array, vocab_size)
+        raise UserError(f"{tokens.path} holds token id {top} (first bad one at position {at}) but the vocabulary has "
+                        f"{vocab_size} ids (0 to {vocab_size - 1}): the file does not belong to this folder's "
+                        f"tokenizer; prepare the folder again")
+
+
+def _first_at_least(ids, limit: int, chunk: int = 1 << 24) -> int:
+    """The position of the first id >= limit (there is one), a chunk at a time: a comparison of the
+    whole file would allocate a byte per id."""
+    for start in range(0, len(ids), chunk):
+        hits = np.flatnonzero(ids[start:start + chunk] >= limit)
+        if len(hits):
+            return start + int(hits[0])
+    raise AssertionError("no id reaches the limit")
+
+
+def check_tokenizer(folder: str | Path, vocab_size: int):
+    """The data folder's tokenizer (with its configs), loaded as a checkpoint trained on the folder will
+    load it; a UserError unless it loads and has vocab_size ids (meta.json's)."""
+    from .tokenizer import Tokenizer
+
+    folder = Path(folder)
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"{folder} has no tokenizer.json: it is not a prepared data folder; "
+                        f"run `glassformer prepare --out {folder}`")
+    try:
+        tok = Tokenizer.from_folder(folder)
+    except UserError as e:
+        raise UserError(f"{str(e).splitlines()[0]}: a checkpoint trained on {folder} could not be loaded; "
+                        f"prepare the folder again") from None
+    if tok.vocab_size != vocab_size:
+        raise UserError(f"{path} has {tok.vocab_size} ids but {folder / 'meta.json'} says vocab_size {vocab_size}: "
+                        f"the tokenizer is not the one that made the ids; prepare the folder again")
+    return tok
+
+
+def check_prepared(folder: str | Path, splits: tuple[str, ...] = ("train", "val")) -> dict:
+    """meta.json of a prepared folder after checking everything a run reads from it, cheapest first:
+    meta.json (check_meta), the tokenizer (check_tokenizer), each split's length against meta.json's
+    count and its ids against the vocabulary (check_ids). docs/data.md#what-train-checks-in-a-data-folder."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    check_tokenizer(folder, meta["vocab_size"])
+    for split in splits:
+        tokens = TokenFile(folder / f"{split}.bin", meta["dtype"])
+        check_split_length(tokens, meta, split)
+        check_ids(tokens, meta["vocab_size"])
+    return meta
+
+
+def check_split_length(tokens: "TokenFile", meta: dict, split: str) -> None:
+    """A UserError when meta.json counts another number of ids for the split than its file holds
+    (a folder copied in part, or files from two folders)."""
+    said = meta.get(f"{split}_tokens")
+    if said is not None and said != len(tokens):
+        raise UserError(f"{tokens.path} holds {len(tokens)} ids but meta.json says {split}_tokens {said}: the folder "
+                        f"is damaged or mixes two folders' files; prepare it again")
 
 
 def load_split(folder: str | Path, split: str) -> TokenFile:
@@ -324,6 +428,7 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
             tokenizer.save_folder(tmp)  # with tokenizer_config.json and the template
         else:
             tokenizer.save(tmp / "tokenizer.json")
+        _written_check(tmp, out, lambda: check_tokenizer(tmp, tokenizer.vocab_size))  # before the long encoding
         copies = dropout_copies if bpe_dropout > 0 else 1
         if bpe_dropout > 0:
             check_dropout_tokenizer(tokenizer)
@@ -332,11 +437,21 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
         meta.update(_prepared_meta(corpus, tokenizer, counts, context, trained, sampled, stats))
         meta.update(bpe_dropout=bpe_dropout, dropout_copies=copies)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _written_check(tmp, out, lambda: check_prepared(tmp))  # what train will check, before the folder is renamed in
 
     atomic_folder(out, write)
     if stats.warning():
         print(stats.warning(), file=sys.stderr)
     return meta
+
+
+def _written_check(tmp: Path, out: Path, check) -> None:
+    """Run one of train's checks on the folder prepare is writing (tmp, renamed to out once whole), its
+    errors naming out: a folder train would refuse is never put in place."""
+    try:
+        check()
+    except UserError as e:
+        raise UserError(str(e).replace(str(tmp), str(out))) from None
 
 
 def _check_prepare(corpus, out: Path, tokenizer, vocab_size, context: int, sample_mb: float) -> tuple:
@@ -486,6 +601,7 @@ def prepare_chat(corpus, out: str | Path, *, tokenizer=None, vocab_size: int | N
             p.ids.astype(np_dtype).tofile(tmp / f"{split}.bin")
             p.mask.tofile(tmp / f"{split}.mask.bin")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _written_check(tmp, out, lambda: check_prepared(tmp))
 
     atomic_folder(out, write)
     return meta

@@ -18,7 +18,7 @@ from ..checkpoint.folders import newest_checkpoint, remove_leftovers
 from ..checkpoint.training import load_training
 from ..config import ModelConfig, TrainConfig
 from ..errors import UserError
-from ..text.data import TokenFile, read_meta
+from ..text.data import TokenFile, check_prepared
 from .metrics import MetricsLog, flops_per_token, machine_peak, pick_threads
 from .lora import check_flags, describe, prepare_model, resumed_adapter
 from .loggers import LoggedMetrics, check_specs, make_sinks
@@ -53,14 +53,15 @@ def autocast_for(device: torch.device, dtype: str):
 
 
 def read_prepared(data: str | Path) -> dict:
-    """meta.json of a prepared data folder, after checking the folder holds both token files."""
+    """meta.json of a prepared data folder, after checking the folder holds both token files and
+    that a run can read it: meta.json, the tokenizer and every id (text/data.py check_prepared)."""
     data = Path(data)
     if not data.is_dir():
         raise UserError(f"--data {data} is not a folder: run `glassformer prepare --out {data}` first")
     for f in ("meta.json", "train.bin", "val.bin"):
         if not (data / f).is_file():
             raise UserError(f"{data} has no {f}: it is not a prepared data folder; run `glassformer prepare --out {data}`")
-    return read_meta(data)
+    return check_prepared(data)
 
 
 def set_dropout(model: torch.nn.Module, p: float) -> None:
