@@ -37,8 +37,16 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's own error form: one `error: ...` line on stderr and exit status 2 (the
+    usage is one `--help` away), as every other bad input gets. Its verbs' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="glassformer",
         description="A decoder-only transformer you can train, run, price and see inside.",
     )
@@ -68,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+    except (UserError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+            PermissionError) as e:
         if getattr(args, "debug", False):
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from .generate import add_sampling_arguments
-from .options import add_base_argument, add_quantize_argument
+from .options import add_base_argument, add_device_argument, add_quantize_argument
 
 HELP = "talk with a checkpoint: each reply streams, the conversation stays in one KV cache"
 COMMANDS = "/reset forgets the conversation, /system TEXT sets the system prompt, /exit ends"
@@ -29,22 +29,34 @@ def add_arguments(p) -> None:
                    help="when the next turn would not fit: drop the oldest turns (with a notice), or stop with an error")
     p.add_argument("--attention", choices=["naive", "tiled", "sdpa"], default=None,
                    help="attention kernel (default: the checkpoint's)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    add_device_argument(p)
     add_quantize_argument(p, "chat")
     add_base_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
 
 
-def _template(args, tok) -> str | None:
-    """--template FILE's text, or --template-name's template of the checkpoint, or the checkpoint's own."""
+def _template_file(args) -> str | None:
+    """--template FILE's text (None without the flag): read before the model is, so a bad file fails at once."""
     from ..errors import UserError
 
-    if args.template is not None:
-        try:
-            return open(args.template, encoding="utf-8").read()
-        except OSError as e:
-            raise UserError(f"cannot read --template {args.template}: {e.strerror}") from None
+    if args.template is None:
+        return None
+    try:
+        return open(args.template, encoding="utf-8").read()
+    except OSError as e:
+        raise UserError(f"cannot read --template {args.template}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--template {args.template} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                        f"{e.start}): it must be a Jinja chat template, a UTF-8 text file") from None
+
+
+def _template(args, tok, given: str | None) -> str | None:
+    """given (--template FILE's text), or --template-name's template of the checkpoint, or the checkpoint's own."""
+    from ..errors import UserError
+
+    if given is not None:
+        return given
     if args.template_name is not None:
         named = getattr(tok, "chat_templates", None) or {}
         if args.template_name not in named:
@@ -126,10 +138,11 @@ def run(args) -> int:
 
     args.num_samples = 1
     _check_args(args)
+    given = _template_file(args)
     model, tok = _load_model(args)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                     repetition_penalty=args.repetition_penalty, greedy=args.greedy, seed=args.seed)
-    conversation = ChatSession(model, tok, system=args.system, template=_template(args, tok),
+    conversation = ChatSession(model, tok, system=args.system, template=_template(args, tok, given),
                                max_new_tokens=args.max_new_tokens, context_policy=args.context_policy,
                                notify=lambda line: print(line, file=sys.stderr, flush=True), **sampling)
     if sys.stdin.isatty():

@@ -47,7 +47,7 @@ def load_config(args):
         path = Path(args.config)
         if not path.is_file():
             raise UserError(f"config file {path} does not exist: give a JSON file of ModelConfig fields")
-        return _config_from_json(read_json(path), path)
+        return _config_from_json(read_json(path, ": give a JSON file of ModelConfig fields"), path)
     from ..checkpoint.folders import read_config
 
     data = read_config(args.checkpoint)
@@ -67,11 +67,16 @@ def _config_from_json(data: dict, where):
 
     if not isinstance(data, dict):
         raise UserError(f"{where}: expected a JSON object of ModelConfig fields")
-    if data.get("format") == "glassformer":
-        return ModelConfig.from_dict(data["model"])
-    if "model_type" in data:  # a Hugging Face config.json; an unsupported model_type is refused by name
-        return config_from_hf(data)
-    return ModelConfig.from_dict(data)
+    try:
+        if data.get("format") == "glassformer":
+            if not isinstance(data.get("model"), dict):
+                raise UserError(f"{where}: \"model\" must be a JSON object of ModelConfig fields")
+            return ModelConfig.from_dict(data["model"])
+        if "model_type" in data:  # a Hugging Face config.json; an unsupported model_type is refused by name
+            return config_from_hf(data)
+        return ModelConfig.from_dict(data)
+    except (ValueError, TypeError) as e:  # ModelConfig's own checks, said with the file they read
+        raise UserError(f"{where}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
 
 
 def run(args) -> int:

@@ -7,6 +7,8 @@ CPU for a couple of minutes, print samples, and write a trace page when tracing 
 
 from __future__ import annotations
 
+from .options import add_device_argument, seed_type
+
 HELP = "the main job: prepare Shakespeare, train the small model for ~2 CPU minutes, print samples"
 
 PROMPTS = ["ROMEO:", "To be, or not to be", "The king"]
@@ -17,9 +19,9 @@ def add_arguments(p) -> None:
     p.add_argument("--corpus", default=None, help="a text file or folder to use instead of the embedded Shakespeare")
     p.add_argument("--budget", type=float, default=120.0, help="seconds of training (the step count is fixed from the first steps)")
     p.add_argument("--preset", default=None, help="model preset to train (default: small; induction with --induction)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto")
+    add_device_argument(p, "cpu", auto=True)
     p.add_argument("--tokens", type=int, default=100, help="tokens to sample after each prompt")
-    p.add_argument("--seed", type=int, default=0, help="seed of the training run and of the sampling")
+    p.add_argument("--seed", type=seed_type(), default=0, help="seed of the training run and of the sampling")
     p.add_argument("--induction", action="store_true",
                    help="the induction-heads demo instead: a two-layer attention-only model on repeated random "
                         "tokens, its induction score at each evaluation, into OUT/induction/")

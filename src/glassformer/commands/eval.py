@@ -3,7 +3,7 @@ with --tasks, lm-evaluation-harness tasks (glassformer.harness.tasks)."""
 
 from __future__ import annotations
 
-from .options import add_base_argument, add_quantize_argument
+from .options import HARNESS_SEED_LIMIT, add_base_argument, add_device_argument, add_quantize_argument, seed_type
 
 HELP = "held-out loss, perplexity and bits per byte of a text file or a prepared folder's validation split"
 HARNESS_HELP = "with --tasks"
@@ -15,7 +15,7 @@ def add_task_arguments(p) -> None:
                    help=f"{HARNESS_HELP}: a folder of task YAML files (repeatable)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help=f"{HARNESS_HELP}: at most N documents a task")
     p.add_argument("--num-fewshot", type=int, default=None, metavar="K", help=f"{HARNESS_HELP}: K examples before each question")
-    p.add_argument("--seed", type=int, default=None, metavar="S",
+    p.add_argument("--seed", type=seed_type(HARNESS_SEED_LIMIT), default=None, metavar="S",
                    help=f"{HARNESS_HELP}: every seed the harness uses (default: its own 0/1234)")
     p.add_argument("--output-path", default=None, metavar="DIR", help=f"{HARNESS_HELP}: write the harness's results to DIR/results.json")
 
@@ -31,7 +31,7 @@ def add_arguments(p) -> None:
                       help="lm-evaluation-harness tasks (names or YAML files) instead of --data: the harness's table, "
                            "then a JSON line with acc beside chance (docs/eval.md; pip install 'glassformer[harness]')")
     add_task_arguments(p)
-    p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
+    add_device_argument(p, "auto", auto=True)
     p.add_argument("--batch-size", type=int, default=8, help="windows scored per forward pass")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = the faster of one and all, measured)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",

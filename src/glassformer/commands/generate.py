@@ -7,7 +7,7 @@ import sys
 
 from ..generation.streaming import TextStream
 from .logprob_lines import Scores
-from .options import add_base_argument, add_quantize_argument
+from .options import add_base_argument, add_device_argument, add_quantize_argument, seed_type
 
 HELP = "sample text from a checkpoint, streamed as tokens come (KV cache, batched prompts)"
 
@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--context-policy", choices=["error", "slide"], default="error",
                    help="when prompt + new tokens outgrow the context: stop with an error, or slide the window")
     p.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    add_device_argument(p)
     add_quantize_argument(p, "decode")
     add_base_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -52,7 +52,7 @@ def add_sampling_arguments(p, max_new_tokens: int = 200) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="CTRL penalty on tokens already in the text: positive logits / r, negative ones * r")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--seed", type=int, default=None, help="fix the random draws (same seed, same text)")
+    p.add_argument("--seed", type=seed_type(), default=None, help="fix the random draws (same seed, same text)")
 
 
 def _prompts(args) -> list[str]:
@@ -64,6 +64,9 @@ def _prompts(args) -> list[str]:
             lines = open(args.prompts_file, encoding="utf-8").read().splitlines()
         except OSError as e:
             raise UserError(f"cannot read --prompts-file {args.prompts_file}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"--prompts-file {args.prompts_file} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                            f"offset {e.start}): it must be a UTF-8 text file, one prompt per line") from None
         prompts = [ln for ln in lines if ln.strip()]
         if not prompts:
             raise UserError(f"--prompts-file {args.prompts_file} holds no prompt (one prompt per line)")
@@ -94,12 +97,12 @@ def _load_model(args):
 
     from ..checkpoint.folders import read_config, resolve
     from ..checkpoint.loading import load
+    from ..devices import resolve_device
     from ..errors import UserError
     from .options import apply_quantize, quantize_method
 
     quantize_method(args)  # before the weights are read
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda asked for, but PyTorch sees no CUDA GPU here; use --device cpu")
+    resolve_device(args.device)  # a GPU asked for that is not here
     folder = resolve(args.checkpoint)
     meta = read_config(folder)
     if meta.get("format") == "glassformer" and "lora" not in meta and not (folder / "model.safetensors").is_file():
@@ -160,9 +163,11 @@ def _check_html(args) -> None:
     """--html draws one prompt's continuation: what it cannot be combined with, said before any loading."""
     from ..errors import UserError
     from ..viewer.generated import MAX_TOKENS
+    from .options import check_output_file
 
     if not args.html.lower().endswith((".html", ".htm")):
         raise UserError(f"--html writes a page: give a file name ending in .html, got {args.html!r}")
+    check_output_file("--html", args.html)
     if args.prompts_file is not None or args.num_samples != 1:
         raise UserError("--html draws one text: give --prompt (not --prompts-file) and --num-samples 1")
     others = [flag for flag, on in (("--json", args.json), ("--logprobs", args.logprobs is not None), ("--stop", args.stop),

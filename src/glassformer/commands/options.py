@@ -39,3 +39,66 @@ def add_base_argument(p) -> None:
     p.add_argument("--base", metavar="CKPT", default=None,
                    help="with a LoRA adapter run as --checkpoint: its base checkpoint, when it has moved "
                         "from where the adapter records it (docs/lora.md)")
+
+
+def device_type(auto: bool = False):
+    """An argparse type for `--device`: the name, checked as text (devices.check_device_name), so a
+    bad one fails as the command line is read, naming the choices. auto: whether 'auto' is one."""
+    import argparse
+
+    from ..devices import bad_device_name
+
+    def parse(text: str) -> str:
+        why = bad_device_name(text, auto)
+        if why:
+            raise argparse.ArgumentTypeError(why)
+        return text
+
+    parse.__name__ = "device"  # what argparse names the type in its messages
+    return parse
+
+
+def add_device_argument(p, default: str = "cpu", auto: bool = False) -> None:
+    """`--device NAME`, checked when the command line is read (device_type); its availability is
+    checked where the verb resolves it (devices.resolve_device), before anything is loaded."""
+    from ..devices import AUTO, NAMES
+
+    p.add_argument("--device", default=default, type=device_type(auto), metavar="NAME",
+                   help=f"{NAMES}" + (f", or {AUTO}" if auto else ""))
+
+
+SEED_LIMIT = 1 << 63  # seeds are 0 … 2**63-1: a non-negative int64, what torch.manual_seed and Generator take
+HARNESS_SEED_LIMIT = 1 << 32  # lm-evaluation-harness also seeds numpy with it, which takes 0 … 2**32-1
+
+
+def seed_type(limit: int = SEED_LIMIT):
+    """An argparse type for `--seed`: a whole number from 0 to limit-1, refused as the command line is
+    read (not as an overflow deep in torch)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            seed = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: give a seed from 0 to {limit - 1}") from None
+        if not 0 <= seed < limit:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give a seed from 0 to {limit - 1} (2**{limit.bit_length() - 1}-1)")
+        return seed
+
+    parse.__name__ = "seed"
+    return parse
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """A UserError, before any work, when the file a flag names cannot be written: it is a folder, or
+    it lies under a file. (A missing folder above it is made when the file is written.)"""
+    from pathlib import Path
+
+    from ..errors import UserError
+
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{flag} {path} is a folder: give a file name")
+    existing = next(a for a in p.parents if a.exists())  # the nearest existing folder above it ('.' at last)
+    if not existing.is_dir():
+        raise UserError(f"{flag} {path} lies under {existing}, which is a file: choose another path")

@@ -12,7 +12,7 @@ docs/serve.md.
 from __future__ import annotations
 
 from .access import KEY_ENV, add_access_arguments, allowed_hosts, api_key  # noqa: F401 (KEY_ENV, api_key: this verb's too)
-from .options import add_base_argument, add_quantize_argument
+from .options import add_base_argument, add_device_argument, add_quantize_argument
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"
 
@@ -52,7 +52,7 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="the engine's torch threads on the CPU (0: as OMP_NUM_THREADS says if set, else one less than "
                         "torch's count, at least 1, so the HTTP side keeps a core: docs/serve.md#threads)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    add_device_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
     add_quantize_argument(p, "decode")
@@ -71,6 +71,7 @@ def model_id(args) -> str:
 
 def _check(args) -> None:
     from ..errors import UserError
+    from ..devices import resolve_device
     from ..serve.worker import MAX_STREAM_INTERVAL
     from .options import quantize_method
 
@@ -90,6 +91,7 @@ def _check(args) -> None:
         raise UserError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
     quantize_method(args)  # a bad --quantize fails before anything listens
     allowed_hosts(args)  # and a bad --allowed-host
+    resolve_device(args.device)  # and a GPU that is not here
     if args.explorer and args.engine == "process":
         raise UserError("--explorer runs the engine on a thread (the explorer's traces and the engine take turns "
                         "on the one model in one process): leave out --engine process, or --explorer")

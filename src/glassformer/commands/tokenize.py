@@ -17,12 +17,11 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     import json
-    import sys
 
     from ..text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(args.tokenizer)
-    text = sys.stdin.read() if args.text == "-" else args.text
+    text = read_stdin() if args.text == "-" else args.text
     if args.steps:
         from ..text.bpe_steps import bpe_steps
 
@@ -42,6 +41,21 @@ def run(args) -> int:
         piece = _show(tok.id_to_piece(i))
         print(f"{n:>4}  {i:>7}  {piece:<20}  {raw.hex(' ')}")
     return 0
+
+
+def read_stdin() -> str:
+    """Standard input as UTF-8 text (read as bytes: the locale's decoder would let bad bytes through
+    as lone surrogates, which no tokenizer encodes)."""
+    import sys
+
+    from ..errors import UserError
+
+    raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"standard input is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}): "
+                        "give UTF-8 text, or the text itself as TEXT") from None
 
 
 def _show(piece: str) -> str:

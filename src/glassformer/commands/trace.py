@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .options import add_base_argument, add_quantize_argument
+from .options import add_base_argument, add_device_argument, add_quantize_argument
 
 HELP = "run one text through the model and write every probe to a trace file (JSON) or page"
 
@@ -46,7 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument("--digits", type=int, default=7, help="significant digits of each number in the file")
     p.add_argument("--no-analysis", action="store_true",
                    help="leave out the 'analysis' key (norm RMS, head summary, logit lens, decode step)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    add_device_argument(p)
     add_quantize_argument(p, "trace")
     add_base_argument(p)
 
@@ -64,8 +64,9 @@ def _load(args):
     if not args.checkpoint:
         raise UserError("say which model to trace: --checkpoint CKPT or --worked")
     from ..checkpoint.loading import load
+    from ..devices import resolve_device
 
-    model, tok = load(args.checkpoint, device=args.device, base=args.base)
+    model, tok = load(args.checkpoint, device=resolve_device(args.device), base=args.base)
     return apply_quantize(model, args), tok, None
 
 
@@ -80,11 +81,16 @@ def token_strings(tokenizer, ids: list[int]) -> list[str]:
 
 def run(args) -> int:
     import os
+    from pathlib import Path
 
     from ..errors import UserError
+    from .options import check_output_file
 
     if not args.out and not args.html:
         raise UserError("say where to write the trace: --out FILE.json and/or --html FILE.html")
+    for flag, path in (("--out", args.out), ("--html", args.html)):
+        if path:
+            check_output_file(flag, path)  # before the model is loaded
     model, tok, default_text = _load(args)
     text = args.text if args.text is not None else default_text
     if text is None:
@@ -103,6 +109,7 @@ def run(args) -> int:
     if not args.no_analysis:
         tr.analysis = analysis_for(model, tr, tokenizer=tok)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # as --html makes its folder
         tr.to_json(args.out, digits=args.digits)
         size = os.path.getsize(args.out)
         print(f"wrote {args.out}: {len(ids)} tokens, layers {tr.layers}, {len(tr.probes)} probes, {size / 1e6:.2f} MB")

@@ -10,8 +10,10 @@ HELP = "train or fine-tune a model on a prepared data folder (torchrun for many 
 
 def add_arguments(p) -> None:
     from ..config import TrainConfig, field_docs
+    from .options import device_type, seed_type
 
     docs = field_docs(TrainConfig)
+    checked = {"device": device_type(auto=True), "seed": seed_type()}  # refused as the command line is read
     p.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                    help="JSON or TOML file of training settings (flags given here override it)")
     for f in dataclasses.fields(TrainConfig):
@@ -30,13 +32,15 @@ def add_arguments(p) -> None:
         if str(f.type).startswith("list"):  # repeatable: each use adds one
             p.add_argument(flag, action="append", default=argparse.SUPPRESS, metavar=f.name.upper(), help=doc)
             continue
-        kind = {"int": int, "float": float}.get(str(f.type), str)
+        kind = checked.get(f.name) or {"int": int, "float": float}.get(str(f.type), str)
         shown = "" if default in ("", None) else f" (default: {default})"
         p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.split("_")[-1].upper(),
                        help=doc + shown)
 
 
 def read_config_file(path: str) -> dict:
+    """The training settings in a JSON or TOML file (its "train" table, if it has one), each checked
+    to be of its field's kind (check_config_values)."""
     import json
     from pathlib import Path
 
@@ -44,8 +48,12 @@ def read_config_file(path: str) -> dict:
 
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"--config {path} does not exist")
-    text = p.read_text()
+        raise UserError(f"--config {path} " + ("is a folder: give a JSON or TOML file" if p.is_dir() else "does not exist"))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--config {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): "
+                        "give a JSON or TOML file of training settings") from None
     if p.suffix == ".toml":
         import tomllib
 
@@ -58,7 +66,52 @@ def read_config_file(path: str) -> dict:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise UserError(f"--config {path} is not valid JSON ({e}); use a .json or .toml file") from None
-    return {k.replace("-", "_"): v for k, v in d.get("train", d).items()}
+    d = d.get("train", d) if isinstance(d, dict) else d
+    if not isinstance(d, dict):
+        raise UserError(f"--config {path} must hold an object of training settings (e.g. {{\"max_steps\": 100}}), "
+                        f"not a {type(d).__name__}")
+    return check_config_values({k.replace("-", "_"): v for k, v in d.items()}, path)
+
+
+def check_config_values(settings: dict, path: str) -> dict:
+    """settings, if each known one is of its TrainConfig field's kind (and --seed and --device as their
+    flags take them); unknown names are left to TrainConfig.from_dict, which lists the known ones."""
+    import argparse
+
+    from ..config import TrainConfig
+    from ..errors import UserError
+    from .options import device_type, seed_type
+
+    kinds = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "a string",
+             "str | None": "a string", "list[str]": "a list of strings"}
+    checked = {"device": device_type(auto=True), "seed": seed_type()}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name not in settings:
+            continue
+        value, kind = settings[f.name], str(f.type)
+        if not _of_kind(value, kind):
+            raise UserError(f"--config {path}: {f.name} {value!r} must be {kinds.get(kind, kind)}")
+        if f.name in checked:
+            try:
+                checked[f.name](str(value))
+            except argparse.ArgumentTypeError as e:
+                raise UserError(f"--config {path}: {f.name} {e}") from None
+    return settings
+
+
+def _of_kind(value, kind: str) -> bool:
+    """Whether a value read from JSON or TOML fits a TrainConfig field's annotation."""
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # JSON's true is no number
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, (int, float))
+    if kind == "list[str]":
+        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+    return isinstance(value, str) or (value is None and "None" in kind)
 
 
 def resolve_config(args) -> "TrainConfig":  # noqa: F821

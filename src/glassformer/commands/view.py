@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .access import add_access_arguments, allowed_hosts, api_key
-from .options import add_base_argument, add_quantize_argument
+from .options import add_base_argument, add_device_argument, add_quantize_argument
 
 HELP = "the explorer: a local page that traces a sentence and shows every number of its computation"
 
@@ -25,7 +25,7 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--text", default=None, help="the sentence the page opens with")
     add_access_arguments(p)
-    p.add_argument("--device", default="cpu", help="device to run the model on")
+    add_device_argument(p)
     add_quantize_argument(p, "explore")
     add_base_argument(p)
 
@@ -45,10 +45,13 @@ def build_explorer(args):
             ex.default_text = args.text
         return ex
     from ..checkpoint.loading import load
+    from ..devices import resolve_device
+
+    device = resolve_device(args.device)  # before any weights are read
 
     def open_model(path):
         model, tokenizer = load(path, base=args.base)
-        return apply_quantize(model, args).to(args.device).eval(), tokenizer
+        return apply_quantize(model, args).to(device).eval(), tokenizer
 
     if args.run:
         return source.run_explorer(args.run, open_model, args.text or DEFAULT_TEXT, checkpoint=args.checkpoint)

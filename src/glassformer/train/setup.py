@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import devices
 from .distributed import Dist, barrier, load_optimizer, wrap
 from ..checkpoint.folders import newest_checkpoint, remove_leftovers
 from ..checkpoint.training import load_training
@@ -32,16 +33,8 @@ def uses_cuda(name: str) -> bool:
 
 
 def resolve_device(name: str, d: Dist | None = None) -> torch.device:
-    if name == "auto":
-        name = "cuda" if uses_cuda(name) else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UserError("--device cuda asked for, but PyTorch sees no CUDA GPU: use --device cpu")
-        if name == "cuda" and d is not None and d.enabled:
-            return torch.device("cuda", d.local_rank)
-    if name == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise UserError("--device mps asked for, but this PyTorch has no MPS backend: use --device cpu")
-    return torch.device(name)
+    """The run's torch.device (devices.resolve_device); under torchrun a plain 'cuda' is this process's GPU."""
+    return devices.resolve_device(name, d.local_rank if d is not None and d.enabled else None)
 
 
 def autocast_for(device: torch.device, dtype: str):
@@ -62,6 +55,16 @@ def read_prepared(data: str | Path) -> dict:
         if not (data / f).is_file():
             raise UserError(f"{data} has no {f}: it is not a prepared data folder; run `glassformer prepare --out {data}`")
     return check_prepared(data)
+
+
+def check_out(out: Path) -> None:
+    """--out must be a folder or not exist yet (nor sit under a file): said before the data are read
+    or anything is built."""
+    existing = next(p for p in (out, *out.parents) if p.exists())  # the nearest existing one ('.' at last)
+    if not existing.is_dir():
+        what = "is a file" if existing == out else f"lies under {existing}, which is a file"
+        raise UserError(f"--out {out} {what}, not a run folder: choose a new folder name (or an earlier run's "
+                        f"folder, with --resume to continue it)")
 
 
 def set_dropout(model: torch.nn.Module, p: float) -> None:
@@ -114,6 +117,7 @@ def start_run(cfg: TrainConfig, d: Dist) -> RunState:
     t_start = time.perf_counter()
     device = resolve_device(cfg.device, d)
     data, out = Path(cfg.data), Path(cfg.out)
+    check_out(out)
     meta = read_prepared(data)
     check_flags(cfg)
     check_optimizer(cfg)
