@@ -179,6 +179,74 @@ def test_globals_filters_and_extra_variables_render_as_transformers(pairs):
     assert render("{{ strftime_now('%Y') }}", []) == str(datetime.now().year)
 
 
+# Downloaded-style templates that lean on what the limits touch (loops, `+`, `~`, filters, macros,
+# namespaces, tojson, string methods, slices, % and format): they must render exactly as transformers does.
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+QWEN_TOOLS = (
+    "{%- if tools %}{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\n\n# Tools\n\n<tools>' }}{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools><|im_end|>\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' }}{{- message.content }}{{- '\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+FEATURES = (
+    "{%- set ns = namespace(system='', turns=0) -%}"
+    "{%- macro turn(role, text) -%}<|start_header_id|>{{ role }}<|end_header_id|>\n\n{{ text | trim }}<|eot_id|>{%- endmacro -%}"
+    "{%- for m in messages if m.role == 'system' -%}{%- set ns.system = ns.system ~ m.content ~ '\n' -%}{%- endfor -%}"
+    "{{ bos_token }}{%- if ns.system -%}{{ turn('system', ns.system) }}{%- endif -%}"
+    "{%- for m in messages | rejectattr('role', 'equalto', 'system') -%}{%- set ns.turns = ns.turns + 1 -%}"
+    "{%- set words = m.content.split() -%}"
+    "{{ turn(m.role, m.content) }}[{{ loop.index }}/{{ loop.length }} {{ words | length }} words{{ ', first ' ~ words[0][:3] if words }}]"
+    "{%- endfor -%}"
+    "{%- if tools -%}{% set listing %}{{ tools | tojson(indent=2) }}{% endset %}{{ listing | indent(2) }}"
+    "{{ '%d tool(s): %s' % (tools | length, tools | map(attribute='name') | join(', ')) }}{%- endif -%}"
+    "{{ '\n{} turns, {:>4}|{:.1f}'.format(ns.turns, 'ok', 2.25) }}{{ (messages | last).content | replace(' ', '_') | upper }}"
+    "{%- if add_generation_prompt -%}{{ turn('assistant', '')[:-9] }}{%- endif -%}"
+)
+TOOLS = [{"name": "weather", "description": "The weather in a city, now.\nSays \"sunny\" or not.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+         {"name": "time", "description": "The time in a zone (東京).", "parameters": {"type": "object", "properties": {}}}]
+
+
+@pytest.mark.parametrize("template", [GEMMA, QWEN_TOOLS, FEATURES], ids=["gemma", "qwen-tools", "features"])
+def test_downloaded_style_templates_render_as_transformers(template, pairs):
+    tok, hf = pairs["llama3"]
+    conversations = [
+        [{"role": "user", "content": "  Good morrow, my lord.  "}, {"role": "assistant", "content": "What news?\n\nNone."},
+         {"role": "user", "content": "The king — 東京 🙂 'quoted' \"double\" \\ back"}],
+        [{"role": "system", "content": "Speak as the fool."}, {"role": "user", "content": "Who goes there?"},
+         {"role": "assistant", "content": "A friend."}, {"role": "tool", "content": "{\"temp\": 20}"},
+         {"role": "tool", "content": "sunny"}, {"role": "user", "content": TEXT[:500]}],
+    ]
+    for messages in conversations:
+        for tools in (None, TOOLS):
+            try:
+                expected = hf.apply_chat_template(messages, chat_template=template, tools=tools, tokenize=False,
+                                                  add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 -- this template refuses this conversation: so must ours
+                with pytest.raises(TemplateError, match=str(e).split("\n")[0][:40].replace("(", r"\(")):
+                    tok.apply_chat_template(messages, template=template, tools=tools, tokenize=False,
+                                            add_generation_prompt=True)
+                continue
+            assert tok.apply_chat_template(messages, template=template, tools=tools, tokenize=False,
+                                           add_generation_prompt=True) == expected
+
+
 # ----------------------------------------------------------------------------- errors: one line each
 
 

@@ -1,5 +1,6 @@
 """Chat templates: a conversation -> the text a model was trained on, rendered as transformers
-renders it, in jinja2's immutable sandbox, under limits of time and output size.
+renders it, in jinja2's immutable sandbox, under limits of time and size that hold in any thread
+(template_limits: what is bounded, and why there rather than in a signal timer or a process).
 
 Templates are untrusted input (they come with downloaded models). Assistant spans come from
 `{% generation %}` blocks, or, for templates without them, from rendering growing prefixes of
@@ -10,15 +11,11 @@ the conversation: docs/chat.md#templates.
 
 from __future__ import annotations
 
-import json
 import re
-import signal
-import threading
-import time
-from contextlib import contextmanager
 from functools import lru_cache
 
 from ..errors import UserError
+from .template_limits import OUTPUT_LIMIT, TIME_LIMIT_S, PastLimit, bound, current, limits  # noqa: F401 (the limits' one source)
 
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant", "tool")
@@ -35,8 +32,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-TIME_LIMIT_S = 2.0
-OUTPUT_LIMIT = 1 << 20  # characters of rendered text
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -49,10 +44,6 @@ class TemplateError(UserError):
 
 class _Raised(Exception):
     """raise_exception(message) called by a template: its message is the user's error."""
-
-
-class _PastLimit(Exception):
-    pass
 
 
 def has_generation_blocks(template: str) -> bool:
@@ -78,8 +69,13 @@ def check_messages(messages, where: str = "") -> None:
 
 def _plain(value):
     """What a template may see: plain JSON types rebuilt, so no caller object's methods reach it."""
-    if value is None or type(value) in (str, int, float, bool):
+    kind = type(value)
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
         return value
+    if kind is dict:  # the common containers first: a conversation is mostly these
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if kind is list:
+        return [_plain(v) for v in value]
     for base, plain in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):
         if isinstance(value, base):  # a subclass (an enum, say) back to its base type, without its methods
             return plain(value)
@@ -88,20 +84,6 @@ def _plain(value):
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return f"<{type(value).__name__}>"
-
-
-class _Limits:
-    """The current render's deadline and output budget (per thread: renders may run concurrently)."""
-
-    local = threading.local()
-
-    @classmethod
-    def check(cls, produced: int = 0) -> None:
-        deadline = getattr(cls.local, "deadline", None)
-        if deadline is not None and time.monotonic() > deadline:
-            raise _PastLimit(f"chat template ran past the {TIME_LIMIT_S:g} s limit")
-        if produced > OUTPUT_LIMIT:
-            raise _PastLimit(f"chat template rendered more than {OUTPUT_LIMIT >> 20} MB")
 
 
 def _generation_extension():
@@ -120,44 +102,14 @@ def _generation_extension():
 
         def _mark(self, caller):
             text = caller()
-            tracker = getattr(_Limits.local, "tracker", None)
-            if tracker is not None:
-                blocks, spans = tracker
+            render = current()
+            if render is not None and render.tracker is not None:
+                blocks, spans = render.tracker
                 start = sum(map(len, blocks))
                 spans.append((start, start + len(text)))
             return text
 
     return Generation
-
-
-def _sandbox_class():
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Sandbox(ImmutableSandboxedEnvironment):
-        # Checked on every attribute, item and call, so a loop that writes nothing still meets the deadline.
-        def getattr(self, obj, attribute):
-            _Limits.check()
-            return super().getattr(obj, attribute)
-
-        def getitem(self, obj, argument):
-            _Limits.check()
-            return super().getitem(obj, argument)
-
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
-            _Limits.check()
-            return super().call(__context, __obj, *args, **kwargs)
-
-        intercepted_binops = frozenset({"*", "**"})
-
-        def call_binop(self, context, operator, left, right):
-            # 'x' * 10**9 would allocate before the output check could see it.
-            if operator == "*" and isinstance(left, (str, list)) and isinstance(right, int) and len(left) * right > OUTPUT_LIMIT:
-                raise _PastLimit(f"chat template built a string or list of more than {OUTPUT_LIMIT >> 20} MB")
-            if operator == "**" and isinstance(right, int) and right > 64:
-                raise _PastLimit("chat template raised a number to a power above 64")
-            return super().call_binop(context, operator, left, right)
-
-    return Sandbox
 
 
 def _namespace_class():
@@ -187,10 +139,11 @@ def _namespace_class():
 def _environment():
     from jinja2.ext import loopcontrols
 
-    env = _sandbox_class()(trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), loopcontrols])
-    env.filters["tojson"] = _tojson
+    from .template_limits import sandbox_class
+
+    env = sandbox_class()(trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), loopcontrols])
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
-                       range=_checked_range, dict=lambda *a, **k: dict(*a, **k), namespace=_namespace_class())
+                       dict=lambda *a, **k: dict(*a, **k), namespace=_namespace_class())
     return env
 
 
@@ -198,24 +151,11 @@ def _raise_exception(message):
     raise _Raised(message)
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # As transformers defines it: jinja's own tojson escapes HTML characters, which templates do not want.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
 def _strftime_now(fmt):
     from datetime import datetime
 
+    bound(len(fmt) * 256 if isinstance(fmt, str) else 0, "strftime_now")  # C's strftime stops at 256 x the format
     return datetime.now().strftime(fmt)
-
-
-def _checked_range(*args):
-    from jinja2.sandbox import safe_range
-
-    for i, v in enumerate(safe_range(*args)):
-        if i % 1024 == 0:
-            _Limits.check()
-        yield v
 
 
 @lru_cache(maxsize=32)
@@ -226,32 +166,11 @@ def _compile(template: str):
         return _environment().from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise TemplateError(f"chat template has a syntax error at line {e.lineno}: {e.message}") from None
+    except (RecursionError, MemoryError):
+        raise TemplateError("chat template nests too deeply to compile") from None
 
 
 # ----------------------------------------------------------------------------- rendering
-
-
-@contextmanager
-def _cpu_alarm(seconds: float):
-    """SIGPROF after `seconds` of CPU time (main thread only), for loops that touch nothing the
-    sandbox sees; the previous handler and timer are put back (pytest-timeout and profilers use them)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def fire(signum, frame):
-        raise _PastLimit(f"chat template ran past the {TIME_LIMIT_S:g} s limit")
-
-    old_handler = signal.signal(signal.SIGPROF, fire)
-    old_timer = signal.setitimer(signal.ITIMER_PROF, seconds)
-    t0 = time.monotonic()
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_PROF, 0)
-        signal.signal(signal.SIGPROF, old_handler)
-        if old_timer[0] > 0:
-            signal.setitimer(signal.ITIMER_PROF, max(old_timer[0] - (time.monotonic() - t0), 1e-3), old_timer[1])
 
 
 def render_spans(template: str, messages: list[dict], *, add_generation_prompt: bool = False,
@@ -266,26 +185,27 @@ def render_spans(template: str, messages: list[dict], *, add_generation_prompt: 
     context.setdefault("documents", None)
     blocks: list[str] = []
     spans: list[tuple[int, int]] = []
-    _Limits.local.deadline, _Limits.local.tracker = time.monotonic() + TIME_LIMIT_S, (blocks, spans)
     produced = 0
     try:
-        with _cpu_alarm(TIME_LIMIT_S):
+        with limits((blocks, spans)) as render:
             for block in compiled.generate(**context):
                 blocks.append(block)
                 produced += len(block)
-                _Limits.check(produced)
+                if produced > OUTPUT_LIMIT:
+                    raise PastLimit(f"chat template rendered more than {OUTPUT_LIMIT >> 20} MB")
+                render.check_time()
     except _Raised as e:
         raise TemplateError(f"chat template: {e}") from None
-    except _PastLimit as e:
+    except PastLimit as e:
         raise TemplateError(str(e)) from None
     except jinja2.exceptions.SecurityError as e:
         raise TemplateError(f"chat template refused by the sandbox: {e}") from None
     except RecursionError:
         raise TemplateError("chat template recursed too deeply") from None
-    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
+    except MemoryError:
+        raise TemplateError("chat template ran out of memory") from None
+    except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError, AssertionError) as e:
         raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
-    finally:
-        _Limits.local.deadline = _Limits.local.tracker = None
     return "".join(blocks), spans
 
 
