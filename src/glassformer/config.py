@@ -22,6 +22,16 @@ ROPE_PAIRS = ("half", "interleaved")
 ROPE_SCALINGS = ("llama3", "linear")
 
 
+# The kind of each ModelConfig field that __post_init__ does not check otherwise: (kind, may be None).
+FIELD_KINDS = {
+    "n_kv_heads": (int, True), "head_dim": (int, True), "ffn_dim": (int, True), "sliding_window": (int, True),
+    "rope_theta": (float, False), "norm_eps": (float, False), "dropout": (float, False), "init_std": (float, False),
+    "tie_embeddings": (bool, False), "bias": (bool, False), "qkv_bias": (bool, False),
+    "rope_scaling": (dict, True), "quantization": (dict, True),
+}
+KIND_WORDS = {int: "a whole number", float: "a number", bool: "true or false", dict: "an object"}
+
+
 def _swiglu_width(dim: int) -> int:
     """Llama's rule: 2/3 of 4·dim (so SwiGLU's three matrices cost what two would), rounded up to 32."""
     return 32 * math.ceil(int(8 * dim / 3) / 32)
@@ -104,6 +114,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self._check_types()
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
@@ -157,6 +168,21 @@ class ModelConfig:
                 )
             if "factor" not in self.rope_scaling:
                 raise ValueError("rope_scaling needs a 'factor'")
+
+    def _check_types(self) -> None:
+        """Each remaining field of the kind it holds (FIELD_KINDS), so a hand-edited config.json
+        ("n_kv_heads": "2", "bias": "yes") is refused by name instead of failing in a comparison
+        below or passing as truthy."""
+        for name, (kind, optional) in FIELD_KINDS.items():
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if kind is bool:
+                ok = isinstance(value, bool)
+            else:  # True is an int to Python, never a size or a rate here
+                ok = isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
+            if not ok:
+                raise ValueError(f"{name} must be {KIND_WORDS[kind]}{' or null' if optional else ''}, got {value!r}")
 
     def _check_speedrun_switches(self) -> None:
         """qk_norm and value_embeddings are booleans; logit_softcap is None or a positive number (made a float)."""
