@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..files import atomic_folder, atomic_text, read_json
 from .builder import model_state
+from .checks import json_object
 from .hub import find
 
 FORMAT = "glassformer"
@@ -75,9 +76,16 @@ def write_state_files(folder: Path, config: ModelConfig, state: dict[str, torch.
     write_tokenizer(folder, tokenizer)
 
 
+def tensor_bytes(*states: dict[str, torch.Tensor]) -> int:
+    """The bytes the tensors of states take in a safetensors file (its header aside): what a save needs
+    free on the disk (files.atomic_folder checks it before writing)."""
+    return sum(t.numel() * t.element_size() for state in states for t in state.values())
+
+
 def save_model(dst: str | Path, model: torch.nn.Module, tokenizer: Any = None) -> Path:
     """Write a complete checkpoint folder atomically. tokenizer: as write_tokenizer takes it."""
-    return atomic_folder(dst, lambda tmp: write_model_files(tmp, model, tokenizer))
+    return atomic_folder(dst, lambda tmp: write_model_files(tmp, model, tokenizer),
+                         need=tensor_bytes(model_state(model)))
 
 
 def is_complete(folder: Path) -> bool:
@@ -111,11 +119,11 @@ def resolve(path: str | Path, weights: bool = True) -> Path:
 
 
 def read_config(folder: str | Path) -> dict:
-    """config.json of the folder `folder` names (resolve); a PEFT adapter folder's adapter_config.json."""
+    """config.json of the folder `folder` names (resolve); a PEFT adapter folder's adapter_config.json.
+    A UserError naming the file when it is not a JSON object."""
     folder = resolve(folder, weights=False)  # a Hub name: its config.json alone
-    if not (folder / "config.json").is_file():
-        return read_json(folder / PEFT_CONFIG)
-    return read_json(folder / "config.json")
+    path = folder / "config.json" if (folder / "config.json").is_file() else folder / PEFT_CONFIG
+    return json_object(read_json(path), path)
 
 
 # ----------------------------------------------------------------------------- run folders

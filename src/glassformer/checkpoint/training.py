@@ -16,8 +16,9 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..files import atomic_folder
-from .folders import step_name, write_pointer, write_state_files
+from ..files import atomic_folder, read_json
+from .checks import DAMAGED, json_object, read_safetensors
+from .folders import step_name, tensor_bytes, write_pointer, write_state_files
 
 
 def _flatten_optimizer(osd: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -63,22 +64,23 @@ def save_training(run: str | Path, step: int, config: ModelConfig, model_state_:
         save_file({**opt_tensors, **(tensors or {})}, str(tmp / "train_state.safetensors"))
         (tmp / "train_state.json").write_text(json.dumps({**state, "param_groups": groups}, indent=2) + "\n")
 
-    folder = atomic_folder(run / step_name(step), write)
+    weights = tensor_bytes(model_state_) if write_model is None else 0  # an adapter's: a small part of the state
+    folder = atomic_folder(run / step_name(step), write, need=weights + tensor_bytes(opt_tensors, tensors or {}))
     write_pointer(run, "latest", folder.name)
     return folder
 
 
 def load_training(folder: str | Path) -> tuple[dict, dict, dict, dict]:
     """(model state, optimizer state, train_state.json dict, extra tensors) of a training checkpoint."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     if not (folder / "COMPLETE").is_file() or not (folder / "train_state.json").is_file():
         raise UserError(f"{folder} is not a complete training checkpoint (no COMPLETE or train_state.json)")
-    state = json.loads((folder / "train_state.json").read_text())
-    tensors = load_file(str(folder / "train_state.safetensors"))
+    state = json_object(read_json(folder / "train_state.json"), folder / "train_state.json")
+    if not isinstance(state.get("param_groups"), list):
+        raise UserError(f"{folder / 'train_state.json'} has no list of param_groups: {DAMAGED}")
+    tensors = read_safetensors(folder / "train_state.safetensors")
     optim = _unflatten_optimizer(tensors, state.pop("param_groups"))
     extra = {k: v for k, v in tensors.items() if not k.startswith("optim/")}
     weights = folder / "model.safetensors"
-    model_sd = load_file(str(weights if weights.is_file() else folder / "adapter.safetensors"))  # a LoRA run's adapter
+    model_sd = read_safetensors(weights if weights.is_file() else folder / "adapter.safetensors")  # a LoRA run's adapter
     return model_sd, optim, state, extra

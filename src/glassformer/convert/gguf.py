@@ -275,7 +275,11 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
 
 
 def safetensors_index(file: Path) -> tuple[int, dict]:
-    """(where the data starts, name -> {dtype, shape, data_offsets}) from a safetensors file's header."""
+    """(where the data starts, name -> {dtype, shape, data_offsets}) from a safetensors file's header,
+    once safetensors has checked it (its length and every tensor's offsets inside the file)."""
+    from ..checkpoint.checks import open_safetensors
+
+    open_safetensors(file)
     with open(file, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
@@ -316,6 +320,7 @@ def _stored_name(file: Path) -> str:
 
 def open_source(src: str | Path) -> Source:
     """The checkpoint, run or Hugging Face folder `src`, ready to be read tensor by tensor."""
+    from ..checkpoint.checks import check_layers_held, model_config, open_safetensors
     from ..checkpoint.folders import FORMAT, read_config, resolve
 
     folder = resolve(src)
@@ -325,8 +330,9 @@ def open_source(src: str | Path) -> Source:
     tok = _tokenizer(folder) if tok_json is not None else None
     side = _side_files(folder) if tok_json is not None else {}
     if meta.get("format") == FORMAT and "lora" not in meta:
-        cfg = ModelConfig.from_dict(meta["model"])
-        file = folder / "model.safetensors"
+        cfg, file = model_config(meta, folder / "config.json"), folder / "model.safetensors"
+        # read one tensor at a time (no memory limit), but a config that outgrows its file is refused first
+        check_layers_held(cfg, folder / "config.json", open_safetensors(file).keys(), file)
         notes = [] if tok is not None else [f"{folder} has no tokenizer.json: the GGUF file has no vocabulary, "
                                             "which llama.cpp needs to load it"]
         if cfg.quantization is not None:

@@ -17,7 +17,8 @@ from typing import Any, Callable
 import torch
 
 from ..checkpoint.builder import model_from_state, model_state
-from ..checkpoint.folders import write_tokenizer
+from ..checkpoint.checks import check_fits_memory, check_layers_held, open_safetensors
+from ..checkpoint.folders import tensor_bytes, write_tokenizer
 from ..config import ModelConfig
 from ..errors import UserError
 from ..files import atomic_folder, read_json
@@ -77,12 +78,7 @@ def _index_map(index: Path) -> dict[str, str]:
 
 
 def _add_safetensors(w: Weights, file: Path, only: set[str] | None = None) -> None:
-    from safetensors import safe_open
-
-    try:
-        handle = safe_open(str(file), framework="pt")
-    except Exception as e:  # safetensors raises its own error types for bad headers
-        raise UserError(f"{file} is not a readable safetensors file: {e}") from None
+    handle = open_safetensors(file)  # the header checked, no tensor read
     keys = set(handle.keys())
     if only is not None:
         if keys - only:
@@ -260,8 +256,14 @@ def load_hf(folder: str | Path, device: str | torch.device = "cpu", dtype: str |
     folder = Path(folder)
     hf = read_hf_config(folder)
     family = family_named(hf["model_type"], str(folder / "config.json"))
-    cfg = family.config_from_hf(hf)
-    state = hf_to_our_state(open_weights(folder, allow_pickle), family, cfg, folder, parse_dtype(dtype))
+    cfg, dtype = family.config_from_hf(hf), parse_dtype(dtype)
+    w = open_weights(folder, allow_pickle)
+    # Before the rules build a model of cfg (on the meta device, which takes minutes for 100,000 layers):
+    # its layers against those the files hold, its weights against this machine's memory (a stored
+    # dtype is at least 2 bytes a number).
+    check_layers_held(cfg, folder / "config.json", w.file, folder)
+    check_fits_memory(cfg, folder / "config.json", dtype.itemsize if dtype else 2)
+    state = hf_to_our_state(w, family, cfg, folder, dtype)
     return model_from_state(cfg, state, device, where=str(folder)), _tokenizer(folder)
 
 
@@ -308,7 +310,7 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: Any = None, dtyp
         save_file(state, str(tmp / SAFE), metadata={"format": "pt"})
         write_tokenizer(tmp, tokenizer)
 
-    return atomic_folder(out, write)
+    return atomic_folder(out, write, need=tensor_bytes(state))
 
 
 def to_transformers(model: torch.nn.Module, dtype: str | torch.dtype | None = None, **kwargs):

@@ -35,8 +35,8 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r < 1:
             raise UserError(f"LoRA rank r must be a whole number of at least 1, got {self.r}: pass --lora-r 8 (say)")
-        if not self.alpha > 0:
-            raise UserError(f"LoRA alpha must be above 0, got {self.alpha}: pass --lora-alpha 16 (say)")
+        if not 0 < self.alpha < math.inf:
+            raise UserError(f"LoRA alpha must be a finite number above 0, got {self.alpha}: pass --lora-alpha 16 (say)")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
@@ -139,6 +139,22 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
             setattr(parent, target, LoRALinear(getattr(parent, target), cfg.r, cfg.alpha, cfg.dropout))
     model.lora_config = cfg
     return model
+
+
+def adapter_shapes(model: nn.Module, cfg: LoraConfig) -> dict[str, tuple[int, int]]:
+    """The shapes apply_lora(model, cfg) would give the adapters, adapter_state's keys, worked out
+    from the model's products without allocating: what a file is checked against first (a rank of
+    300,000 in a config would otherwise allocate gigabytes before its tensors were compared)."""
+    out = {}
+    for i, block in enumerate(model.blocks):
+        for target in cfg.targets:
+            product = getattr(_parent(block, target), target, None)
+            if product is None:  # apply_lora names it
+                continue
+            name = f"blocks.{i}.{'attn' if target in ATTENTION_TARGETS else 'ffn'}.{target}"
+            out[name + ".lora_A"] = (cfg.r, product.in_features)
+            out[name + ".lora_B"] = (product.out_features, cfg.r)
+    return out
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:

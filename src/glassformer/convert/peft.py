@@ -19,6 +19,7 @@ docs/lora.md#peft.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +27,15 @@ from typing import Callable
 
 import torch
 
+from ..checkpoint.checks import check_adapter_file, header_shapes, json_object, open_safetensors, read_tensors
+from ..checkpoint.folders import tensor_bytes
 from ..checkpoint.hub import parse_name
 from ..errors import UserError
 from ..files import atomic_folder, read_json
 from .families import Family, family_for, family_named
 from .hf import parse_dtype, save_hf
-from .lora import LORA_TARGETS, LoraConfig, adapter_state, apply_lora, base_sha256, base_state, load_adapter_state
+from .lora import (LORA_TARGETS, LoraConfig, adapter_shapes, adapter_state, apply_lora, base_sha256, base_state,
+                   load_adapter_state)
 from .transforms import Rule
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -130,7 +134,7 @@ def save_peft(model: torch.nn.Module, out: str | Path, tokenizer=None, dtype: st
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, family, model.config), indent=2) + "\n")
         save_file(adapter, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
-    return atomic_folder(out, write)
+    return atomic_folder(out, write, need=tensor_bytes(adapter))  # save_hf checks the base's bytes
 
 
 # ----------------------------------------------------------------------------- import
@@ -158,8 +162,7 @@ def _off(value, plain) -> bool:
 
 def check_peft_config(config: dict, folder: Path) -> None:
     """Refuse, naming each, what plain LoRA on a causal LM does not have."""
-    if not isinstance(config, dict):
-        raise UserError(f"{folder / ADAPTER_CONFIG} is not a JSON object")
+    json_object(config, folder / ADAPTER_CONFIG)
     if config.get("peft_type") != "LORA":
         raise UserError(f"{folder}: peft_type {config.get('peft_type')!r}; glassformer reads LORA adapters only")
     if config.get("task_type") not in ("CAUSAL_LM", None):
@@ -171,9 +174,29 @@ def check_peft_config(config: dict, folder: Path) -> None:
     if bad:
         raise UserError(f"{folder}: unsupported PEFT options {', '.join(bad)}; glassformer reads plain LoRA "
                         "(bias none, no DoRA, no rsLoRA, no per-layer ranks, no modules_to_save)")
+    _check_peft_numbers(config, folder / ADAPTER_CONFIG)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_peft_numbers(config: dict, file: Path) -> None:
+    """r a whole number of at least 1, lora_alpha above 0, lora_dropout in [0, 1), the base's name text:
+    each named with its value. (r against the weights' shapes: attach_peft, before allocating.)"""
     for key in ("r", "lora_alpha"):
-        if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool):
-            raise UserError(f"{folder / ADAPTER_CONFIG} has no number {key!r}")
+        if not _number(config.get(key)):
+            raise UserError(f"{file} has no number {key!r} (got {config.get(key)!r})")
+    if config["r"] < 1 or not float(config["r"]).is_integer():
+        raise UserError(f"{file}: r must be a whole number of at least 1, got {config['r']!r}")
+    if not config["lora_alpha"] > 0:
+        raise UserError(f"{file}: lora_alpha must be above 0, got {config['lora_alpha']!r}")
+    dropout = config.get("lora_dropout")
+    if dropout is not None and not (_number(dropout) and 0 <= dropout < 1):
+        raise UserError(f"{file}: lora_dropout must be a number in [0, 1), got {dropout!r}")
+    name = config.get("base_model_name_or_path")
+    if name is not None and not isinstance(name, str):
+        raise UserError(f"{file}: base_model_name_or_path must be a folder or a Hub name (text), got {name!r}")
 
 
 def _base_folder(config: dict, folder: Path, base: str | Path | None) -> Path:
@@ -213,38 +236,40 @@ def read_peft(folder: str | Path, base: str | Path | None = None) -> PeftAdapter
     check_peft_config(config, folder)
     path = _base_folder(config, folder, base)
     _check_base_family(path)
-    r = config["r"]
-    return PeftAdapter(folder, path, int(r) if float(r).is_integer() else r, float(config["lora_alpha"]),
+    return PeftAdapter(folder, path, int(config["r"]), float(config["lora_alpha"]),
                        float(config.get("lora_dropout") or 0.0))
 
 
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
-def _our_tensors(adapter: PeftAdapter, family: Family, cfg) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under our keys, B's rows in our order; every key used."""
-    from safetensors.torch import load_file
-
-    file = adapter.folder / ADAPTER_WEIGHTS
-    try:
-        tensors = load_file(str(file))
-    except Exception as e:  # safetensors raises its own error types for bad headers
-        raise UserError(f"{file} is not a readable safetensors file: {e}") from None
+def _our_keys(keys, family: Family, cfg, file: Path) -> dict[str, tuple[str, Rule]]:
+    """Each PEFT key -> (our key, the rule of the weight it adapts); a key that adapts no product
+    glassformer can is refused, naming it."""
     by_hf = {hf: (ours, rule) for ours, (hf, rule) in module_rules(family, cfg).items()}
     out, unknown = {}, []
-    for key, t in tensors.items():
+    for key in keys:
         m = _KEY.match(key)
         if m is None or m["module"] not in by_hf:
             unknown.append(key)
             continue
         ours, rule = by_hf[m["module"]]
-        if not t.is_floating_point():
-            raise UserError(f"{file.name}: {key} is {t.dtype}, not a floating-point tensor")
-        out[f"{ours}.lora_{m['ab']}"] = t if m["ab"] == "A" else rule.to_ours(t, cfg)[rule.ours[0]]
+        out[key] = (f"{ours}.lora_{m['ab']}", rule)
     if unknown:
         names = ", ".join(sorted(unknown)[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         raise UserError(f"{file}: {names} adapt no product glassformer can (LoRA on the projections "
                         f"{', '.join(sorted(set(hf_target_names(family, cfg).values())))} only)")
+    return out
+
+
+def _our_tensors(handle, keys: dict[str, tuple[str, Rule]], cfg, file: Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under our keys, B's rows in our order (A acts on the input: copied)."""
+    out = {}
+    for key, t in read_tensors(handle, file, list(keys)).items():
+        ours, rule = keys[key]
+        if not t.is_floating_point():
+            raise UserError(f"{file.name}: {key} is {t.dtype}, not a floating-point tensor")
+        out[ours] = t if ours.endswith(".lora_A") else rule.to_ours(t, cfg)[rule.ours[0]]
     return out
 
 
@@ -262,12 +287,18 @@ def attach_peft(model: torch.nn.Module, adapter: PeftAdapter) -> torch.nn.Module
     checked against the model's products (names and shapes), cast to the model's dtype."""
     family = family_for(model.config)
     _refuse_gpt2(family, f"the base of {adapter.folder}")
-    state = _our_tensors(adapter, family, model.config)
+    file = adapter.folder / ADAPTER_WEIGHTS
+    handle = open_safetensors(file)  # the header: names and shapes, checked before any adapter is allocated
+    keys = _our_keys(handle.keys(), family, model.config, file)
+    header = header_shapes(handle)
+    shapes = {ours: header[key] for key, (ours, _) in keys.items()}
     lora = LoraConfig(r=adapter.r, alpha=adapter.alpha, dropout=adapter.dropout,
-                      targets=_targets(state, model.config, adapter.folder))
+                      targets=_targets(shapes, model.config, adapter.folder))
+    check_adapter_file(adapter_shapes(model, lora), shapes, file, adapter.folder / ADAPTER_CONFIG, lora.r)
     apply_lora(model, lora)
     dtype = next(model.parameters()).dtype
-    load_adapter_state(model, {k: v.to(dtype) for k, v in state.items()}, where=str(adapter.folder / ADAPTER_WEIGHTS))
+    state = _our_tensors(handle, keys, model.config, file)
+    load_adapter_state(model, {k: v.to(dtype) for k, v in state.items()}, where=str(file))
     return model
 
 

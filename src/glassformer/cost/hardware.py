@@ -52,11 +52,13 @@ NAMES = (*HARDWARE, "cpu")
 _cpu_cache: Hardware | None = None
 
 
-def _ram_bytes() -> int:
+def ram_bytes() -> int | None:
+    """This machine's physical memory in bytes (os.sysconf), None where the system does not say
+    (not POSIX). Also the limit a checkpoint's config may ask for (checkpoint/checks.py)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not POSIX: a guess, said so in the source
-        return 16 * 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def measure_cpu(n: int = 1024, repeats: int = 3, budget_s: float = 0.2) -> Hardware:
@@ -100,7 +102,7 @@ def measure_cpu(n: int = 1024, repeats: int = 3, budget_s: float = 0.2) -> Hardw
     src = torch.empty(2**24, dtype=torch.float32)  # 64 MB, far beyond the caches
     dst = torch.empty_like(src)
     bw = 2 * src.numel() * 4 / best(lambda: dst.copy_(src))  # read + write
-    _cpu_cache = Hardware("cpu", peaks, _ram_bytes(), bw,
+    _cpu_cache = Hardware("cpu", peaks, ram_bytes() or 16 * 2**30, bw,  # not POSIX: a guess
                           f"measured on this machine ({torch.get_num_threads()} threads; square matmuls of "
                           f"{', '.join(f'{k} {v}' for k, v in sizes.items())}; a 64 MB copy)")
     return _cpu_cache
