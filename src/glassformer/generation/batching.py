@@ -34,7 +34,7 @@ from ..kv_cache import KVCache
 from ..probes import active as probes_active
 from .compiled import compile_step, step_key
 from .logprobs import TokenLogprob, logprobs_of, prompt_logprobs
-from .sampling import apply_repetition_penalty, check_sampling, first_argmax, sample
+from .sampling import NonFiniteLogits, apply_repetition_penalty, check_sampling, draw, greedy_ids
 from .session import _ends_with_stop, _stops
 
 __all__ = ["QueueFull", "ContextLengthExceeded", "EngineStopped", "Request", "Event", "Ticket", "Engine",
@@ -242,12 +242,13 @@ class Ticket:
 
 def greedy_tokens(logits: torch.Tensor, rows: list) -> list[int | None]:
     """Each greedy row's next token from one argmax over the step's logits (n, V), None for the
-    others: what `sample` gives such a row alone (its argmax, the first of equal maxima), without an
+    others: what `sample` gives such a row alone (its argmax, the first of equal maxima; -1 where the
+    logits have no finite maximum, which `_emit` answers with an error), without an
     argmax and a read of its result (a tensor to a Python int) for each row."""
     greedy = [r.request.temperature == 0 and r.seen is None and not r.ticket.cancelled for r in rows]
     if sum(greedy) < 2:
         return [None] * len(rows)
-    return [t if g else None for t, g in zip(first_argmax(logits).tolist(), greedy)]
+    return [t if g else None for t, g in zip(greedy_ids(logits).tolist(), greedy)]
 
 
 def wake_loops(wakes: dict) -> None:
@@ -650,6 +651,10 @@ class Engine:
             ticket._push(Event(None, finish="cancelled" if ticket.cancelled else "length", prompt=prompt))
             return self._finish(i)
         t = argmax if argmax is not None else self._sampled(r, logits)
+        if t < 0:  # the model's logits are NaN or infinite: this request fails (a server's 500), the others go on
+            log.error("request ended with an error: %s", NonFiniteLogits())
+            ticket._push(Event(None, finish="error", prompt=prompt))
+            return self._finish(i)
         lp = None
         if req.logprobs is not None:
             lp = logprobs_of(logits, torch.tensor([t], device=logits.device), req.logprobs)[0]
@@ -667,11 +672,11 @@ class Engine:
 
     @staticmethod
     def _sampled(r: _Row, logits: torch.Tensor) -> int:
-        """Row r's next token from its logits (1, V), drawn as `sample` draws one row."""
+        """Row r's next token from its logits (1, V), drawn as `sample` draws one row (-1: not finite)."""
         req = r.request
         scored = logits if r.seen is None else apply_repetition_penalty(logits, r.seen, req.repetition_penalty)
-        return int(sample(scored, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-                          generator=r.generator))
+        return int(draw(scored, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+                        generator=r.generator))
 
     def _finish(self, i: int) -> None:
         with self._lock:

@@ -29,6 +29,11 @@ def _listed(name: str, values: torch.Tensor, kind: str) -> dict:
             "probs": probs[order].tolist(), "kept": n, "rest": float(rest)}
 
 
+def _at_least_f32(t: torch.Tensor) -> torch.Tensor:
+    """float32 for a low-precision row, float64 kept (a wide penalty's numbers may pass float32's range)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def stage_outputs(logits: torch.Tensor, seen, temperature=1.0, top_k=None, top_p=None, min_p=None,
                   repetition_penalty=1.0) -> dict:
     """{stage name: its output (1, V)} for one position's logits (V,), and "seen": the penalty's
@@ -73,7 +78,7 @@ def sampling_stages(logits: torch.Tensor, seen, temperature=1.0, top_k=None, top
     chosen = int(sample(outs["repetition_penalty"], temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                         generator=generator)[0])
     kinds = dict.fromkeys(STAGES[:4], "logits") if temperature else dict.fromkeys(STAGES[:6], "logits")
-    stages = [_listed(name, outs[name][0].float(), kinds.get(name, "probs")) for name in STAGES[:6]]
+    stages = [_listed(name, _at_least_f32(outs[name][0]), kinds.get(name, "probs")) for name in STAGES[:6]]
     stages[1]["seen"] = torch.nonzero(outs["seen"][0]).flatten().tolist()
     if temperature == 0:  # greedy: nothing divides or filters; the argmax is certain
         stages.append({"name": "probs", "kind": "probs", "ids": [chosen], "values": [1.0], "probs": [1.0],

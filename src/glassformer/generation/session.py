@@ -17,7 +17,7 @@ from ..attention import cpu_decode
 from ..errors import UserError
 from ..kv_cache import KVCache
 from .compiled import compile_step, step_key
-from .sampling import apply_repetition_penalty, check_sampling, logits_to_probs, sample
+from .sampling import apply_repetition_penalty, check_drawn, check_sampling, draw, logits_to_probs, sample
 
 __all__ = ["check_sampling", "apply_repetition_penalty", "logits_to_probs", "sample", "prefill", "decode_step",
            "Session", "cache_length", "generate"]
@@ -254,6 +254,7 @@ class Session:
         for _ in range(max_new_tokens):
             with torch.inference_mode():
                 toks = self._pick(self._forward(), penalty, sampling).tolist()
+            check_drawn([t for t, a in zip(toks, self.active) if a])  # NaN or infinite logits: an error, not a token
             out = []
             for b, t in enumerate(toks):
                 if not self.active[b]:
@@ -269,10 +270,11 @@ class Session:
                 return
 
     def _pick(self, logits: torch.Tensor, penalty: float, sampling: dict) -> torch.Tensor:
-        """The next token of each row (B,), on the device, from the logits (B, V)."""
+        """The next token of each row (B,), on the device, from the logits (B, V); -1 for a row whose logits
+        are not finite (`draw`: no wait for the device here; check_drawn where the tokens are read)."""
         if penalty != 1.0:
             logits = apply_repetition_penalty(logits, self.seen, penalty)
-        return sample(logits, generator=self.generator, **sampling)
+        return draw(logits, generator=self.generator, **sampling)
 
     def _run_ahead(self, n: int, sampling: dict, penalty: float, stops, single: bool) -> Iterator:
         """_run for one row, each decode step queued before the host reads the token of the step before
@@ -292,6 +294,7 @@ class Session:
                 queued = i + 1 < n and self.cached[0] < self.max_len  # token t fits the cache: queue its step
                 if queued:
                     with torch.inference_mode():
+                        tok = tok.clamp(min=0)  # a -1 (not finite, refused when read) must not index the embedding
                         if penalty != 1.0:
                             self.seen[0, tok] = True  # on the device: the host has not seen t yet
                         if fixed:  # kept on the device and stepped there: a host copy would wait for the GPU
@@ -301,6 +304,7 @@ class Session:
                         self.cached[0] += 1
                         nxt = self._pick(logits, penalty, sampling)
                 t = read()[0]  # waits for token t only; step t+1 is already queued behind it
+                check_drawn([t])
                 self._append(0, [t])
                 made.append(t)
                 yield t if single else [t]

@@ -13,9 +13,24 @@ import math
 
 import torch
 
+from ..generation.sampling import F32_MAX, PENALTY_F32, PENALTY_F64, temperature_overflows
+
 
 def _g(x) -> str:
     return f"{float(x):.6g}"
+
+
+def _penalised(z: float, r: float) -> tuple[float, str]:
+    """A seen logit z under penalty r as the sampler computes it (sampling.apply_repetition_penalty), and
+    what the number ranges did to it, if anything."""
+    lo, hi = PENALTY_F32
+    if lo <= r <= hi:
+        v = z / r if z > 0 else z * r
+        return (math.copysign(F32_MAX, v), " (past float32's range: saturated)") if abs(v) > F32_MAX else (v, "")
+    lo, hi = PENALTY_F64
+    used = min(max(r, lo), hi)
+    note = f" (in float64, the penalty taken as {_g(used)}: past it a logit would overflow)" if used != r else ""
+    return (z / used if z > 0 else z * used), note
 
 
 def _penalty_line(z: float, seen: bool, r: float) -> str:
@@ -23,15 +38,21 @@ def _penalty_line(z: float, seen: bool, r: float) -> str:
         return "repetition penalty 1: unchanged"
     if not seen:
         return f"repetition penalty {_g(r)}: not seen yet, unchanged"
-    return f"repetition penalty {_g(r)}, seen: {_g(z)} {'/' if z > 0 else '·'} {_g(r)} = {_g(z / r if z > 0 else z * r)}"
+    v, note = _penalised(z, r)
+    return f"repetition penalty {_g(r)}, seen: {_g(z)} {'/' if z > 0 else '·'} {_g(r)} = {_g(v)}{note}"
 
 
-def _sums(outs: dict) -> dict:
-    """What every id's calculation shares: top-k's largest logit and softmax denominator, and
-    the mass top-p and min-p kept (before each renormalised)."""
+OVERFLOW = ("the row's largest logit over T overflows, so the stage takes the limit T → 0: greedy, "
+            "the largest logit (the first of equal ones) 0, every other −∞")
+
+
+def _sums(outs: dict, T: float) -> dict:
+    """What every id's calculation shares: top-k's largest logit and softmax denominator, the mass
+    top-p and min-p kept (before each renormalised), and whether the temperature overflowed ("over")."""
     cut, nuc, final = outs["top_k"][0], outs["top_p"][0], outs["min_p"][0]
     big = float(cut.max())
-    return {"big": big, "total": float(torch.exp(cut.double() - big).sum()), "top": float(nuc.max()),
+    return {"over": bool(temperature_overflows(outs["repetition_penalty"][0], T)),
+            "big": big, "total": float(torch.exp(cut.double() - big).sum()), "top": float(nuc.max()),
             "keep_p": float((torch.softmax(cut, -1) * (nuc > 0)).double().sum()),
             "keep_m": float((nuc * (final > 0)).double().sum())}
 
@@ -39,7 +60,8 @@ def _sums(outs: dict) -> dict:
 def probability_calcs(outs: dict, settings: dict, ids: list[int], pieces: dict) -> dict:
     """{str(id): probability_calc} for `ids`; `outs`: stage_outputs; pieces: {str(id): the token's
     label as the page draws it (text.labels.token_label)}."""
-    sums = _sums(outs) if settings.get("temperature") else {}
+    T = settings.get("temperature")
+    sums = _sums(outs, T) if T else {}
     return {str(i): probability_calc(outs, settings, i, pieces[str(i)], sums) for i in ids}
 
 
@@ -52,7 +74,8 @@ def probability_calc(outs: dict, settings: dict, i: int, piece: str, sums: dict)
     if T == 0:
         lines.append("temperature 0: greedy, the largest penalised logit is taken with probability 1")
         return {"title": f"p(“{piece}”) = {_g(at['probs'])}", "text": "\n".join(lines), "result": 1.0, "value": 1.0}
-    lines.append(f"÷ temperature {_g(T)}: {_g(at['repetition_penalty'])} / {_g(T)} = {_g(at['temperature'])}")
+    lines.append(f"÷ temperature {_g(T)}: {OVERFLOW}" if sums["over"] else
+                 f"÷ temperature {_g(T)}: {_g(at['repetition_penalty'])} / {_g(T)} = {_g(at['temperature'])}")
     rank = int((outs["top_k"][0] > at["top_k"]).sum()) + 1
     lines.append(f"top-k {k}: rank {rank}, kept" if k is not None else "top-k off: kept")
     big, total = sums["big"], sums["total"]
@@ -113,17 +136,20 @@ def logit_calc(at: dict, i: int, label: str, head, position: int) -> dict:
 
 def penalty_calc(at: dict, seen: bool, label: str, r: float) -> dict:
     z, v = at["logits"], at["repetition_penalty"]
-    again = z if (r == 1.0 or not seen) else (z / r if z > 0 else z * r)
+    again = z if (r == 1.0 or not seen) else _penalised(z, r)[0]
     how = ("a seen logit > 0 is divided by the penalty, one ≤ 0 multiplied (CTRL's rule)" if seen
            else "only the text's own tokens are penalised")
     return _calc(f"penalised logit(“{label}”) = {_g(v)}", [f"logit z = {_g(z)}", how, _penalty_line(z, seen, r)], again, v)
 
 
-def temperature_calc(at: dict, label: str, T: float) -> dict:
+def temperature_calc(at: dict, label: str, T: float, over: bool = False) -> dict:
     z, v = at["repetition_penalty"], at["temperature"]
     if T == 0:
         return _calc(f"logit(“{label}”) = {_g(v)}", [f"penalised logit {_g(z)}",
                      "temperature 0: greedy, nothing is divided: the largest logit is taken"], z, v)
+    if over:  # the stage's rule, not a quotient: the value is what the rule gives this id
+        return _calc(f"logit(“{label}”) / T = {_g(v)}",
+                     [f"penalised logit {_g(z)}", f"÷ temperature {_g(T)}: {OVERFLOW}"], v, v)
     return _calc(f"logit(“{label}”) / T = {_g(v)}", [f"penalised logit {_g(z)}",
                  f"÷ temperature {_g(T)}: {_g(z)} / {_g(T)} = {_g(z / T)}",
                  "(T < 1 spreads the logits apart, sharpening the softmax; T > 1 flattens it)"], z / T, v)
@@ -177,7 +203,7 @@ def stage_calcs(outs: dict, settings: dict, stages: list[dict], labels: dict, he
     """{stage name: {str(id): calculation}} for the first `shown` ids of every stage but `probs`
     (probability_calcs has those). `stages`: sampling_stages' list; labels: {str(id): label}."""
     T, k = settings.get("temperature", 1.0), settings.get("top_k")
-    sums = _sums(outs) if T else {}
+    sums = _sums(outs, T) if T else {}
     want = {st["name"]: st["ids"][:shown] for st in stages[:-1]}
     before = _top_p_before(outs, want["top_p"]) if T and settings.get("top_p") is not None else {}
     scaled = outs["temperature"][0]
@@ -193,7 +219,7 @@ def stage_calcs(outs: dict, settings: dict, stages: list[dict], labels: dict, he
             elif name == "repetition_penalty":
                 c = penalty_calc(at, bool(outs["seen"][0, i]), label, settings.get("repetition_penalty", 1.0))
             elif name == "temperature":
-                c = temperature_calc(at, label, T)
+                c = temperature_calc(at, label, T, bool(sums.get("over")))
             elif T == 0:
                 c = _greedy_calc(at, name, label)
             elif name == "top_k":

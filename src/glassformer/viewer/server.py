@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from ..errors import UserError
+from ..generation.sampling import NonFiniteLogits
 from ..serve.http import Limits, Server, json_bytes, make_app, plain_error
 from ..serve.json_only import is_json, not_json
 from . import cancel
@@ -297,9 +298,9 @@ def _json(status: int, obj: Any, headers: dict | None = None) -> Response:
 
 
 def _error_for(e: Exception) -> Response:
-    """The answer to the user's mistakes (400, 411, 413, 415), a full queue (503) or a client that
-    left (an empty 204 nobody reads). Anything else is a bug: raised on, for the HTTP base to answer
-    500 and log where it happened."""
+    """The answer to the user's mistakes (400, 411, 413, 415), a full queue (503), a client that
+    left (an empty 204 nobody reads) or a model whose logits are not finite (500, saying so). Anything
+    else is a bug: raised on, for the HTTP base to answer 500 and log where it happened."""
     if isinstance(e, _HTTPError):
         return _json(e.status, {"error": e.message}, e.headers)
     if isinstance(e, cancel.ClientLeft):
@@ -308,6 +309,8 @@ def _error_for(e: Exception) -> Response:
         return _json(413, {"error": str(e)})
     if isinstance(e, NotFound):
         return _json(404, {"error": str(e)})
+    if isinstance(e, NonFiniteLogits):  # the model's NaN, not the request's fault: said, as a 500
+        return _json(500, {"error": str(e)})
     if isinstance(e, (UserError, ValueError, KeyError, IndexError)):
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return _json(400, {"error": msg})
