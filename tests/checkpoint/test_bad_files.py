@@ -159,6 +159,26 @@ def test_damaged_weights_are_one_line(good, tmp_path, capsys, damage, verb):
     assert not (tmp_path / "out").exists()
 
 
+CONVERT_ROUTES = {  # every convert route that reads a native checkpoint (--to-hf read the header itself first)
+    "--to-hf": lambda src, out: ["--to-hf", src, "--out", out],
+    "--to-gguf": lambda src, out: ["--to-gguf", src, "--out", f"{out}.gguf"],
+    "--quantize int8": lambda src, out: ["--quantize", "int8", "--checkpoint", src, "--out", out],
+    "--kv-heads": lambda src, out: ["--kv-heads", "1", "--checkpoint", src, "--out", out],
+    "--merge-lora": lambda src, out: ["--merge-lora", src, "--out", out],
+}
+
+
+@pytest.mark.parametrize("route", list(CONVERT_ROUTES))
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_weights_are_one_line_on_every_convert_route(good, tmp_path, capsys, damage, route):
+    folder = copy_of(good, tmp_path)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(DAMAGE[damage](weights.read_bytes()))
+    one_error(capsys, ["convert", *CONVERT_ROUTES[route](str(folder), str(tmp_path / "out"))], weights,
+              "not a readable safetensors file", "truncated or damaged")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
 def test_damaged_weights_are_a_user_error_from_the_api(good, tmp_path):
     folder = copy_of(good, tmp_path)
     (folder / "model.safetensors").write_bytes(b"\0" * 4)
