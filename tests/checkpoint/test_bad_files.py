@@ -327,6 +327,65 @@ def test_a_bad_lora_record_is_one_line_naming_it(adapters, tmp_path, capsys, lor
               folder / "config.json", "lora")
 
 
+# ----------------------------------------------------------------------------- a resumed run's config.json
+
+
+TRAIN_ARGS = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0", "--eval-tokens", "64",
+              "--no-progress", "--threads", "1"]
+
+
+def train_argv(data: Path, out: Path, *more: str) -> list[str]:
+    return ["train", "--data", str(data), "--out", str(out), *TRAIN_ARGS, *more]
+
+
+def last_line_error(capsys, argv: list[str], *names) -> str:
+    """Run argv: exit 2 and one `error:` line, the last on stderr (train says what it resumes before
+    it), naming each of names; no traceback."""
+    capsys.readouterr()
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and err.endswith(errors[0] + "\n") and "Traceback" not in err, err
+    for name in names:
+        assert str(name) in errors[0], err
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(data folder, run folder) of a run two steps long."""
+    from ..support import make_prepared
+
+    root = tmp_path_factory.mktemp("resume")
+    data = make_prepared(root / "data", n_train=300, n_val=60)
+    assert run_cli(train_argv(data, root / "run", "--max-steps", "2")) == 0
+    return data, root / "run"
+
+
+RESUMED_CONFIGS = {  # what is done to the step folder's config.json -> what the line names besides it
+    "a list": (lambda meta: [meta], "a list"),
+    "model a string": (lambda meta: {**meta, "model": "tiny"}, '"model"'),
+    "n_kv_heads text": (lambda meta: meta["model"].update(n_kv_heads="2"), "n_kv_heads"),
+    "n_layers 100,000": (lambda meta: meta["model"].update(n_layers=100_000), "do not belong together"),
+    "vocab_size 10^12": (lambda meta: meta["model"].update(vocab_size=10**12), "this machine has"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUMED_CONFIGS))
+def test_a_bad_config_in_a_resumed_run_is_one_line_naming_it(trained_run, tmp_path, capsys, case):
+    """train --resume checks the step folder's config.json as load() does, before a model is built:
+    a list or a wrong-typed field was a traceback, n_layers 100,000 built for minutes."""
+    data, run = trained_run
+    out = copy_of(run, tmp_path, "run")
+    config = out / (out / "latest").read_text().strip() / "config.json"
+    change, named = RESUMED_CONFIGS[case]
+    edit_json(config, change)
+    argv = train_argv(data, out, "--max-steps", "4", "--resume")
+    last_line_error(capsys, argv, config, named)
+    growth = peak_growth(lambda: last_line_error(capsys, argv, config, named))
+    assert growth is None or growth < GROWTH_LIMIT, f"peak memory rose {growth / 2**20:.0f} MB"
+
+
 # ----------------------------------------------------------------------------- a full disk
 
 

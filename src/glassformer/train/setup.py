@@ -4,7 +4,6 @@ and `start_run`, the loop's first phase (fresh, --init-from or --resume)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
@@ -205,13 +204,18 @@ def find_checkpoint(cfg: TrainConfig, out: Path, d: Dist) -> tuple[Path | None, 
 def resumed_model(cfg: TrainConfig, folder: Path, state_dict: dict):
     """The checkpoint's model, with the run's dropout; an adapter checkpoint's on its base (--base)."""
     from ..checkpoint.builder import model_from_state
+    from ..checkpoint.checks import check_fits_memory, check_layers_held, json_object, model_config
+    from ..files import read_json
 
-    meta = json.loads((folder / "config.json").read_text())
+    file = folder / "config.json"  # checked as load() checks it: one line naming it, before a model is built
+    meta = json_object(read_json(file), file)
     if "lora" in meta:
         model = resumed_adapter(cfg, folder)
     else:
-        mcfg = ModelConfig.from_dict(meta["model"])
-        model = model_from_state(mcfg, state_dict, dtype=torch.get_default_dtype(), where=str(folder)).train()
+        mcfg, dtype = model_config(meta, file), torch.get_default_dtype()
+        check_layers_held(mcfg, file, state_dict.keys(), folder / "model.safetensors")
+        check_fits_memory(mcfg, file, dtype.itemsize)
+        model = model_from_state(mcfg, state_dict, dtype=dtype, where=str(folder)).train()
     set_dropout(model, cfg.dropout)
     return model
 
