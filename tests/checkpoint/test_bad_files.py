@@ -447,8 +447,9 @@ def test_too_little_free_space_is_refused_before_writing(good, tmp_path, monkeyp
 
 
 def test_a_full_disk_during_training_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):
-    """A run whose next checkpoint does not fit stops with one line; its latest checkpoint is intact
-    and --resume continues from it once there is space."""
+    """A run whose next checkpoint does not fit stops with the DiskFullError's own line (the folder and
+    the bytes, each said once, and the previous checkpoint); that checkpoint is untouched and --resume
+    continues from it once there is space."""
     import safetensors.torch
     from safetensors import SafetensorError
 
@@ -457,20 +458,32 @@ def test_a_full_disk_during_training_keeps_the_last_checkpoint(tmp_path, capsys,
     data = make_prepared(tmp_path / "data", n_train=300, n_val=60)
     out = tmp_path / "run"
     args = ["train", "--data", str(data), "--out", str(out), "--preset", "tiny", "--batch-size", "2", "--seq-len", "16",
-            "--eval-every", "0", "--eval-tokens", "64", "--no-progress", "--threads", "1"]
-    assert run_cli([*args, "--max-steps", "2"]) == 0
-    latest = (out / "latest").read_text().strip()
-    before = tree_digest(out / latest)
+            "--eval-every", "0", "--eval-tokens", "64", "--no-progress", "--threads", "1", "--max-steps", "4"]
+    real, before = safetensors.torch.save_file, {}
 
-    def full(tensors, filename, metadata=None):
+    def full_at_step_4(tensors, filename, metadata=None):
+        if ".step-000004.tmp-" not in filename:
+            return real(tensors, filename, metadata=metadata)
+        before.setdefault("step-000002", tree_digest(out / "step-000002"))  # complete, as the step-4 write begins
         raise SafetensorError(DISK_FULL_TEXT)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_at_step_4)
     capsys.readouterr()
-    assert run_cli([*args, "--max-steps", "4", "--resume"]) == 2
-    err = capsys.readouterr().err  # train says what it resumes before the line
+    assert run_cli([*args, "--snapshot-every", "2"]) == 2
+    err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and err.endswith(errors[0] + "\n") and "Traceback" not in err, err
-    assert "the disk filled while writing" in errors[0] and f"{out}/{latest} is intact" in errors[0], err
-    assert (out / "latest").read_text().strip() == latest and tree_digest(out / latest) == before
+    line = errors[0]
+    assert line.startswith(f"error: the disk filled while writing {out}/step-000004 (No space left on device): "
+                           "it needs more than the "), line
+    assert f"; {out}/step-000002 is intact: --resume continues from it" in line, line
+    for once in (f"{out}/step-000004", "No space left on device", "bytes free", "partial", "free some space"):
+        assert line.count(once) == 1, line  # the loop's own wrapping said the folder and the advice twice
+    assert "could not write checkpoint" not in line and "SafetensorError" not in line
+    assert (out / "latest").read_text().strip() == "step-000002"
+    assert tree_digest(out / "step-000002") == before["step-000002"]
     assert not [p.name for p in out.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+    monkeypatch.setattr(safetensors.torch, "save_file", real)  # space again
+    assert run_cli([*args, "--snapshot-every", "2", "--resume"]) == 0
+    assert (out / "latest").read_text().strip() == "step-000004"

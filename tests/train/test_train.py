@@ -143,7 +143,7 @@ def test_failed_write_leaves_no_partial_checkpoint(data, tmp_path, monkeypatch, 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     assert main(["train", "--data", str(data), "--out", str(out), *ARGS]) == 2
     err = capsys.readouterr().err
-    assert "could not write checkpoint" in err and "No space left" in err and "step-000004 is intact" in err
+    assert "the disk filled while writing" in err and "No space left" in err and "step-000004 is intact" in err
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["step-000004"]  # no temporary folder left
     assert read_pointer(out, "latest") == "step-000004"
     load(out)

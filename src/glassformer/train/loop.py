@@ -15,10 +15,10 @@ import torch
 
 from .distributed import all_mean, all_sum, any_rank, full_states, teardown
 from .distributed import setup as setup_processes
-from ..checkpoint.folders import add_snapshot, prune, read_pointer, write_pointer
+from ..checkpoint.folders import add_snapshot, prune, read_pointer, step_name, write_pointer
 from ..checkpoint.training import save_training
 from ..config import TrainConfig
-from ..errors import UserError
+from ..errors import DiskFullError, UserError
 from ..text.data import get_batch
 from .cpu_memory import keep_freed_memory
 from .evaluate import score, summary
@@ -304,12 +304,24 @@ def save_checkpoint(run: RunState, val: dict | None, reason: str) -> str | None:
                                    state, tensors, adapter_writer(run.model, model_sd, run.data / "tokenizer.json"))
             name = folder.name
         except OSError as e:
-            prev = read_pointer(out, "latest")
-            failed = (f"could not write checkpoint {out}/step-{step:06d} ({e}); nothing partial was left behind"
-                      + (f" and {out}/{prev} is intact" if prev else "") + ": free space or fix permissions, then --resume")
-    if any_rank(failed is not None, run.d, run.device):
-        raise UserError(failed or "rank 0 could not write a checkpoint")
+            failed = _failed_write(e, out, step)
+    if any_rank(failed is not None, run.d, run.device):  # every rank stops together; rank 0 says why
+        raise failed or UserError("rank 0 could not write a checkpoint")
     return name
+
+
+def _failed_write(e: OSError, out, step: int) -> UserError:
+    """The one line for a checkpoint that could not be written (atomic_folder removed its partial
+    folder). A full disk's DiskFullError already names the folder and the bytes: it goes out as it is,
+    with only the run's previous checkpoint added, so the line says nothing twice."""
+    prev = read_pointer(out, "latest")
+    if isinstance(e, DiskFullError):  # when prev is this step's folder (rewritten), the error says it is as it was
+        kept = f"; {out}/{prev} is intact: --resume continues from it" if prev and prev != step_name(step) else ""
+        error = DiskFullError(f"{e}{kept}")
+        error.errno = e.errno
+        return error
+    return UserError(f"could not write checkpoint {out}/step-{step:06d} ({e}); nothing partial was left behind"
+                     + (f" and {out}/{prev} is intact" if prev else "") + ": free space or fix permissions, then --resume")
 
 
 # ----------------------------------------------------------------------------- finish
