@@ -189,6 +189,24 @@ def test_a_bad_cost_config_is_named(tmp_path, capsys, content, names):
     one_error(capsys, ["cost", "--config", str(config)], str(config), *names)
 
 
+@pytest.mark.parametrize("where", ["checkpoint", "run"])
+@pytest.mark.parametrize("field, value", [("n_kv_heads", "2"), ("vocab_size", 1e12), ("bias", "yes")])
+def test_cost_names_the_checkpoint_s_config_file(ckpt, tmp_path, capsys, where, field, value):
+    """cost --checkpoint with a bad field names the config.json that holds it (it named the folder),
+    a run folder's too (its latest checkpoint's)."""
+    import shutil
+
+    folder = tmp_path / "step-000001" if where == "run" else tmp_path / "ckpt"
+    shutil.copytree(ckpt, folder)
+    meta = json.loads((folder / "config.json").read_text())
+    meta["model"][field] = value
+    (folder / "config.json").write_text(json.dumps(meta))
+    if where == "run":
+        (tmp_path / "latest").write_text("step-000001\n")
+    one_error(capsys, ["cost", "--checkpoint", str(tmp_path if where == "run" else folder)],
+              f"{folder / 'config.json'}: ", field)
+
+
 def test_binary_standard_input_to_tokenize(data, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(BINARY), errors="surrogateescape"))
     one_error(capsys, ["tokenize", "--tokenizer", str(data), "-"], "standard input", "UTF-8")

@@ -48,30 +48,30 @@ def load_config(args):
         if not path.is_file():
             raise UserError(f"config file {path} does not exist: give a JSON file of ModelConfig fields")
         return _config_from_json(read_json(path, ": give a JSON file of ModelConfig fields"), path)
-    from ..checkpoint.folders import read_config
+    from ..checkpoint.folders import read_config, resolve
 
-    data = read_config(args.checkpoint)
+    folder = resolve(args.checkpoint, weights=False)  # a run's latest checkpoint; a Hub name's config alone
+    data = read_config(folder)
     if "peft_type" in data:  # a PEFT adapter folder: the model is its base's (cost --lora-r prices the adapter)
         from ..convert.peft import read_peft
 
-        base = read_peft(args.checkpoint).base
-        return _config_from_json(read_config(base), Path(base))
-    return _config_from_json(data, Path(args.checkpoint))
+        folder = resolve(read_peft(folder).base, weights=False)
+        data = read_config(folder)
+    return _config_from_json(data, folder / "config.json")  # a bad field is said with the file that holds it
 
 
 def _config_from_json(data: dict, where):
     """The ModelConfig in a glassformer config.json, a Hugging Face one, or a dict of ModelConfig fields."""
+    from ..checkpoint.checks import model_config
     from ..config import ModelConfig
     from ..convert.keymap import config_from_hf
     from ..errors import UserError
 
     if not isinstance(data, dict):
         raise UserError(f"{where}: expected a JSON object of ModelConfig fields")
+    if data.get("format") == "glassformer":
+        return model_config(data, where)  # as load() reads it: the file and the field named
     try:
-        if data.get("format") == "glassformer":
-            if not isinstance(data.get("model"), dict):
-                raise UserError(f"{where}: \"model\" must be a JSON object of ModelConfig fields")
-            return ModelConfig.from_dict(data["model"])
         if "model_type" in data:  # a Hugging Face config.json; an unsupported model_type is refused by name
             return config_from_hf(data)
         return ModelConfig.from_dict(data)
