@@ -5,7 +5,9 @@ command line, a UserError from the Python API), found before anything large is a
 Damaged weights (half a file, 4 bytes, none, a header length of 2^60, offsets past the end), configs
 that are not JSON objects or hold wrong-typed fields, sizes that outgrow the machine or the weights
 file (vocab_size 10^12, n_layers 100,000), adapters whose rank disagrees with their tensors (r
-300,000 and 1e9), and a disk that fills during a save."""
+300,000 and 1e9), a disk that fills during a save, a resumed run's config.json, and GGUF files (cut,
+foreign, empty, a header claiming a 4 TiB tensor, a bad glassformer.config, tokenizer file names that
+leave the checkpoint)."""
 
 from __future__ import annotations
 
@@ -325,6 +327,116 @@ def test_a_bad_lora_record_is_one_line_naming_it(adapters, tmp_path, capsys, lor
     edit_json(folder / "config.json", lambda c: c.update(lora=lora))
     one_error(capsys, ["convert", "--merge-lora", str(folder), "--out", str(tmp_path / "out")],
               folder / "config.json", "lora")
+
+
+# ----------------------------------------------------------------------------- GGUF files
+
+
+@pytest.fixture(scope="module")
+def gguf_file(good, tmp_path_factory) -> Path:
+    """`good` written as a GGUF file (f32, with its glassformer.config and tokenizer files keys: a
+    tokenizer_config.json with a chat template beside its tokenizer.json)."""
+    pytest.importorskip("gguf")
+    root = tmp_path_factory.mktemp("gguf")
+    src = copy_of(good, root, "src")
+    template = "{% for m in messages %}" + "{{ m['role'] }}: {{ m['content'] }}\n" * 4 + "{% endfor %}"
+    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    assert run_cli(["convert", "--to-gguf", str(src), "--out", str(root / "good.gguf")]) == 0
+    return root / "good.gguf"
+
+
+def gguf_string(data: bytes, key: str) -> tuple[int, int]:
+    """(start, length) of the string value of `key` in a GGUF file's bytes (the key, its type, its length)."""
+    name = key.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    assert struct.unpack("<I", data[at:at + 4])[0] == 8  # GGUF's string type
+    return at + 12, struct.unpack("<Q", data[at + 4:at + 12])[0]
+
+
+def with_gguf_string(data: bytes, key: str, text: str) -> bytes:
+    """The file with key's string replaced by text, padded with spaces to the same length (so every
+    offset after it stays where it was; JSON allows the spaces)."""
+    start, n = gguf_string(data, key)
+    new = text.encode()
+    assert len(new) <= n
+    return data[:start] + new + b" " * (n - len(new)) + data[start + n:]
+
+
+def with_gguf_config(data: bytes, change) -> bytes:
+    start, n = gguf_string(data, "glassformer.config")
+    fields = json.loads(data[start:start + n])
+    new = change(fields)
+    return with_gguf_string(data, "glassformer.config", json.dumps(fields if new is None else new, separators=(",", ":")))
+
+
+def huge_embedding(data: bytes) -> bytes:
+    """token_embd.weight's header says 2^34 rows of 64 (4 TiB of f32) in a half-megabyte file."""
+    name = b"token_embd.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    assert struct.unpack("<I", data[at:at + 4])[0] == 2  # two dimensions: (dim, vocab), innermost first
+    return data[:at + 12] + struct.pack("<Q", 2**34) + data[at + 20:]
+
+
+GGUF_DAMAGE = {
+    "half": lambda data: data[: len(data) // 2],
+    "4 bytes": lambda data: data[:4],
+    "0 bytes": lambda data: b"",
+    "garbage": lambda data: bytes(range(256)) * 64,
+    "GGUF then garbage": lambda data: b"GGUF" + bytes(range(256)) * 64,
+    "a 4 TiB tensor in the header": huge_embedding,
+}
+
+
+@pytest.mark.parametrize("damage", list(GGUF_DAMAGE))
+def test_a_damaged_gguf_file_is_one_line(gguf_file, tmp_path, capsys, damage):
+    """convert --from-gguf on a cut, foreign or empty file: one line naming it and what to do (it was
+    the reader's bare words, without what to do), nothing allocated for what its header claims."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(GGUF_DAMAGE[damage](gguf_file.read_bytes()))
+    small_footprint(capsys, ["convert", "--from-gguf", str(bad), "--out", str(tmp_path / "out")], bad,
+                    "truncated, damaged or not a GGUF file", "convert or download it again")
+    assert not (tmp_path / "out").exists()
+
+
+KEY = "'s glassformer.config key"
+GGUF_CONFIGS = {  # what is done to the file's glassformer.config -> what the line says after the file's name
+    "not JSON": (lambda fields: "{x", KEY, "is not JSON"),
+    "a list": (lambda fields: [fields], KEY, "a list"),
+    "n_kv_heads text": (lambda fields: fields.update(n_kv_heads="2"), KEY, "n_kv_heads"),
+    "n_layers 100,000": (lambda fields: fields.update(n_layers=100_000), KEY, "holds the tensors of 2 layers"),
+    "vocab_size 10^12": (lambda fields: fields.update(vocab_size=10**12), KEY, "this machine has"),
+    "head_dim 12": (lambda fields: fields.update(head_dim=12), ": tensor blk.0.attn_q.weight [64, 64]",
+                    "does not fit its config"),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_CONFIGS))
+def test_a_bad_gguf_config_key_is_one_line_naming_it(gguf_file, tmp_path, capsys, case):
+    """A list or a head_dim its tensors cannot take was a traceback, a wrong-typed field a line not
+    naming the file, n_layers 100,000 a model built to find tensors missing; now each is one line."""
+    change, where, named = GGUF_CONFIGS[case]
+    bad = tmp_path / "bad.gguf"
+    data = gguf_file.read_bytes()
+    if case == "not JSON":
+        bad.write_bytes(with_gguf_string(data, "glassformer.config", change(None)))
+    else:
+        bad.write_bytes(with_gguf_config(data, change))
+    small_footprint(capsys, ["convert", "--from-gguf", str(bad), "--out", str(tmp_path / "out")],
+                    f"{bad}{where}", named)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["../escaped.txt", "{tmp}/absolute.txt", "additional_chat_templates/../../up.jinja",
+                                  "tokenizer.json"])
+def test_a_gguf_file_writes_its_tokenizer_files_inside_the_checkpoint_alone(gguf_file, tmp_path, capsys, name):
+    """The glassformer.tokenizer_files key names files to write beside tokenizer.json: a name that
+    leaves the checkpoint (or replaces its tokenizer.json) is refused; it was written where it pointed."""
+    name = name.format(tmp=tmp_path)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(with_gguf_string(gguf_file.read_bytes(), "glassformer.tokenizer_files", json.dumps({name: "x"})))
+    one_error(capsys, ["convert", "--from-gguf", str(bad), "--out", str(tmp_path / "sub" / "out")],
+              f"{bad}'s glassformer.tokenizer_files key", repr(name))
+    assert [p.name for p in tmp_path.rglob("*")] == ["bad.gguf"]  # refused before anything was written
 
 
 # ----------------------------------------------------------------------------- a resumed run's config.json

@@ -17,6 +17,8 @@ from ..config import ModelConfig
 from ..errors import UserError
 from .gguf import CONFIG_KEY, TOKENIZER_FILES_KEY, gguf_rules
 
+DAMAGED = "it is truncated, damaged or not a GGUF file: convert or download it again"
+
 
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
@@ -84,23 +86,76 @@ def _tensor(t) -> torch.Tensor:
     raise UserError(f"tensor {t.name} is {t.tensor_type.name}; glassformer reads f32, f16, bf16 and q8_0 GGUF files")
 
 
-def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
-    """(config, our state dict, tokenizer files by name) of a GGUF file."""
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _open(path: Path):
+    """A GGUFReader on the file, or one line naming it. The reader maps the file and reads its header
+    alone: each tensor becomes a view of the mapped bytes, sized from the header's dimensions, and
+    one that would pass the file's end is refused there (a truncated file), so nothing is allocated
+    for what the header claims."""
     import gguf
 
-    path = Path(path)
     if not path.is_file():
         raise UserError(f"{path} is not a file: give a .gguf file")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path} is empty (0 bytes): {DAMAGED}")
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct errors on a foreign file
-        raise UserError(f"{path} is not a readable GGUF file: {e}") from None
+        return gguf.GGUFReader(path)
+    except Exception as e:  # ValueError, struct and numpy errors on a cut or foreign file
+        raise UserError(f"{path} is not a readable GGUF file ({_first_line(e)}): {DAMAGED}") from None
+
+
+def _own_config(own, path: Path) -> ModelConfig:
+    """The ModelConfig in the file's glassformer.config key (JSON of ModelConfig fields), checked."""
+    from ..checkpoint.checks import json_object
+
+    where = f"{path}'s {CONFIG_KEY} key"
+    try:
+        fields = json.loads(own) if isinstance(own, str) else own
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where} is not JSON ({e}): {DAMAGED}") from None
+    try:
+        return ModelConfig.from_dict(json_object(fields, where))
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{where}: {_first_line(e)}: {DAMAGED}") from None
+
+
+def _config(reader, arch: str, tensors: dict, path: Path) -> ModelConfig:
+    """The file's config (its glassformer.config, else llama.cpp's keys), checked against its
+    tensors' layers and the machine's memory before a tensor is read."""
+    from ..checkpoint.checks import check_fits_memory, layers_held
+
+    own = _field(reader, CONFIG_KEY)
+    where = f"{path}'s {CONFIG_KEY} key" if own else str(path)
+    if own:
+        cfg = _own_config(own, path)
+    else:
+        if "token_embd.weight" not in tensors:
+            raise UserError(f"{path}: no token_embd.weight tensor: {DAMAGED}")
+        try:
+            cfg = _config_from_keys(reader, arch, tensors)
+        except (ValueError, TypeError) as e:  # a key of the wrong kind, or values ModelConfig refuses
+            raise UserError(f"{path}: its {arch}.* keys do not make a model ({_first_line(e)}): {DAMAGED}") from None
+    held = layers_held(tensors)  # building a model of n_layers 100,000 takes minutes, even on the meta device
+    if cfg.n_layers > held:
+        raise UserError(f"{where} says n_layers {cfg.n_layers:,}, but the file holds the tensors of {held:,} layers: "
+                        f"{DAMAGED}")
+    check_fits_memory(cfg, where, _dtype(reader).itemsize)
+    return cfg
+
+
+def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """(config, our state dict, tokenizer files by name) of a GGUF file."""
+    path = Path(path)
+    reader = _open(path)
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "gpt2"):
         raise UserError(f"{path}: architecture {arch!r}; glassformer reads llama, qwen2 and gpt2 GGUF files")
     tensors = {t.name: t for t in reader.tensors}
-    own = _field(reader, CONFIG_KEY)
-    cfg = ModelConfig.from_dict(json.loads(own)) if own else _config_from_keys(reader, arch, tensors)
+    cfg = _config(reader, arch, tensors, path)
     dtype = _dtype(reader)
     state: dict[str, torch.Tensor] = {}
     rules = gguf_rules(cfg, arch)
@@ -108,12 +163,40 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], d
     if missing:
         raise UserError(f"{path}: missing tensors {missing[:3]} that its config implies")
     for rule in rules:
-        for k, v in rule.to_ours(_tensor(tensors[rule.gguf]), cfg, arch).items():
+        try:
+            ours = rule.to_ours(_tensor(tensors[rule.gguf]), cfg, arch)
+        except (RuntimeError, ValueError) as e:  # a shape its config cannot take apart
+            raise UserError(f"{path}: tensor {rule.gguf} {[int(d) for d in tensors[rule.gguf].shape]} does not fit its config "
+                            f"({_first_line(e)}): {DAMAGED}") from None
+        for k, v in ours.items():
             state[k] = v.to(dtype).contiguous()
-    return cfg, state, _tokenizer_files(reader)
+    return cfg, state, _tokenizer_files(reader, path)
 
 
-def _tokenizer_files(reader) -> dict:
+def _side_files(own, path: Path) -> dict[str, str]:
+    """The glassformer.tokenizer_files key: {name: text} of the files gguf.py put beside tokenizer.json.
+    Only those names are taken (checkpoint/folders.py's side files, and templates in their folder),
+    so a file cannot write outside the checkpoint it makes (../x, /abs/x)."""
+    from ..checkpoint.folders import TOKENIZER_SIDE_DIR, TOKENIZER_SIDE_FILES
+
+    where = f"{path}'s {TOKENIZER_FILES_KEY} key"
+    try:
+        files = json.loads(own) if isinstance(own, str) else own
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where} is not JSON ({e}): {DAMAGED}") from None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise UserError(f"{where} is not a JSON object of file names and texts: {DAMAGED}")
+    for name in files:
+        folder, _, file = name.rpartition("/")
+        ours = name in TOKENIZER_SIDE_FILES or (folder == TOKENIZER_SIDE_DIR and file.endswith(".jinja")
+                                                and file != ".jinja" and "\\" not in file)
+        if not ours:
+            raise UserError(f"{where} names {name!r}, not a tokenizer file glassformer writes beside tokenizer.json "
+                            f"({', '.join(TOKENIZER_SIDE_FILES)}, {TOKENIZER_SIDE_DIR}/*.jinja): {DAMAGED}")
+    return files
+
+
+def _tokenizer_files(reader, path: Path) -> dict:
     """tokenizer.json (exact) and the files beside it, rebuilt from the keys where the file lacks ours."""
     text = _field(reader, "tokenizer.huggingface.json")
     if text is None:
@@ -121,7 +204,7 @@ def _tokenizer_files(reader) -> dict:
     files = {"tokenizer.json": text}
     own = _field(reader, TOKENIZER_FILES_KEY)
     if own:
-        return {**files, **json.loads(own)}
+        return {**files, **_side_files(own, path)}
     config = {}
     template = _field(reader, "tokenizer.chat_template")
     if template:
