@@ -498,6 +498,18 @@ def test_a_bad_config_in_a_resumed_run_is_one_line_naming_it(trained_run, tmp_pa
     assert growth is None or growth < GROWTH_LIMIT, f"peak memory rose {growth / 2**20:.0f} MB"
 
 
+@pytest.mark.parametrize("change, named", [(lambda state: [state], "a list"),
+                                           (lambda state: state.update(config=[1]), '"config"')])
+def test_a_bad_train_state_in_a_resumed_run_is_one_line_naming_it(trained_run, tmp_path, capsys, change, named):
+    """train --resume reads the run's saved settings from train_state.json first: a list there was an
+    AttributeError traceback."""
+    data, run = trained_run
+    out = copy_of(run, tmp_path, "run")
+    state = out / (out / "latest").read_text().strip() / "train_state.json"
+    edit_json(state, change)
+    last_line_error(capsys, train_argv(data, out, "--max-steps", "4", "--resume"), state, named)
+
+
 # ----------------------------------------------------------------------------- a full disk
 
 

@@ -114,10 +114,20 @@ def _of_kind(value, kind: str) -> bool:
     return isinstance(value, str) or (value is None and "None" in kind)
 
 
+def _saved_settings(file) -> dict:
+    """The settings a run saved with its checkpoint (train_state.json's "config"), or one line naming the file."""
+    from ..checkpoint.checks import DAMAGED, json_object
+    from ..errors import UserError
+    from ..files import read_json
+
+    saved = json_object(read_json(file), file).get("config", {})
+    if not isinstance(saved, dict):
+        raise UserError(f'{file}: "config" must be an object of the run\'s settings: {DAMAGED}')
+    return saved
+
+
 def resolve_config(args) -> "TrainConfig":  # noqa: F821
     """defaults < the resumed run's saved settings < --config FILE < flags given."""
-    import json
-
     from ..checkpoint.folders import newest_checkpoint
     from ..config import TrainConfig
 
@@ -128,7 +138,7 @@ def resolve_config(args) -> "TrainConfig":  # noqa: F821
     if settings.get("resume"):
         ckpt = newest_checkpoint(settings.get("out", TrainConfig.out))
         if ckpt is not None:
-            saved = json.loads((ckpt / "train_state.json").read_text()).get("config", {})
+            saved = _saved_settings(ckpt / "train_state.json")
             settings = {**{k: v for k, v in saved.items() if k in names}, **settings}
             return TrainConfig.from_saved(settings)
     return TrainConfig.from_dict(settings)
