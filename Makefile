@@ -13,7 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	@if [ -n "$(TORCH_INDEX)" ]; then \
 	  echo "no GPU found: installing PyTorch's CPU build"; \
-	  $(PIP) install -q --retries 1 --index-url $(TORCH_INDEX) "torch>=2.4"; \
+	  torch=$$($(PYTHON) scripts/floors.py --requirement torch) || exit 1; \
+	  $(PIP) install -q --retries 1 --index-url $(TORCH_INDEX) "$$torch"; \
 	fi
 	$(PIP) install -q -e ".[dev]"
 	touch $@
@@ -56,6 +57,37 @@ test-llamacpp: venv
 	mkdir -p "$(dir $(LLAMACPP_STAMP))" && touch "$(LLAMACPP_STAMP)"
 	$(PY) -m pytest -m llamacpp
 
+# The declared floors (pyproject.toml's >= versions) are tested floors. Where `make test` ran on
+# exactly them, that run was the test; where it ran on newer releases, the suite (less the llamacpp
+# tests, whose llama-cpp-python is pinned) runs again in $(FLOORS_VENV), every dependency at its floor.
+FLOORS_VENV ?= .venv-floors
+FLOORS_PY   := $(FLOORS_VENV)/bin/python
+.PHONY: test-floors floors-suite
+test-floors: venv
+	@rc=0; $(PY) scripts/floors.py --check $(PY) || rc=$$?; \
+	case $$rc in \
+	  0) echo "$(VENV) is at the declared floors: make test ran the suite on them";; \
+	  1) $(MAKE) --no-print-directory floors-suite;; \
+	  *) exit $$rc;; \
+	esac
+
+$(FLOORS_VENV)/.installed: pyproject.toml scripts/floors.py
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(FLOORS_PY) -m pip install -q --upgrade pip
+	$(PYTHON) scripts/floors.py --constraints $(FLOORS_VENV)/constraints.txt
+	@if [ -n "$(TORCH_INDEX)" ]; then \
+	  echo "no GPU found: installing PyTorch's CPU build"; \
+	  $(FLOORS_PY) -m pip install -q --retries 1 --index-url $(TORCH_INDEX) -c $(FLOORS_VENV)/constraints.txt torch; \
+	fi
+	$(FLOORS_PY) -m pip install -q -c $(FLOORS_VENV)/constraints.txt -e ".[dev]"
+	$(FLOORS_PY) scripts/floors.py --check
+	touch $@
+
+floors-suite: $(FLOORS_VENV)/.installed
+	sh scripts/ensure_browser.sh
+	$(FLOORS_PY) -m pytest -m "not llamacpp"
+
 # The teaching notebooks at full length (notebooks/README.md; the tests run them in fast mode):
 # each runs in notebooks-out/<name>/, its executed copy written to notebooks-out/<name>.ipynb.
 .PHONY: notebooks
@@ -66,4 +98,4 @@ bench: venv
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info runs demo-out
+	rm -rf $(VENV) $(FLOORS_VENV) build dist *.egg-info runs demo-out
