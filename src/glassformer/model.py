@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import cpu_decode, get_kernel
+from .attention import get_kernel
 from .attention.mask import allowed
 from .config import ModelConfig
 from .probes import tap, wants
@@ -30,15 +30,9 @@ class RMSNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the input dtype: the mean of squares overflows fp16.
-        if not torch.is_grad_enabled() and x.dtype == torch.float32:
-            # Generation and eval: the library's rms_norm, the same numbers in fp32 (tests/model); on a CPU
-            # (torch 2.13) it is still a few operations inside, though fewer and faster than the lines below.
-            y = F.rms_norm(x, x.shape[-1:], self.weight, eps=self.eps)
-        else:
-            xf = x.float()
-            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            y = self.weight * y.to(x.dtype)
+        xf = x.float()  # in fp32 whatever the input dtype: the mean of squares overflows fp16
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., D)
+        y = self.weight * y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -132,215 +126,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str
     return rotate(x, *rope_tables(cos, sin, pairs), pairs)
 
 
-# ----------------------------------------------------------------------------- weight products
-
-
-def dropout(drop: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
-    """drop(x) while training with p > 0; else x itself, without the module's call (2L + 1 a decode step)."""
-    return drop(x) if drop.training and drop.p > 0 else x
-
-
-def hooked(m: nn.Module) -> bool:
-    """Whether calling m runs anything besides its forward: a hook of its own or a global one."""
-    g = nn.modules.module
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                or g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
-                or g._global_backward_pre_hooks)
-
-
-def one_row(x: torch.Tensor) -> bool:
-    """Whether x is one row for a product on the CPU with no gradient wanted: a decode step at batch
-    1, bound by how fast the weight streams from memory, where a faster way to read it pays."""
-    return x.numel() == x.shape[-1] and x.device.type == "cpu" and not torch.is_grad_enabled()
-
-
-def reads_held(x: torch.Tensor) -> bool:
-    """Whether a product over many rows may read a held joined copy instead of joining the weights
-    anew: inference on the CPU, not compiling (training and compiled graphs keep their own way)."""
-    return x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-
-
-# A decode step of a few sequences at once (the serve engine's batch) multiplies a few rows by each
-# weight; there oneDNN's product over a weight reordered once into its blocked layout runs
-# 1.4-2x faster than the library's plain product on one core (bench/batching.py --library). Its sums
-# run in another order, so its results differ from F.linear's in the last bits (as any two
-# products' do); a product over one row or over many keeps its own way.
-FEW_ROWS = 64
-
-
-def _can_pack() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-PACKS = _can_pack()
-
-
-def few_rows(x: torch.Tensor) -> bool:
-    """Whether x (B, 1, in) is one position of a few fp32 sequences (2..FEW_ROWS) for an inference
-    product on the CPU: a batched decode step, which a held copy's packed weight serves (`packed`).
-    A prompt's prefill (positions along dim -2) keeps the library's product."""
-    rows = x.numel() // max(1, x.shape[-1])
-    return (PACKS and x.dim() == 3 and x.shape[1] == 1 and 1 < rows <= FEW_ROWS
-            and x.dtype == torch.float32 and reads_held(x))
-
-
-# oneDNN's call costs a fixed few microseconds more than the library's plain product, which a small
-# weight's product does not earn back: a weight smaller than this (in x out) is multiplied from the
-# held (in, out) copy instead. That keeps the demo model's block products (at most 128 x 768) plain,
-# its head and the reference shape's larger products packed (bench/batching.py --pack-all).
-PACK_MIN = 1 << 17
-
-
-def packed(held: tuple) -> tuple:
-    """`held` (fresh_rows) with its weight also reordered for oneDNN's few-row product (built once),
-    or marked False where the weight is too small for that to pay (PACK_MIN)."""
-    if held[4] is not None:
-        return held
-    if held[1].numel() < PACK_MIN:
-        return (*held[:4], False)
-    if cpu_decode.products_ready():  # the C++ kernel's panels, where an engine built it (cpu_decode.panels)
-        return (*held[:4], cpu_decode.panels(held[1], held[3]))
-    out_in = held[1].t().contiguous()  # (out, in)
-    return (*held[:4], torch.ops.mkldnn._reorder_linear_weight(out_in, 16))
-
-
-def packed_product(held: tuple, x: torch.Tensor) -> torch.Tensor:
-    """x (..., in), a few rows, times a `packed` copy: (..., out)."""
-    x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
-    if held[4] is False:  # too small to pack: the plain product over the held (in, out) copy
-        y = x2 @ held[1] if held[3] is None else torch.addmm(held[3], x2, held[1])  # (rows, out)
-    elif isinstance(held[4], cpu_decode.Panels):
-        y = cpu_decode.few_rows_product(x2, held[4])  # (rows, out)
-    else:
-        y = torch.ops.mkldnn._linear_pointwise(x2, held[4], held[3], "none", [], "")  # (rows, out)
-    return y.view(*x.shape[:-1], -1)
-
-
-def fresh_rows(held: tuple | None, weights, biases) -> tuple:
-    """`held` if it was built from these weights as they are now (and for this thread count), else a
-    new row-block copy: the weights side by side, transposed to (in, out), seen as one block of
-    consecutive rows per thread (in/P, out) so that P partial products run on P threads; one row
-    through a plain library product runs on one thread (bench/matvec.py). (key, io, blocks, bias,
-    packed): packed is None until a few-row product asks for it (`packed`), False for a weight too small to pack."""
-    key = (tuple((w.data_ptr(), w._version) for w in weights), torch.get_num_threads())
-    if held is not None and held[0] == key:
-        return held
-    io = torch.cat([w.detach() for w in weights]).t().contiguous()  # (in, out)
-    P = key[1]
-    blocks = io.view(P, io.shape[0] // P, io.shape[1]) if P > 1 and io.shape[0] % P == 0 else None  # (P, in/P, out)
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # (out,)
-    return key, io, blocks, bias, None
-
-
-def held_product(held: tuple, x: torch.Tensor) -> torch.Tensor:
-    """x (..., in), one row, times a fresh_rows copy: (..., out)."""
-    _, io, blocks, bias, _ = held
-    x1 = x.reshape(1, -1)  # (1, in)
-    if blocks is None:
-        y = x1 @ io  # (1, out)
-    else:  # one batched call, a block per thread
-        y = torch.bmm(x1.view(blocks.shape[0], 1, -1), blocks).sum(0)  # (P, 1, out) partial sums -> (1, out)
-    y = y if bias is None else y + bias
-    return y.view(*x.shape[:-1], -1)
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose one-row products may read the weight in a faster way on a CPU: compiled, as
-    a multiply-and-sum over its rows, which inductor makes one streaming loop; eagerly, from a
-    row-block copy held by `hold_rows` (rebuilt when the weight changes). docs/architecture.md."""
-
-    held: tuple | None = None  # a fresh_rows copy, or None
-
-    def hold_rows(self, on: bool = True) -> None:
-        """Keep (or drop) a row-block copy of the weight for eager one-row products (kept while fresh)."""
-        self.held = fresh_rows(self.held, (self.weight,), (self.bias,)) if on else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if one_row(x):
-            if torch.compiler.is_compiling():
-                y = (self.weight * x.reshape(1, -1)).sum(-1)  # (out, in) -> (out,): one loop over the rows
-                return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], -1)
-            held = self.held
-            if held is not None:
-                fresh = fresh_rows(held, (self.weight,), (self.bias,))
-                if fresh is not held:  # rebuilt (a module's setattr costs more than the check)
-                    self.held = fresh
-                return held_product(fresh, x)
-        elif self.held is not None and few_rows(x):
-            fresh = packed(fresh_rows(self.held, (self.weight,), (self.bias,)))
-            if fresh is not self.held:
-                self.held = fresh
-            return packed_product(fresh, x)
-        return F.linear(x, self.weight, self.bias)
-
-
-def joined_rows(held: tuple | None, lins, on: bool = True) -> tuple | None:
-    """A row-block copy of `lins`' weights side by side (fresh_rows), or None when off or when any of
-    them is not a plain Linear (a module replaced from outside: it runs its own call)."""
-    if not on or any(type(m) is not Linear for m in lins):
-        return None
-    return fresh_rows(held, [m.weight for m in lins], [m.bias for m in lins])
-
-
-def side_by_side(x: torch.Tensor, lins, held: tuple | None):
-    """Each of `lins` (Linears reading the same x) applied to x, as one product over their weights
-    side by side where they are plain Linears with nothing hooked, else each by its own call:
-    (outputs, the held copy as it now is). Over many rows the joined product is one pass over x
-    forward and one input gradient backward (bench/train_parts.py); at one row it reads a held
-    row-block copy of the joined weights, or each module's own way when compiled or none is held."""
-    plain = all(type(m) is Linear and not hooked(m) for m in lins)
-    row = one_row(x)
-    if not plain or (row and (held is None or torch.compiler.is_compiling())):
-        return tuple(m(x) for m in lins), held  # a replaced or hooked module: each its own call
-    sizes = [m.out_features for m in lins]
-    if row:
-        held = fresh_rows(held, [m.weight for m in lins], [m.bias for m in lins])
-        return held_product(held, x).split(sizes, dim=-1), held
-    if held is not None and reads_held(x):  # a batched decode step: no concatenation per call
-        held = fresh_rows(held, [m.weight for m in lins], [m.bias for m in lins])
-        if few_rows(x):
-            held = packed(held)
-            return packed_product(held, x).split(sizes, dim=-1), held
-        y = x @ held[1]  # (..., in) @ (in, sum of outs) -> (..., sum of outs)
-        return (y if held[3] is None else y + held[3]).split(sizes, dim=-1), held
-    w = torch.cat([m.weight for m in lins])  # (sum of outs, in)
-    b = None if lins[0].bias is None else torch.cat([m.bias for m in lins])
-    return F.linear(x, w, b).split(sizes, dim=-1), held
-
-
-# cuBLAS serves a half-precision product whose output rows are not a multiple of 8 elements
-# long with slower, narrowly aligned kernels, and GPT-2's 50,257-token head is its model's
-# largest product (nanoGPT and llm.c pad that vocabulary to 50,304 for the same reason). On a
-# GPU the head multiplies a zero-padded copy of its weight instead and drops the extra
-# columns: the same logits and gradients, from an aligned product. The weights keep their shape.
-# Only for products over many rows (training, long prompts): the copy moves twice the weight's
-# bytes, which a decode step's product (one row per sequence, bound by reading the weight) would feel.
-HEAD_PAD, HEAD_PAD_MIN_ROWS = 64, 4096
-
-
-def pads_head(x: torch.Tensor, vocab_size: int) -> bool:
-    """Whether the head's product runs over a vocabulary padded to a multiple of HEAD_PAD."""
-    return x.is_cuda and vocab_size % HEAD_PAD != 0 and x.numel() >= HEAD_PAD_MIN_ROWS * x.shape[-1]
-
-
-def head_logits(x: torch.Tensor, weight: torch.Tensor, pad: bool | None = None) -> torch.Tensor:
-    """x (..., D) @ weight (V, D)^T -> logits (..., V). pad: force the padded product on or off."""
-    V = weight.shape[0]
-    if not (pads_head(x, V) if pad is None else pad):
-        return F.linear(x, weight)
-    padded = F.pad(weight, (0, 0, 0, -V % HEAD_PAD))  # (Vp, D), Vp a multiple of HEAD_PAD
-    return F.linear(x, padded)[..., :V]  # (..., Vp) -> (..., V), a view
-
-
-class Head(Linear):
-    """The LM head: a Linear whose products over many rows on a GPU use the padded vocabulary."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if pads_head(x, self.out_features):
-            return head_logits(x, self.weight, pad=True)  # (..., V)
-        return super().forward(x)
-
-
 # ----------------------------------------------------------------------------- layers
 
 
@@ -351,10 +136,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         qkv_bias = cfg.bias or cfg.qkv_bias
-        self.wq = Linear(cfg.dim, cfg.q_dim, bias=qkv_bias)
-        self.wk = Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
-        self.wv = Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
-        self.wo = Linear(cfg.q_dim, cfg.dim, bias=cfg.bias)
+        self.wq = nn.Linear(cfg.dim, cfg.q_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=cfg.bias)
         self.kernel = get_kernel(cfg.attention, cfg.attention_tile)
         self.ve: nn.Embedding | None = None  # value embeddings (V, K·H): set by Transformer on value_embed_layers
 
@@ -364,7 +149,7 @@ class Attention(nn.Module):
     def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None, idx=None):
         cfg, n = self.cfg, self.name
         B, T, _ = x.shape
-        q, k, v = self.qkv(x)  # (B, T, N·H), (B, T, K·H), (B, T, K·H)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, N·H), (B, T, K·H), (B, T, K·H)
         q = tap(n + ".q", q.view(B, T, cfg.n_heads, cfg.head_dim))  # (B, T, N, H)
         k = tap(n + ".k", k.view(B, T, cfg.n_kv_heads, cfg.head_dim))  # (B, T, K, H)
         if self.ve is not None:  # v = x·W_V + the token's row of this layer's value embedding
@@ -384,21 +169,6 @@ class Attention(nn.Module):
         z = self.kernel(q, k, v, q_pos=q_pos, key_mask=key_mask, window=cfg.sliding_window, start=start)  # (B, N, T, H)
         z = tap(n + ".z", z.transpose(1, 2))  # (B, T, N, H)
         return tap(n + ".out", self.wo(z.reshape(B, T, cfg.q_dim)))  # (B, T, D)
-
-    held: tuple | None = None  # a row-block copy of W_Q, W_K, W_V side by side (hold_rows), or None
-
-    def hold_rows(self, on: bool = True) -> None:
-        """Keep (or drop) row-block copies for eager one-row products: Q, K, V joined, and O."""
-        self.held = joined_rows(self.held, (self.wq, self.wk, self.wv), on)
-        if isinstance(self.wo, Linear):
-            self.wo.hold_rows(on)
-
-    def qkv(self, x):
-        """x·W_Q, x·W_K, x·W_V: (B, T, N·H), (B, T, K·H), (B, T, K·H), through side_by_side."""
-        (q, k, v), held = side_by_side(x, (self.wq, self.wk, self.wv), self.held)
-        if held is not self.held:
-            self.held = held
-        return q, k, v
 
     def _show_scores(self, q, k, q_pos, key_mask):
         """Form the score grid for a recorder (the kernels may never materialise it)."""
@@ -435,39 +205,14 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.w_up = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
-        self.w_gate = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.ffn == "swiglu" else None
-        self.w_down = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
-
-    held: tuple | None = None  # a row-block copy of SwiGLU's W_gate and W_up side by side (hold_rows), or None
-
-    def hold_rows(self, on: bool = True) -> None:
-        """Keep (or drop) row-block copies for eager one-row products: gate and up joined, and down."""
-        if self.w_gate is None:
-            if isinstance(self.w_up, Linear):
-                self.w_up.hold_rows(on)
-        else:
-            self.held = joined_rows(self.held, (self.w_gate, self.w_up), on)
-        if isinstance(self.w_down, Linear):
-            self.w_down.hold_rows(on)
-
-    def gate_up(self, x):
-        """SwiGLU's x·W_gate and x·W_up, (B, T, F) each: one product at one row (or a few: a batched
-        decode step's packed product) where a joined copy is held; over many rows each its own call,
-        as the model has always trained (and, at these shapes, two (out, in) products over many rows
-        beat one over the joined (in, out) copy)."""
-        if one_row(x) or (self.held is not None and few_rows(x)):
-            (gate, up), held = side_by_side(x, (self.w_gate, self.w_up), self.held)
-            if held is not self.held:
-                self.held = held
-            return gate, up
-        return self.w_gate(x), self.w_up(x)
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.ffn == "swiglu" else None
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
 
     def forward(self, x):
         n, kind = self.name, self.cfg.ffn
         if kind == "swiglu":
-            gate, up = self.gate_up(x)
-            up, gate = tap(n + ".up", up), tap(n + ".gate", gate)  # (B, T, F) each
+            up, gate = tap(n + ".up", self.w_up(x)), tap(n + ".gate", self.w_gate(x))  # (B, T, F) each
         else:
             up, gate = tap(n + ".up", self.w_up(x)), None  # (B, T, F)
         act = tap(n + ".act", ffn_activation(kind, up, gate))
@@ -493,17 +238,17 @@ class Block(nn.Module):
         if self.cfg.norm_placement == "pre":
             # Pre-norm: each sublayer reads a normalised copy; the stream itself is never normalised.
             a = self.attn(tap(n + ".attn_norm", self.attn_norm(x)), rope, q_pos, cache, key_mask, start, idx)
-            h = tap(n + ".resid_mid", x + dropout(self.drop, a))
+            h = tap(n + ".resid_mid", x + self.drop(a))
             if self.ffn is None:
                 return h
             f = self.ffn(tap(n + ".ffn_norm", self.ffn_norm(h)))
-            return tap(n + ".resid_out", h + dropout(self.drop, f))
+            return tap(n + ".resid_out", h + self.drop(f))
         # Post-norm (Vaswani et al., 2017): normalise the stream after each addition.
-        h = tap(n + ".resid_mid", x + dropout(self.drop, self.attn(x, rope, q_pos, cache, key_mask, start, idx)))
+        h = tap(n + ".resid_mid", x + self.drop(self.attn(x, rope, q_pos, cache, key_mask, start, idx)))
         h = tap(n + ".attn_norm", self.attn_norm(h))
         if self.ffn is None:
             return h
-        y = tap(n + ".resid_out", h + dropout(self.drop, self.ffn(h)))
+        y = tap(n + ".resid_out", h + self.drop(self.ffn(h)))
         return tap(n + ".ffn_norm", self.ffn_norm(y))
 
 
@@ -524,7 +269,7 @@ class Transformer(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = make_norm(cfg)
-        self.lm_head = Head(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         for i in cfg.value_embed_layers:  # state_dict key blocks.{i}.attn.ve.weight
             self.blocks[i].attn.ve = nn.Embedding(cfg.vocab_size, cfg.kv_dim)
         for path, m in self.named_modules():  # probe prefixes are module paths, as TransformerLens names its hooks
@@ -577,16 +322,6 @@ class Transformer(nn.Module):
                 n -= self.pos_embed.weight.numel()
         return n
 
-    def hold_rows(self, on: bool = True) -> None:
-        """Keep (or drop) row-block copies of the weights for eager one-row products on the CPU
-        (Linear, side_by_side): what a generation session asks for; the forward stays the same."""
-        for b in self.blocks:
-            b.attn.hold_rows(on)
-            if b.ffn is not None:
-                b.ffn.hold_rows(on)
-        if isinstance(self.lm_head, Linear):
-            self.lm_head.hold_rows(on)
-
     def set_attention(self, name: str) -> None:
         """Switch every layer to another kernel ('naive', 'tiled', 'sdpa'); weights unchanged."""
         get_kernel(name)  # validates the name
@@ -610,7 +345,7 @@ class Transformer(nn.Module):
         x = self.embed(idx)  # (B, T, D)
         if self.pos_embed is not None:
             x = x + self.pos_embed(q_pos)  # (B, T, D)
-        x = tap("embed", dropout(self.drop, x))
+        x = tap("embed", self.drop(x))
         rope = rope_tables(*rope_angles(q_pos, self.rope_inv_freq), cfg.rope_pairs) if cfg.pos == "rope" else None
         for i, block in enumerate(self.blocks):
             x = block(x, rope, q_pos, None if cache is None else cache.layer(i), padding_mask, start, idx)

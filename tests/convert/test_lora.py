@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from glassformer import speed
 from glassformer.convert import lora as L
 from glassformer.convert.lora import (
     LORA_TARGETS,
@@ -82,17 +83,18 @@ def test_merged_logits_equal_the_adapted_models():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-def test_targets_and_the_joined_products_skip_an_adapted_module():
-    """Only wq and w_up adapted: the QKV and gate-up products, joined where plain, must run each
-    module's own call at one row (a decode step with row-block copies held)."""
+def test_targets_and_speed_keep_each_adapter():
+    """Only wq and w_up adapted: with speed installed, a decode step's one-row products (row-block
+    copies, the adapters' bases included) still run each adapter."""
     model = adapted(0, LoraConfig(r=2, targets=("wq", "w_up")))
     blk = model.blocks[0]
     assert isinstance(blk.attn.wq, LoRALinear) and isinstance(blk.ffn.w_up, LoRALinear)
     assert type(blk.attn.wk).__name__ == "Linear" and type(blk.ffn.w_gate).__name__ == "Linear"
     want = greedy_by_full_forward(model, IDS[0].tolist(), 6)
-    model.hold_rows(True)
-    assert model.blocks[0].attn.held is None and model.blocks[0].ffn.held is None
-    with torch.no_grad():
+    speed.install(model)  # the adapted modules keep their class; their bases and the rest are re-classed
+    assert isinstance(blk.attn.wq, LoRALinear) and type(blk.attn.wq.base) is speed.RowsLinear
+    assert type(blk.attn.wk) is speed.RowsLinear
+    with torch.no_grad(), speed.decoding():
         assert greedy_cached(model, IDS, 6) == want
     # and the decode step's logits are the full forward's
     with torch.no_grad():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from glassformer import generate
+from glassformer import generate, speed
 from glassformer.errors import UserError
 from glassformer.generation.session import Session, apply_repetition_penalty, logits_to_probs, sample
 
@@ -237,28 +237,27 @@ def cached_steps(model, ids: torch.Tensor, n_prefill: int):
 
 
 def held_copies(model):
-    """Every row-block copy a SwiGLU model holds: the joined QKV and gate/up, O, down and the head."""
-    return [m for n, m in model.named_modules() if n.endswith((".attn", ".ffn", ".wo", ".w_down")) or n == "lm_head"]
+    """Every projection's row-block copy (glassformer.speed.RowsLinear), None where none was made."""
+    return [m.__dict__.get("held") for m in model.modules() if isinstance(m, speed.RowsLinear)]
 
 
 @pytest.mark.parametrize("over", [dict(), dict(norm="layer", ffn="gelu", pos="learned", bias=True, tie_embeddings=True),
                                   dict(norm_placement="post", ffn="relu", qkv_bias=True, rope_pairs="interleaved")])
 def test_held_row_blocks_give_the_models_steps(over):
-    """Row-block copies held for one-row products (model.Linear.hold_rows): prefill, then single
+    """Row-block copies for one-row products (speed.RowsLinear inside speed.decoding): prefill, then single
     steps of two rows (plain products) and of one row (the held copies), equal the model's forward."""
-    model = tiny_model(**over)
-    model.hold_rows()
+    model = speed.install(tiny_model(**over))
     for B in (2, 1):
         ids = torch.randint(0, 512, (B, 12))
         with torch.no_grad():
             ref, _ = model(ids)
-        got, _ = cached_steps(model, ids, 9)  # prefill, then three single steps
+        with speed.decoding():
+            got, _ = cached_steps(model, ids, 9)  # prefill, then three single steps
         assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
     down = model.blocks[0].ffn.w_down
-    assert down.held is not None and down.held[1].shape == (model.config.ffn_dim, model.config.dim)  # (in, out)
+    _, blocks, _ = down.held
+    assert blocks.shape[0] * blocks.shape[1] == model.config.ffn_dim and blocks.shape[2] == model.config.dim  # (in, out)
     assert down.weight.shape == (model.config.dim, model.config.ffn_dim)  # the module's own weight is untouched
-    attn, cfg = model.blocks[0].attn, model.config
-    assert attn.held[1].shape == (cfg.dim, cfg.q_dim + 2 * cfg.kv_dim) and attn.wq.held is None  # Q, K, V joined
 
 
 def test_held_rows_in_bf16_are_as_close_to_fp32_as_the_model():
@@ -266,13 +265,14 @@ def test_held_rows_in_bf16_are_as_close_to_fp32_as_the_model():
     per position to the end of the context, err from the fp32 model about as much as the bf16
     model's own forward does; RoPE's frequencies stay fp32 (in bf16 an angle keeps 3 digits)."""
     exact = tiny_model()
-    model = tiny_model().to(torch.bfloat16)
-    model.hold_rows()
+    model = speed.install(tiny_model().to(torch.bfloat16))
     ids = torch.randint(0, 512, (1, model.config.max_seq_len))
     with torch.no_grad():
         ref, _ = exact(ids)
         own, _ = model(ids)
-    got, cache = cached_steps(model, ids, 9)
+    with speed.decoding():
+        got, cache = cached_steps(model, ids, 9)
+    assert all(h is not None for h in held_copies(model))
     assert cache.layers[0].k.dtype == torch.bfloat16 and got.dtype == torch.bfloat16
     err = (got.float() - ref).abs().amax(-1)  # (1, S): each position's worst logit
     own_err = (own.float() - ref).abs().amax(-1)
@@ -280,34 +280,35 @@ def test_held_rows_in_bf16_are_as_close_to_fp32_as_the_model():
     assert model.rope_inv_freq.dtype == torch.float32 and torch.equal(model.rope_inv_freq, exact.rope_inv_freq)
 
 
-def test_a_session_with_or_without_held_weights_gives_the_same_tokens():
+def test_a_session_with_or_without_speed_gives_the_same_tokens():
     model = tiny_model()
-    plain = list(Session(model, packed=False).send([4, 2], max_new_tokens=6, greedy=True))
-    assert all(m.held is None for m in held_copies(model))  # packed=False holds nothing
+    plain = list(Session(model, speed=False).send([4, 2], max_new_tokens=6, greedy=True))
+    assert not speed.installed(model)  # speed=False re-classes nothing
     held = list(Session(model).send([4, 2], max_new_tokens=6, greedy=True))
-    assert all(m.held is not None for m in held_copies(model))
+    assert speed.installed(model) and all(h is not None for h in held_copies(model))
     assert plain == held == greedy_by_full_forward(model, [4, 2], 6)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 def test_held_row_blocks_follow_the_thread_count(threads):
     """One row block per thread (a matrix whose rows the blocks do not divide stays whole: 3 here)."""
-    model = tiny_model()
+    model = speed.install(tiny_model())
     ids = torch.randint(0, 512, (1, 10))
     before = torch.get_num_threads()
     try:
-        model.hold_rows()  # built for the current count, rebuilt at the first product under the new one
+        with speed.decoding():
+            cached_steps(model, ids, 4)  # copies built for the current count, rebuilt under the new one
         torch.set_num_threads(threads)
         with torch.no_grad():
             ref, _ = model(ids)
-        got, _ = cached_steps(model, ids, 4)  # then matrix-vector steps
+        with speed.decoding():
+            got, _ = cached_steps(model, ids, 4)  # then matrix-vector steps
     finally:
         torch.set_num_threads(before)
-    for m in held_copies(model):  # blocked exactly when the thread count divides the rows
-        key, io, blocks, _, _ = m.held
-        assert key[1] == threads
-        assert (blocks is not None) == (threads > 1 and io.shape[0] % threads == 0)
-        assert blocks is None or (blocks.shape[0] == threads and blocks.data_ptr() == io.data_ptr())
+    for key, blocks, _ in held_copies(model):  # blocked exactly when the thread count divides the rows
+        assert key[2] == threads
+        rows = blocks.shape[0] * blocks.shape[1]
+        assert blocks.shape[0] == (threads if rows % threads == 0 else 1)
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
@@ -333,7 +334,7 @@ def test_held_weights_follow_the_model_and_the_plain_path_agrees():
     model = tiny_model()
     prompt = [3, 1, 4, 1, 5]
     before = list(generate(model, prompt, max_new_tokens=12, greedy=True))
-    unpacked = list(Session(model, packed=False).send(prompt, max_new_tokens=12, greedy=True))
+    unpacked = list(Session(model, speed=False).send(prompt, max_new_tokens=12, greedy=True))
     assert unpacked == before
     with torch.no_grad():  # change the weights in place: the held copies must notice
         model.blocks[0].attn.wq.weight.mul_(-1.0)
@@ -362,7 +363,7 @@ def test_compiled_decode_step_smoke():
     # inductor generates (faster than the BLAS kernels at one row): none of them may be lowered
     # to a library product (inductor counts each product it lowers to one), nor read the (in, out)
     # row blocks of the eager path.
-    assert all(m.held is None for m in held_copies(model))
+    assert all(h is None for h in held_copies(model))  # compiled steps read the weights themselves
     products = ("aten.baddbmm_", "aten.addmm_", "aten.mm_")
     assert sum(n for k, n in counters["aten_mm_info"].items() if k.startswith(products)) == 0
 

@@ -94,11 +94,13 @@ def test_rope_frequencies_stay_fp32_in_a_bf16_model():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_padded_head_gives_the_same_logits_and_gradients(tied, monkeypatch):
-    """On a GPU the head multiplies a zero-padded weight (model.head_logits): forced here on the CPU,
+    """On a GPU the head multiplies a zero-padded weight (speed.head.head_logits): forced here on the CPU,
     it must give the model's logits, loss and every gradient, the weights keeping their shape."""
-    import glassformer.model as M
+    import glassformer.speed.head as M
+    from glassformer import speed
 
-    model = _build(vocab_size=61, tie_embeddings=tied)  # 61: not a multiple of HEAD_PAD
+    model = speed.install(_build(vocab_size=61, tie_embeddings=tied))  # 61: not a multiple of HEAD_PAD
+    assert type(model.lm_head) is speed.PaddedHead
     x, y = torch.randint(0, 61, (2, 12)), torch.randint(0, 61, (2, 12))
 
     def run():
@@ -121,7 +123,7 @@ def test_padded_head_gives_the_same_logits_and_gradients(tied, monkeypatch):
 def test_head_is_padded_only_for_many_rows_on_a_gpu():
     from types import SimpleNamespace
 
-    from glassformer.model import pads_head
+    from glassformer.speed.head import pads_head
 
     def x(rows, cuda=True, D=768):  # what pads_head reads of a tensor
         return SimpleNamespace(is_cuda=cuda, shape=(rows, D), numel=lambda: rows * D)
@@ -136,7 +138,7 @@ def test_head_is_padded_only_for_many_rows_on_a_gpu():
 def test_padded_head_on_a_gpu_matches_the_plain_product():
     """GPT-2's 50,257-token head over a training step's rows, in bf16 autocast on the GPU: the
     padded product (what the model runs there) against the plain one, forward and backward."""
-    from glassformer.model import head_logits, pads_head
+    from glassformer.speed.head import head_logits, pads_head
 
     torch.manual_seed(0)
     w = (0.02 * torch.randn(50257, 768, device="cuda")).requires_grad_()

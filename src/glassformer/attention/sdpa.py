@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cpu_decode import attention as cpu_decode_attention
-from .cpu_decode import usable as cpu_decode_usable
 from .mask import allowed
 
 # enable_gqa arrived in torch 2.5; before it, repeat the key/value heads.
@@ -25,11 +23,8 @@ def _decode_step(q, k, v, scale):
     """One query per row reading every cached key: two batched products per key/value head (CPU).
 
     The fused CPU kernel reads a key/value head once per query head of its group; here the group
-    shares one pass, what a long-context step is bound by (bench/decode.py); the same math. Compiled,
-    it calls cpu_decode.py's C++ kernel where a session built it (bench/decode_attention.py).
+    shares one pass, what a long-context step is bound by (bench/decode.py); the same math.
     docs/generation.md#speed."""
-    if torch.compiler.is_compiling() and cpu_decode_usable(q, k, v):
-        return cpu_decode_attention(q, k, v, _scale(q, scale))  # (B, N, 1, H)
     return _grouped(q, k, v, scale)
 
 
@@ -98,11 +93,6 @@ def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, st
         if q.device.type == "cpu":
             return _decode_step(q, k, v, scale)
         return F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa)  # GPUs' fused kernels serve groups well
-    if Tq == 1 and key_mask is None and window is None and q.device.type == "cpu" and cpu_decode_usable(q, k, v):
-        # A continuous-batching step, plain causal, where the engine built the C++ kernel: each row reads its
-        # keys up to its own position, in one pass per KV head (bench/batching.py --library-attention)
-        lens = q_pos[:, 0].to(torch.int64) + 1  # (B,)
-        return cpu_decode_attention(q, k, v, _scale(q, scale), 0, lens)  # (B, N, 1, H)
     if MASKED_DECODE and Tq == 1 and q.device.type == "cpu" and not torch.compiler.is_compiling():
         return _masked_decode_step(q, k, v, q_pos, key_mask, window, scale)
     ok = allowed(q_pos, torch.arange(Tk, device=q.device), key_mask, window)  # (B, Tq, Tk)

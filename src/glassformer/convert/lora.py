@@ -1,7 +1,7 @@
 """LoRA adapters (Hu et al., 2021): a frozen product x·Wᵀ plus a trainable low-rank one,
 (α/r)·x·Aᵀ·Bᵀ with A (r, in) and B (out, r). B starts at zero, so an adapted model begins as
 its base exactly. An adapted product is a module that wraps the one it replaces at the model's
-weight-product seam (a model.Linear, or an int8 one), from outside model.py; merging folds
+weight-product seam (an nn.Linear, or an int8 one), from outside model.py; merging folds
 (α/r)·B·A into W and puts the plain module back. docs/lora.md.
 """
 
@@ -132,7 +132,6 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
                             f"{model.config.ffn}); choose from those it has")
     for p in model.parameters():
         p.requires_grad_(False)
-    model.hold_rows(False)  # an adapted product is called itself (model.side_by_side): held copies would only take memory
     for block in model.blocks:
         for target in cfg.targets:
             parent = _parent(block, target)

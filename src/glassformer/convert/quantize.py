@@ -43,7 +43,7 @@ def int8_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 
     Eagerly on the CPU at one row (a batch-1 decode step): torch's int8 weight-only kernel, which
     reads q as int8. Compiled: a cast of q to x's dtype, which inductor fuses into the product (at
-    one row a multiply-and-sum over the rows, like model.Linear). Elsewhere (many rows, other
+    one row a multiply-and-sum over the rows, like speed.RowsLinear). Elsewhere (many rows, other
     devices or dtypes, gradients wanted) that cast runs eagerly, and makes a float copy of q."""
     if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES
             or x.numel() > KERNEL_MAX_ROWS * x.shape[-1] or (x.requires_grad and torch.is_grad_enabled())):
@@ -116,7 +116,6 @@ def quantize_int8(model: nn.Module) -> nn.Module:
                 _replace(part, name)
     if not model.config.tie_embeddings:
         _replace(model, "lm_head")
-    model.hold_rows(False)  # drop any row-block copies of the float weights
     model.config.quantization = dict(INT8)
     return model
 

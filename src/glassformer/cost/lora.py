@@ -6,7 +6,7 @@ dtype; gradients, master copy and optimizer moments for the adapters alone). doc
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .memory import OPTIMIZERS, activation_bytes, activations, dtype_bytes
+from .memory import OPTIMIZERS, activation_bytes, dtype_bytes
 from .params import num_weights
 
 # The block products an adapter may wrap: convert.lora.LORA_TARGETS, spelled here so that cost/
@@ -53,14 +53,11 @@ def lora_train_memory(cfg: ModelConfig, B: int, T: int, r: int, targets=TARGETS,
 
     The activations are full fine-tuning's (a frozen product still passes gradients back to the
     adapters below it, so its input stays saved for the adapter beside it) plus each adapter's
-    r-wide x·Aᵀ, less the joined Q/K/V weight copy once any of them is adapted (model.side_by_side
-    then calls each product): an estimate, docs/cost.md#lora."""
+    r-wide x·Aᵀ: an estimate, docs/cost.md#lora."""
     n, P, nb = lora_weights(cfg, r, targets)["total"], num_weights(cfg), dtype_bytes(dtype)
     master = dtype != "fp32" if master_weights is None else (master_weights and dtype != "fp32")
     state_bytes = 4 if master or dtype == "fp32" else nb
     act = activation_bytes(cfg, B, T, dtype, kernel) + cfg.n_layers * len(targets) * B * T * r * nb
-    if {"wq", "wk", "wv"} & set(targets):
-        act -= activations(cfg, B, T, kernel)["qkv_weight"] * nb
     parts = {
         "base_weights": P * nb,
         "adapter_weights": n * nb,

@@ -46,7 +46,9 @@ def _kernel(cfg: ModelConfig, B: int, T: int, kernel: str) -> tuple[int, int, in
         per_tile = (
             2 * B * N * p["pairs"]  # scores (for the running max) and exp-weights of every computed tile
             + B * N * H * p["rows"] * 2  # a copy of the q slice, and the running o before each update
-            + 2 * B * K * H * p["cols"]  # copies of the k and v slices
+            # copies of the k and v slices; with one batch row or one KV head each slice is a view (its
+            # batch and head dims merge without a copy), and k and v are kept whole instead
+            + (2 * B * K * H * T if B == 1 or K == 1 else 2 * B * K * H * p["cols"])
             + 4 * B * N * p["rows"]  # running max, alpha, l and the new max per query row
         )
         per_q_tile = B * N * T * H + 2 * B * N * T  # the final o / l division
@@ -71,9 +73,9 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
     parts_act = {  # in the training dtype
         "norms": (S * L + 1) * n_act,
         "linear_in": (S * L + 1) * BT * D,
-        # Q, K and V run as one product over their weights joined (model.Attention.qkv, the fused product over many rows): the
-        # joined copy is an activation, kept for the input's gradient; it does not grow with B·T.
-        "qkv_weight": L * (cfg.q_dim + 2 * cfg.kv_dim) * D,
+        # No joined copy of W_Q, W_K and W_V: the model runs them as three products. The key stays, 0, for
+        # the reports' readers (docs/cost.md#every-json-key).
+        "qkv_weight": 0,
         "attn_z": L * BT * cfg.q_dim,
         "attn_kernel": L * k_act,
         "ffn": L * ffn_saved * BT * F,
@@ -82,8 +84,9 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
         "dropout": (S * L + 1) * BT * D if cfg.dropout > 0 else 0,
     }
     parts_32 = {  # fp32 whatever the dtype
-        # qk_norm: 1/rms of every head's query and key row
-        "norms": (S * L + 1) * n_32 + (L * BT * (cfg.n_heads + cfg.n_kv_heads) if cfg.qk_norm else 0),
+        # qk_norm: the queries and keys it normalises (in fp32) and 1/rms of every head's row of them
+        "norms": (S * L + 1) * n_32 + (L * BT * (cfg.q_dim + cfg.kv_dim + cfg.n_heads + cfg.n_kv_heads)
+                                       if cfg.qk_norm else 0),
         "attn_kernel": L * k_32,
         "logits": BT * V * (2 if cfg.logit_softcap is not None else 1),  # the soft cap keeps its input and tanh's output
         "rope": BT * cfg.head_dim if cfg.pos == "rope" else 0,

@@ -28,7 +28,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import torch
 
-from ..attention import cpu_decode
+from .. import speed
 from ..errors import UserError
 from ..kv_cache import KVCache
 from ..probes import active as probes_active
@@ -321,13 +321,7 @@ class Engine:
         # Decode steps at the batch sizes of BUCKETS, padded with rows that touch no real row's keys:
         # what a compiled step needs (few shapes); settable on an eager engine (tests).
         self.pad_rows = bool(compile)
-        if self.device.type == "cpu":
-            # The C++ kernel library, built once: a compiled one-row step's attention (as a compiled Session's),
-            # every many-row step's attention, its rows reading their keys up to their own positions, and its
-            # few-row products (bench/batching.py --library-attention, --onednn-products)
-            cpu_decode.load()
-            if not compile:
-                model.hold_rows()  # eager one-row products from row-block copies (as a Session does)
+        speed.install(model)  # as a Session does: re-classed modules, the same objects and hooks (glassformer.speed)
 
     # ---- the public side ---------------------------------------------------------------
     @property
@@ -592,9 +586,11 @@ class Engine:
         idx = torch.tensor(toks, device=self.device)[:, None]  # (B, 1)
         cuda = self.device.type == "cuda"
         if B == 1 and not (compiled and cuda):  # one row at an int position, as a one-row Session steps it:
-            # the cache reads the filled slots only (compiled: a dynamic length, cpu_decode's kernel)
+            # the cache reads the filled slots only (compiled: a dynamic length); eager one-row products
+            # read the row-block copies (speed.decoding)
             fwd = self._compiled_step(1, self.context) if compiled else self.model
-            logits, _ = fwd(idx, cache=self._view(0, 1, self.context), pos=pos[0])  # (1, 1, V)
+            with speed.decoding():
+                logits, _ = fwd(idx, cache=self._view(0, 1, self.context), pos=pos[0])  # (1, 1, V)
         else:  # every row at its own position, reading the slots up to the furthest one's
             L = slots_to_read(max(pos) + 1, self.context, compiled, cuda)
             fwd = self._compiled_step(B, L) if compiled else self.model

@@ -7,15 +7,16 @@ right-padded batch gives what each prompt gives alone: docs/generation.md#the-ca
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Iterator, Sequence
 
 import torch
 
 from ..probes import active as probes_active
-from ..attention import cpu_decode
 from ..errors import UserError
 from ..kv_cache import KVCache
+from .. import speed as speed_pkg
 from .compiled import compile_step, step_key
 from .sampling import apply_repetition_penalty, check_drawn, check_sampling, draw, logits_to_probs, sample
 
@@ -82,7 +83,7 @@ class Session:
     docs/generation.md#context-policies."""
 
     def __init__(self, model, batch_size: int = 1, *, max_len: int | None = None,
-                 context_policy: str = "error", slide_keep: int | None = None, packed: bool = True,
+                 context_policy: str = "error", slide_keep: int | None = None, speed: bool = True,
                  compile: bool = False, run_ahead: bool | None = None):
         if context_policy not in POLICIES:
             raise UserError(f"context policy must be one of {', '.join(POLICIES)}, got {context_policy!r}")
@@ -104,13 +105,13 @@ class Session:
         self.generator: torch.Generator | None = None
         # One row on a GPU: queue each decode step before reading the token of the one before (_run_ahead).
         self.run_ahead = batch_size == 1 and self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
-        if packed and not compile and self.device.type == "cpu":
-            model.hold_rows()  # eager one-row products from row-block copies of the weights (model.Linear)
+        # Speed from outside the model (glassformer.speed): re-classed modules, the same objects and hooks
+        self.speed = bool(speed)
+        if self.speed:
+            speed_pkg.install(model)
         self._compiled, self._step_key = None, None
         self.recompiles = 0  # how many times the compiled step was traced anew (hooks, kernels, threads changed)
         if compile:  # the decode step only: one token per row, the shape that repeats
-            if self.device.type == "cpu":
-                cpu_decode.load()  # its attention's C++ kernel, built with the compiler inductor uses
             self._compiled = compile_step(self.device)
             for layer in self.cache.layers:  # written in place every step at fixed addresses: CUDA graphs may keep them
                 torch._dynamo.mark_static_address(layer.k)
@@ -197,7 +198,11 @@ class Session:
             self.prefilled_tokens += sum(n)
         self._fresh = False
         fwd = self._model(decode=T == 1)
-        logits = prefill(fwd, ids, self.cache, pos, lengths) if T > 1 else decode_step(fwd, ids, self.cache, pos)
+        if T > 1:
+            logits = prefill(fwd, ids, self.cache, pos, lengths)
+        else:  # eager one-row products read the row-block copies (speed.decoding); a prefill keeps the plain model's
+            with speed_pkg.decoding() if self.speed else contextlib.nullcontext():
+                logits = decode_step(fwd, ids, self.cache, pos)
         # A stopped row re-feeds its last token at the same slot (same keys and values) and
         # stays put, so the batch keeps one shape and the row's cache stays exact.
         self.cached = [c + (k if a else k - 1) for c, k, a in zip(self.cached, n, self.active)]

@@ -412,8 +412,8 @@ def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict
 
 class Sampler:
     """The sampling view of the token after a text (POST /api/sample): the text's last logits,
-    computed as generate's first step computes them (one prefill into a cache of generate's size,
-    with a session's row copies on the CPU) and kept for the next few settings, then every stage
+    computed as generate's first step computes them (one prefill into a cache of generate's size;
+    a prefill runs the plain model's products, glassformer.speed or not) and kept for the next few settings, then every stage
     of the sampler (generation.sampling_stages), the seen tokens being the text's own."""
 
     KEPT = 32  # texts whose last logits are kept: moving a control recomputes no forward
@@ -425,8 +425,6 @@ class Sampler:
     def _run(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The last position's logits (V,) and the head's input (D,), from one prefill."""
         model, caught = self.model, []  # the final norm's output, caught on its way to the head
-        if next(model.parameters()).device.type == "cpu":
-            model.hold_rows()  # as a generation session does: one-row products then match its bits
         cache = KVCache.for_model(model, 1, cache_length(model, [ids], 1))
         x = torch.tensor([ids], device=next(model.parameters()).device)  # (1, T)
         hook = model.final_norm.register_forward_hook(lambda mod, args, out: caught.append(out[0, -1]))
