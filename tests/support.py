@@ -7,7 +7,11 @@ Everything is made here: the tests read nothing outside the repository.
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -38,25 +42,6 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
     torch.manual_seed(seed)
     cfg = ModelConfig.from_preset("tiny", **overrides)
     return reinit(Transformer(cfg), seed=seed).eval()
-
-
-def batched_step(model, rows: int = 8, seed: int = 0):
-    """A function running one continuous-batching-like decode step of `model` (rows at positions 3..,
-    after a 3-token prefill into a fresh cache), fixed inputs each call: its logits (rows, 1, V)."""
-    from glassformer import KVCache
-
-    g = torch.Generator().manual_seed(seed)
-    tok = torch.randint(0, model.config.vocab_size, (rows, 1), generator=g)
-    ctx = torch.randint(0, model.config.vocab_size, (rows, 3), generator=g)
-    pos = torch.arange(rows) + 3
-
-    def step():
-        cache = KVCache.for_model(model, rows)
-        with torch.no_grad():
-            model(ctx, cache=cache)
-            return model(tok, cache=cache, pos=pos)[0]
-
-    return step
 
 
 def greedy_cached(model, ids: torch.Tensor, steps: int) -> list[int]:
@@ -102,6 +87,50 @@ def tiny_checkpoint(folder: Path, text: str, vocab_size: int = 300):
     model = reinit(Transformer(ModelConfig.from_preset("tiny", vocab_size=tok.vocab_size)), std=0.1).eval()
     save_model(folder, model, tok)
     return model, tok
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def run_cli(argv: list[str]) -> int:
+    """main's exit status, whether it returns it or argparse exits with it."""
+    from glassformer.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def one_error(capsys, argv: list[str], *names) -> str:
+    """Run argv: exit 2 and one `error:` line on stderr naming each of names (str() of each, so a
+    Path will do), no traceback. What was printed before argv runs is dropped first, so the line
+    counted is argv's own."""
+    capsys.readouterr()
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for name in names:
+        assert str(name) in err, err
+    return err
+
+
+def serve_in_a_process(folder: Path) -> tuple[subprocess.Popen, str]:
+    """`glassformer serve` in a process of its own over a new tiny checkpoint written to folder, on a
+    free port, as a service manager runs it: (the process, its base URL http://127.0.0.1:PORT without
+    /v1), once it has said it is serving. The caller stops it; if it never says so, it is killed here
+    and the test fails with what it printed."""
+    tiny_checkpoint(folder, synthetic_text(200, 1))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GLASSFORMER_API_KEY": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "glassformer", "serve", "--checkpoint", str(folder),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    found = re.fullmatch(rf"serving {re.escape(folder.name)} at (http://127\.0\.0\.1:\d+)/v1\n", line)
+    if not found:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(line + err)
+    return proc, found[1]
 
 
 # ----------------------------------------------------------------------------- prepared data

@@ -12,28 +12,10 @@ import torch
 
 from glassformer.cli import main
 
-from .support import data, tiny_checkpoint, synthetic_text  # noqa: F401  (a fixture)
+from .support import data, one_error, synthetic_text, tiny_checkpoint  # noqa: F401  (a fixture)
 
 BIG_SEED = str(2 ** 70)
 BINARY = bytes(range(128, 256)) * 8  # no UTF-8 text starts with 0x80
-
-
-def run_cli(argv: list[str]) -> int:
-    """main's exit status, whether it returns it or argparse exits with it."""
-    try:
-        return main(argv)
-    except SystemExit as e:
-        return e.code
-
-
-def one_error(capsys, argv: list[str], *names: str) -> str:
-    """Run argv: exit 2, one `error:` line on stderr naming each of names, no traceback."""
-    assert run_cli(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    for name in names:
-        assert name in err, err
-    return err
 
 
 @pytest.fixture(scope="module")

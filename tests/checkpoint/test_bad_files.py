@@ -22,33 +22,13 @@ import pytest
 import torch
 
 from glassformer.checkpoint.loading import load
-from glassformer.cli import main
 from glassformer.errors import UserError
 
-from ..support import synthetic_text, tiny_checkpoint, tiny_model
+from ..support import one_error, run_cli, synthetic_text, tiny_checkpoint, tiny_model
 
 # What safetensors' writer raised when a save filled a real (tmpfs) disk: it is not an OSError.
 DISK_FULL_TEXT = "Error while serializing: I/O error: No space left on device (os error 28)"
 GROWTH_LIMIT = 100 * 2**20  # bytes the process's peak memory may rise while refusing a file
-
-
-def run_cli(argv: list[str]) -> int:
-    """main's exit status, whether it returns it or argparse exits with it."""
-    try:
-        return main(argv)
-    except SystemExit as e:
-        return e.code
-
-
-def one_error(capsys, argv: list[str], *names: str) -> str:
-    """Run argv: exit 2 and one `error:` line on stderr naming each of names, no traceback."""
-    capsys.readouterr()
-    assert run_cli(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    for name in names:
-        assert str(name) in err, err
-    return err
 
 
 def peak_growth(fn) -> int | None:

@@ -10,10 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +25,7 @@ from glassformer.generation.batching import Engine, Request
 from glassformer.serve.backend import Backend
 from glassformer.serve.supervisor import Supervisor
 
-from ..support import REPO, synthetic_text, tiny_checkpoint, tiny_model
+from ..support import serve_in_a_process, tiny_model
 from .served import KEY, NAME, Served, slow_hook, thread_exit_hook, tokenizer
 
 DEADLINE = 120.0  # seconds any one wait may take on a slow, busy machine (a restart loads torch anew)
@@ -183,15 +180,9 @@ def engine_of(server: int) -> int | None:
 def test_serve_exits_1_when_its_engine_dies_twice(tmp_path):
     """`glassformer serve` as a service manager sees it: the engine killed once is restarted (a request
     answered again), killed again the server exits with status 1 and one line, no traceback."""
-    tiny_checkpoint(tmp_path / "ckpt", synthetic_text(200, 1))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GLASSFORMER_API_KEY": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "glassformer", "serve", "--checkpoint", str(tmp_path / "ckpt"),
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc, url = serve_in_a_process(tmp_path / "ckpt")
     try:
-        line = proc.stdout.readline()
-        found = re.fullmatch(r"serving ckpt at (http://127\.0\.0\.1:\d+)/v1\n", line)
-        assert found, line + proc.stderr.read() if not found else ""
-        url, first = found[1], until(lambda: engine_of(proc.pid))
+        first = until(lambda: engine_of(proc.pid))
         os.kill(first, signal.SIGKILL)
         second = until(lambda: (pid := engine_of(proc.pid)) != first and pid)
         until(lambda: health(url) == (200, {"status": "ok"}))

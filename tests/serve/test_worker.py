@@ -10,7 +10,6 @@ the pipe: tests/serve/test_openai.py.)"""
 from __future__ import annotations
 
 import functools
-import os
 import pickle
 import re
 import signal
@@ -31,7 +30,7 @@ from glassformer.generation import generate
 from glassformer.generation.batching import ContextLengthExceeded, Request
 from glassformer.serve import worker
 
-from ..support import REPO, synthetic_text, tiny_checkpoint, tiny_model
+from ..support import REPO, serve_in_a_process, tiny_model
 from .served import KEY, NAME, Served, failing_hook, tokenizer
 
 
@@ -231,21 +230,15 @@ def test_the_child_exits_when_its_parent_is_killed():
 def test_serve_runs_the_engine_process_and_it_exits_when_the_server_stops(tmp_path):
     """`glassformer serve` (the process engine by default): greedy tokens of in-process generate over
     the checkpoint; on Ctrl-C the server exits cleanly and its engine process is gone."""
-    tiny_checkpoint(tmp_path / "ckpt", synthetic_text(200, 1))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GLASSFORMER_API_KEY": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "glassformer", "serve", "--checkpoint", str(tmp_path / "ckpt"),
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc, url = serve_in_a_process(tmp_path / "ckpt")
     try:
-        line = proc.stdout.readline()
-        found = re.fullmatch(r"serving ckpt at (http://127\.0\.0\.1:\d+/v1)\n", line)
-        assert found, line + proc.stderr.read() if not found else ""
         engines = children(proc.pid)
         assert engines and not any(gone(p) for p in engines)
         model, tok = load(tmp_path / "ckpt")
         ids = tok.encode("The king")
         want = [t for t in generate(model, ids, max_new_tokens=5, greedy=True, stop=list(tok.eos_ids))
                 if t not in tok.eos_ids]
-        client = openai.OpenAI(base_url=found[1], api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         assert client.completions.create(model="ckpt", prompt=ids, max_tokens=5, temperature=0).choices[0].text \
             == tok.decode(want)
     finally:

@@ -54,6 +54,12 @@ def test_wandb_offline_run(data, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
     assert main(["train", "--data", str(data), "--out", str(out), *ARGS, "--log", "wandb:glassformer-test"]) == 0
+    # run.finish() can return before wandb's service process has written the run's log (it was seen
+    # holding only its 7-byte header); teardown waits for that process to exit, as the command line's
+    # exit does through wandb's atexit hook.
+    import wandb
+
+    wandb.teardown()
     log, = (out / "wandb").glob("offline-run-*/run-*.wandb")
     got: dict[str, dict[int, float]] = {}
     for items in wandb_history(log):
