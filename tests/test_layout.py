@@ -207,6 +207,34 @@ def reach(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+# What model.py must not hold: speed machinery belongs to glassformer.speed (docs/architecture.md).
+MODEL_FORBIDS = ("torch.ops", "torch._", "is_compiling", "is_grad_enabled", "get_num_threads", "_forward_hooks",
+                 "_forward_pre_hooks", "_global_", "mkldnn", "ctypes", "subprocess", "cpp_extension", "bench/")
+MODEL_MAX_LINES = 400  # the architecture a learner reads in one sitting (nanoGPT's model.py: ~330 lines)
+
+
+def test_model_is_the_architecture_alone():
+    text = (PACKAGE / "model.py").read_text(encoding="utf-8")
+    found = [name for name in MODEL_FORBIDS if name in text]
+    assert not found, f"model.py holds {found}: speed is put on from outside (glassformer.speed)"
+    lines = text.count("\n")
+    assert lines <= MODEL_MAX_LINES, f"model.py has {lines} lines; keep it at most {MODEL_MAX_LINES}"
+    tree = ast.parse(text)
+    private = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+               and not n.attr.startswith("__") and n.attr not in ("_apply", "_positions", "_show_scores")]
+    assert not private, f"model.py reads private names {sorted(set(private))}"
+
+
+def test_no_native_code_is_built_at_run_time():
+    """No C/C++ source ships in the package and nothing in it calls a compiler (train/cpu_memory.py's
+    ctypes call into the system's glibc builds nothing)."""
+    assert not [p for p in PACKAGE.rglob("*") if p.suffix in (".c", ".cc", ".cpp", ".cu", ".h")]
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        for name in ("cpp_extension", "load_inline", "-march", "-fopenmp", '"c++"', '"g++"', '"gcc"', '"clang'):
+            assert name not in text, f"{path.relative_to(PACKAGE)} uses {name}"
+
+
 def test_reach_follows_imports_of_imports():
     g = {"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a"}}
     assert reach(g, "a") == {"b", "c"} and reach(g, "c") == set()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import devices
+from .. import devices, speed
 from .distributed import Dist, barrier, load_optimizer, wrap
 from ..checkpoint.folders import newest_checkpoint, remove_leftovers
 from ..checkpoint.training import load_training
@@ -237,6 +237,8 @@ def batch_shape(cfg: TrainConfig, mcfg: ModelConfig, d: Dist) -> tuple[int, int,
 def place_model(cfg: TrainConfig, model, d: Dist, device: torch.device):
     """(net, optimizer): the model on its device, compiled if asked, wrapped for DDP/FSDP."""
     model.to(device)
+    if device.type == "cuda":  # the head's products over a padded vocabulary (glassformer.speed.head)
+        speed.install(model)
     if cfg.compile:
         model.compile()
         say(d, "compile: the first step (and the first evaluation) compile the model once, tens of seconds on a CPU")
