@@ -131,3 +131,17 @@ def test_fused_rms_norm_equals_the_formula_to_the_bit(dim):
     speed.install(nn.Sequential(norm))
     with torch.no_grad():
         assert torch.equal(norm(x), formula)
+
+
+def test_a_compiled_steps_key_sees_modules_re_classed():
+    """A compiled session keeps no guard on the model: its step_key must change when speed is put on
+    or taken off, so the step is traced anew rather than run with the other classes' code."""
+    from glassformer.generation.compiled import step_key
+
+    model = tiny_model()
+    plain = step_key(model)
+    speed.install(model)
+    fast = step_key(model)
+    assert fast != plain and step_key(model) == fast
+    speed.remove(model)
+    assert step_key(model) == plain

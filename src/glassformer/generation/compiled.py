@@ -58,7 +58,7 @@ def compile_step(device: torch.device, options: dict | None = None):
 
 def step_key(model: nn.Module) -> tuple:
     """What a compiled step took as fixed, checked before every step since the step keeps no guard on
-    the model: its modules (a module replaced is a new trace), the hooks on each and the global ones
+    the model: its modules and their classes (a module replaced or re-classed is a new trace), the hooks on each and the global ones
     (traced when compiled; handles are numbered afresh, so removing one hook and adding another
     changes the key), the attention kernels, the weights' dtype and device, and on the CPU the thread
     count (inductor splits its loops among the threads when it compiles). What it costs a step:
@@ -70,6 +70,7 @@ def step_key(model: nn.Module) -> tuple:
         if m is None:  # an empty slot (a module attribute set to None)
             continue
         mods.append(m)
+        mods.append(type(m))  # a module re-classed in place (glassformer.speed install/remove) is a new trace
         d = m.__dict__
         if d["_forward_hooks"] or d["_forward_pre_hooks"]:
             hooks.append((len(mods), tuple(d["_forward_pre_hooks"]), tuple(d["_forward_hooks"])))
