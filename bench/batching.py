@@ -2,16 +2,11 @@
 between tokens at 1, 4 and 16 concurrent requests on the reference shape (or the demo model's: --shape demo),
 against in-process `generate` of one prompt, and where a step's time goes (the batched forward alone, at the
 same rows and positions).
-`--library` also runs the engine and the forward with the few-row products of a batched decode step
-done by the library's plain product instead of the held packed weights (the kernel library's panels, or
-oneDNN's where it is not built: model.few_rows), in the
-same rounds; `--pack-all` with every few-row product packed for oneDNN, the small weights too (model.PACK_MIN = 0);
-`--fused-mask` with the step's attention through the fused kernel and a boolean mask instead
-of two batched products (attention/sdpa.py MASKED_DECODE); `--library-attention` with it through the two
-batched products (what runs where the C++ kernel of attention/cpu_decode.py cannot be built: cpu_decode.enabled
-off), not the kernel; `--onednn-products` with the few-row products over oneDNN's packed weights instead of
-the C++ kernel's panels (cpu_decode.products off); `--length-step 64` with a batched step's
-cache read rounded up to a multiple of 64 slots instead of batching.EAGER_LENGTH_STEP.
+`--fused-mask` also runs the engine and the forward with the step's attention through the fused kernel and a
+boolean mask instead of two batched products (attention/sdpa.py MASKED_DECODE), in the same rounds;
+`--length-step 64` with a batched step's cache read rounded up to a multiple of 64 slots instead of
+batching.EAGER_LENGTH_STEP. (A batched step's products are torch's own F.linear whatever runs beside
+them: glassformer.speed changes only one-row products, so there is no product variant to race here.)
 
 Every round runs each contender once, in another order each round (a busy machine slows all alike); the best round
 counts. Requests are submitted together and the engine is stepped in this thread; an event's time is
@@ -19,8 +14,7 @@ when the step that made it returned. The engine's tokens for request j equal `ge
 (checked each round, greedy and seeded). bench/serve.py measures the same through the HTTP server.
 
     python bench/batching.py [--shape reference|demo] [--streams 1,4,16] [--rounds 3] [--threads 2] [--new-tokens 128]
-        [--prompt-tokens 64] [--temperature 0] [--compile] [--library] [--pack-all] [--fused-mask]
-        [--library-attention] [--onednn-products] [--length-step N] [--quick]
+        [--prompt-tokens 64] [--temperature 0] [--compile] [--fused-mask] [--length-step N] [--quick]
 
 Each variant is also reported against eager by the median of the rounds' own ratios (each round's pair
 taken next to each other: this machine's speed drifts over seconds), its tokens/s and its forward alone's time.
@@ -40,10 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
-import glassformer.attention.cpu_decode as cpu_decode_module  # noqa: E402
 import glassformer.attention.sdpa as sdpa_module  # noqa: E402
 import glassformer.generation.batching as batching_module  # noqa: E402
-import glassformer.model as model_module  # noqa: E402
 from glassformer import ModelConfig, Transformer, generate  # noqa: E402
 from glassformer.config import PRESETS, REFERENCE_SHAPE  # noqa: E402
 from glassformer.generation.batching import Engine, Request, slots_to_read  # noqa: E402
@@ -51,9 +43,7 @@ from glassformer.kv_cache import KVCache  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 # The eager engine's switches run beside it (each its own flag): what each swaps in, as printed
-VARIANTS = {"library": "library products", "pack_all": "every few-row product packed",
-            "fused_mask": "fused kernel with a mask", "library_attention": "two batched products",
-            "onednn_products": "oneDNN's packed products", "length_step": "read rounded to {} slots"}
+VARIANTS = {"fused_mask": "fused kernel with a mask", "length_step": "read rounded to {} slots"}
 SHAPES = {"reference": REFERENCE_SHAPE, "demo": PRESETS["small"]}  # as bench/serve.py's
 
 
@@ -109,16 +99,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded sampling with top-k 50")
     ap.add_argument("--compile", action="store_true", help="also the engine with compile=True (slow to compile on a CPU)")
-    ap.add_argument("--library", action="store_true",
-                    help="also eager with the library's product at a few rows (model.PACKS off), side by side")
-    ap.add_argument("--pack-all", action="store_true",
-                    help="also with every few-row product through oneDNN's packed weight, however small (model.PACK_MIN = 0)")
     ap.add_argument("--fused-mask", action="store_true",
                     help="also eager with a step's attention through the fused kernel and a boolean mask, side by side")
-    ap.add_argument("--library-attention", action="store_true",
-                    help="also eager with a many-row step's attention through the two batched products instead of the C++ kernel")
-    ap.add_argument("--onednn-products", action="store_true",
-                    help="also eager with the few-row products over oneDNN's packed weights instead of the C++ kernel's panels")
     ap.add_argument("--length-step", type=int, default=None,
                     help="also eager with a batched step's cache read rounded up to a multiple of this many slots")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, one round")
@@ -144,31 +126,19 @@ def main() -> None:
     refs = [list(generate(model, p, max_new_tokens=N, seed=j, **gkw)) for j, p in enumerate(prompts)]
     variants = [m for m in VARIANTS if getattr(args, m) not in (None, False)]  # switches of the eager engine
     modes = ["eager"] + variants + (["compiled"] * args.compile)
-    pack_min = model_module.PACK_MIN
-
-    def set_packing(v: int, panels: bool = True) -> None:  # the held copies remember how they were packed: rebuild them
-        if model_module.PACK_MIN != v or cpu_decode_module.products != panels:
-            model_module.PACK_MIN = v
-            cpu_decode_module.products = panels
-            model.hold_rows(False)
-            model.hold_rows(True)
 
     engines = {m: Engine(model, max_batch=max(counts), compile=m == "compiled") for m in modes}
-    packs = model_module.PACKS
     if args.compile:  # compile every bucket before timing (one warm-up run per count)
         for c in counts:
             run_engine(engines["compiled"], prompts[:c], 4, kw)
     best: dict = {}
-    default_step = batching_module.EAGER_LENGTH_STEP
+    default_step, masked_decode = batching_module.EAGER_LENGTH_STEP, sdpa_module.MASKED_DECODE
     per_round: dict[str, list[float]] = {}  # "mode/count" -> each round's tokens/s
     fsteps: dict[str, dict[int, float]] = {m: {} for m in ["eager"] + variants}  # mode -> rows -> s a forward
     fround: dict[str, list[float]] = {}  # "mode/rows" -> each round's s a forward
 
     def use(m: str) -> None:  # the switches of mode m (eager, compiled: all at their defaults)
-        model_module.PACKS = packs and m != "library"
-        sdpa_module.MASKED_DECODE = m != "fused_mask"
-        cpu_decode_module.enabled = m not in ("fused_mask", "library_attention")  # the kernel takes the step before either
-        set_packing(0 if m == "pack_all" else pack_min, panels=m != "onednn_products")
+        sdpa_module.MASKED_DECODE = masked_decode and m != "fused_mask"
         batching_module.EAGER_LENGTH_STEP = args.length_step if m == "length_step" else default_step
 
     for r in range(args.rounds):
@@ -206,7 +176,7 @@ def main() -> None:
         "runs": best,
         "forward_only_s_per_step": {str(c): s for c, s in steps.items()},
         **{f"forward_only_{m}_s_per_step": {str(c): s for c, s in fsteps.get(m, {}).items()} for m in labels},
-        "packs": packs, "pack_min": pack_min, "eager_length_step": default_step, "length_step": args.length_step,
+        "masked_decode": masked_decode, "eager_length_step": default_step, "length_step": args.length_step,
         "paired_vs_eager": {k: statistics.median(a / b for a, b in zip(v, per_round["eager/" + k.split("/")[1]]))
                             for k, v in per_round.items() if not k.startswith(("eager/", "compiled/"))},
         # the forward alone likewise: a variant's time over eager's in the same round (above 1: slower)

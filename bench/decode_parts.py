@@ -5,18 +5,18 @@ variants of each comparison, so a change in the machine's speed hits every varia
 median and best tokens/s of each over the rounds. Every variant runs the model's own forward
 (`Transformer.forward`); they differ in how a module reads its weights or how the step compiles:
 
-  eager      Session(packed=True), the one-row products reading the row-block copies that
-             `Transformer.hold_rows` keeps (model.Linear, model.side_by_side: one block of
-             rows per thread, model.held_product), against Session(packed=False) with no
-             copies held (every product nn.Linear's own library call)
+  eager      Session(model) with glassformer.speed installed, its one-row products inside
+             speed.decoding() reading the row-block copies of speed.rows (row_blocks: one block
+             of rows per thread, summed by held_product) and its norms through F.rms_norm;
+             against the same installed model stepped by Session(speed=False) (no decoding():
+             every product F.linear, the norms still F.rms_norm), and against the plain model
+             (speed.remove: nn.Linear and the RMSNorm formula)
   compiled   the compiled step as a session builds it (compile_step with the CPU options:
-             one-row products as model.Linear's row sums over its (out, in) weight, inductor's
+             one-row products as speed's RowsLinear row sums over its (out, in) weight, inductor's
              realize_reads_threshold 1, TorchDynamo's guards on the model and cache left out by
              _step_guards) against the same step with inductor's default
-             realize_reads_threshold, with inductor's C++ wrapper (cpp_wrapper), with every
-             guard TorchDynamo makes, and with the attention as the library products (two
-             batched products per KV head and a softmax) in place of the C++ kernel of
-             attention/cpu_decode.py
+             realize_reads_threshold, with inductor's C++ wrapper (cpp_wrapper), and with every
+             guard TorchDynamo makes
   hook check what the session checks itself before every compiled step instead of those guards
              (compiled.step_key: the modules, their hooks, the kernels, dtype, device, threads,
              compared with the key of the step before): microseconds a step (timeit over many
@@ -29,7 +29,6 @@ forward that generation used to run; with one forward they have no place to go, 
     python bench/decode_parts.py --quick                  # a check that it runs: 2 rounds of 16 tokens
     python bench/decode_parts.py --pair "C++ wrapper" [--second-first] --out /tmp/pair.json
     python bench/decode_parts.py --pair "C++ wrapper" --context 1900     # the timed steps over a long cache
-    python bench/decode_parts.py --pair "the attention as library products" --context 1900
 """
 
 from __future__ import annotations
@@ -46,21 +45,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _common import write_json  # noqa: E402  (bench/ is the script's folder)
 
-from glassformer import ModelConfig, Transformer  # noqa: E402
-from glassformer.attention import cpu_decode  # noqa: E402
+from glassformer import ModelConfig, Transformer, speed  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
 from glassformer.generation.compiled import CPU_STEP_OPTIONS, compile_step, step_key  # noqa: E402
 from glassformer.generation.session import Session  # noqa: E402
 
 SHIPPED = "as shipped"
-COMPILED_VARIANTS = (SHIPPED, "inductor's default realize_reads_threshold", "C++ wrapper", "every guard",
-                     "the attention as library products")
+COMPILED_VARIANTS = (SHIPPED, "inductor's default realize_reads_threshold", "C++ wrapper", "every guard")
+EAGER_VARIANTS = ("speed installed", "installed, Session(speed=False)", "plain model (speed.remove)")
 
 
 def rate(session: Session, n: int, context: int = 16) -> float:
-    """Tokens/s of n greedy steps after a fresh prompt of `context` tokens."""
+    """Tokens/s of n greedy steps after a fresh prompt of `context` tokens and one untimed step (which
+    builds the row-block copies a fresh speed.install left to build)."""
     session.reset()
     list(session.send([t % 8192 for t in range(context)], max_new_tokens=1, greedy=True))
+    list(session.send(None, max_new_tokens=1, greedy=True))
     t = time.perf_counter()
     list(session.send(None, max_new_tokens=n, greedy=True))
     return n / (time.perf_counter() - t)
@@ -76,18 +76,16 @@ def race(variants: dict, rounds: int, n: int) -> dict:
 
 
 def eager_variants(model, S: int, context: int) -> dict:
-    """Eager steps with and without held row blocks. The copies live on the model's modules, so
-    each run sets them as its variant wants (outside the timed steps) whatever the other left."""
-    held, plain = Session(model, max_len=S), Session(model, max_len=S, packed=False)
+    """Eager steps of EAGER_VARIANTS. speed re-classes the model's own modules, so each run puts on
+    or takes off what its variant wants (outside the timed steps) whatever the one before left."""
+    fast, slow = Session(model, max_len=S), Session(model, max_len=S, speed=False)
 
-    def with_rows(n):
-        model.hold_rows(True)
-        return rate(held, n, context)
-
-    def without(n):
-        model.hold_rows(False)
-        return rate(plain, n, context)
-    return {"held row blocks": with_rows, "no row blocks (packed=False)": without}
+    def run(session: Session, on: bool):
+        def f(n):
+            (speed.install if on else speed.remove)(model)
+            return rate(session, n, context)
+        return f
+    return dict(zip(EAGER_VARIANTS, (run(fast, True), run(slow, True), run(slow, False))))
 
 
 def compiled_variant(model, S: int, context: int, options: dict):
@@ -100,23 +98,8 @@ def compiled_variant(model, S: int, context: int, options: dict):
     return s, lambda n: rate(s, n, context)
 
 
-def library_attention(model, S: int, context: int):
-    """The step with its attention traced as the library products: the switch is read when the
-    step is traced, and guarded, so it must also be off whenever this variant runs."""
-    def off(fn, *a):
-        cpu_decode.enabled = False
-        try:
-            return fn(*a)
-        finally:
-            cpu_decode.enabled = True
-    s, run = off(compiled_variant, model, S, context, CPU_STEP_OPTIONS)
-    return s, lambda n: off(run, n)
-
-
 def build_compiled(name: str, model, S: int, context: int):
     """(session, run) of one of COMPILED_VARIANTS."""
-    if name == "the attention as library products":
-        return library_attention(model, S, context)
     options = {
         SHIPPED: CPU_STEP_OPTIONS,
         "inductor's default realize_reads_threshold":
@@ -140,7 +123,7 @@ def hook_check(model, step_seconds: float, calls: int) -> dict:
 def report(res: dict, args) -> None:
     print(f"reference shape, fp32, {args.threads} threads, batch 1, greedy, {args.context}-token prompt; "
           f"tokens/s over {args.rounds} alternating rounds")
-    for part, first in (("eager", "held row blocks"), ("compiled", SHIPPED)):
+    for part, first in (("eager", EAGER_VARIANTS[0]), ("compiled", SHIPPED)):
         for name, r in res.get(part, {}).items():
             print(f"  {part:9} {name:44} median {r['median']:6.1f}  best {r['best']:6.1f}  "
                   f"{res[part][first]['median'] / r['median']:5.2f}x")
@@ -176,7 +159,7 @@ def main() -> None:
     res = {"threads": args.threads, "tokens": args.tokens, "context": args.context}
     if not args.pair:
         res["eager"] = race(eager_variants(model, S, args.context), args.rounds, args.tokens)
-        model.hold_rows(False)  # compiled steps read the weights themselves: no copies needed
+        speed.install(speed.remove(model))  # compiled steps read the weights themselves: no row-block copies kept
     names = list(COMPILED_VARIANTS) if not args.pair else [SHIPPED, args.pair][:: -1 if args.second_first else 1]
     built = {k: build_compiled(k, model, S, args.context) for k in names}
     res["compiled"] = race({k: run for k, (_, run) in built.items()}, args.rounds, args.tokens)

@@ -40,11 +40,11 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from glassformer import ModelConfig, Transformer  # noqa: E402
+from glassformer import ModelConfig, Transformer, speed  # noqa: E402
 from glassformer.convert import to_transformers  # noqa: E402
 from glassformer.generation.session import Session  # noqa: E402
 from glassformer.train.metrics import flops_per_token, gpu_peak  # noqa: E402
-from glassformer.model import head_logits  # noqa: E402
+from glassformer.speed.head import head_logits  # noqa: E402
 from glassformer.train.optim import make_optimizer  # noqa: E402
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, NVIDIA H200 SXM datasheet (cost/hardware.py)
@@ -74,6 +74,8 @@ def bench_train(device: torch.device, smoke: bool, rounds: int) -> dict:
     B, T = (2, 32) if smoke else (16, 1024)
     torch.manual_seed(0)
     ours = Transformer(cfg).to(device).train()
+    if device.type == "cuda":  # as `glassformer train` does on a GPU: the head's products over a padded vocabulary
+        speed.install(ours)
     hf = to_transformers(ours, torch.float32).train()
     x = torch.randint(0, cfg.vocab_size, (B, T), device=device)
     y = torch.randint(0, cfg.vocab_size, (B, T), device=device)
@@ -123,7 +125,8 @@ def bench_train(device: torch.device, smoke: bool, rounds: int) -> dict:
 
 def bench_head(device: torch.device, smoke: bool, rounds: int) -> dict:
     """The LM head's product alone, forward and backward under bf16 autocast, over GPT-2's 50,257
-    tokens: the padded product the model runs on a GPU (model.head_logits) against the plain one."""
+    tokens: the padded product a model with glassformer.speed installed runs on a GPU
+    (speed.head.head_logits) against the plain one."""
     V, D, N = (61, 64, 64) if smoke else (50257, 768, 16 * 1024)
     w = torch.randn(V, D, device=device, requires_grad=True)
     x = torch.randn(N, D, device=device, requires_grad=True)

@@ -1,28 +1,31 @@
 """The matrix-vector products of one decode step, alone: how fast each way of doing them streams weights.
 
-A batch-1 decode step on the reference shape is 25 products of one row by a weight matrix
-(per layer: Q/K/V side by side as Attention.qkv joins them, O, gate/up side by side as
-FeedForward.gate_up joins them, down; then the LM head), 50.3 MB of fp32 weights in all.
-This times the 25 in a row, over and over, for each way a module could read its weight:
+A batch-1 decode step on the reference shape is 43 products of one row by a weight matrix
+(per layer: Q, K, V, O, gate, up, down, each its own nn.Linear; then the LM head), 50.3 MB of
+fp32 weights in all. This times the 43 in a row, over and over, for each way a module could read
+its weight (`--joined`: 25 products, Q/K/V and gate/up side by side as one matrix each, the layout
+the model ran before it made them three and two products, and the layout of bench/results/matvec.json):
 
-  linear        F.linear(x, W) with nn.Linear's (out, in) weight (what a Linear does without
-                held row blocks: Session(packed=False))
+  linear        F.linear(x, W) with nn.Linear's (out, in) weight (what a projection runs outside
+                speed.decoding(), or with Session(speed=False))
   x @ W         the (in, out) matrix, one product (runs on one thread whatever the thread count)
   blocks P      the (in, out) matrix seen as P column blocks (a strided view), one batched product
   copied P      the same blocks copied to their own memory
   rows P        the matrix cut along its inputs into P row blocks (contiguous), one batched
-                product, then the P partial outputs summed (model.held_product over the copies
-                model.fresh_rows makes for an eager step, P = threads)
+                product, then the P partial outputs summed (glassformer.speed.rows.held_product over
+                the copy speed.rows.row_blocks makes, P = threads: what RowsLinear runs for one row
+                inside speed.decoding(), a session's eager decode step)
 
 and other kernels torch offers for the job: `torch.mv` on either layout, oneDNN's linear
 (plain, and with its weights reordered to oneDNN's own layout), MKL's packed sgemm, and the
 product written as a multiply-and-sum that torch.compile turns into a loop, over the (in, out)
-matrix's columns or over the (out, in) weight's rows: the row sums are what model.Linear runs
-when a compiled session's step traces it on the CPU (there Q, K, V and gate, up are each their
-own Linear's sum over the same input); and, for scale, a plain sum over a 512 MB tensor (what
-the memory gives one reader).
+matrix's columns or over the (out, in) weight's rows: the row sums are what speed's RowsLinear
+runs when a compiled session's step traces it on the CPU; and, for scale, a plain sum over a
+512 MB tensor (what the memory gives one reader). The oneDNN and MKL rows call private torch ops
+(torch.ops.mkldnn._linear_pointwise, _reorder_linear_weight, torch.ops.mkl._mkl_linear): they are
+here as reference points only; the library uses none of them.
 
-    python bench/matvec.py [--threads 1 2] [--blocks 2 4 8] [--no-compiled]      # bench/results/matvec.json
+    python bench/matvec.py [--threads 1 2] [--blocks 2 4 8] [--no-compiled] [--joined]   # bench/results/matvec.json
 """
 
 from __future__ import annotations
@@ -45,11 +48,16 @@ from glassformer.config import REFERENCE_SHAPE  # noqa: E402
 from decode import bandwidth  # noqa: E402  (bench/ is the script's folder)
 
 
-def step_matrices() -> list[torch.Tensor]:
-    """The (in, out) matrices one decode step multiplies by, in order, as the held row-block copies
-    (model.fresh_rows) lay them out: Q/K/V and gate/up joined side by side."""
+def step_matrices(joined: bool = False) -> list[torch.Tensor]:
+    """The (in, out) matrices one decode step multiplies by, in order, as the row-block copies
+    (speed.rows.row_blocks) lay them out: one per projection, or with `joined` Q/K/V and gate/up
+    each one matrix side by side."""
     c = ModelConfig(**REFERENCE_SHAPE)
-    per_layer = [(c.dim, c.q_dim + 2 * c.kv_dim), (c.q_dim, c.dim), (c.dim, 2 * c.ffn_dim), (c.ffn_dim, c.dim)]
+    if joined:
+        per_layer = [(c.dim, c.q_dim + 2 * c.kv_dim), (c.q_dim, c.dim), (c.dim, 2 * c.ffn_dim), (c.ffn_dim, c.dim)]
+    else:  # wq, wk, wv, wo, w_gate, w_up, w_down
+        per_layer = [(c.dim, c.q_dim), (c.dim, c.kv_dim), (c.dim, c.kv_dim), (c.q_dim, c.dim),
+                     (c.dim, c.ffn_dim), (c.dim, c.ffn_dim), (c.ffn_dim, c.dim)]
     shapes = per_layer * c.n_layers + [(c.dim, c.vocab_size)]
     return [torch.randn(i, o) for i, o in shapes]
 
@@ -97,13 +105,15 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True,
                     help="also the torch.compile'd multiply-and-sum loops (compiling takes ~20 s)")
+    ap.add_argument("--joined", action="store_true",
+                    help="Q/K/V and gate/up as one matrix each (25 products) instead of the model's own (43)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "matvec.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
-    mats = step_matrices()  # (in, out) each
+    mats = step_matrices(args.joined)  # (in, out) each
     n_bytes = sum(w.numel() for w in mats) * 4
     xs = {w.shape[0]: torch.randn(1, w.shape[0]) for w in mats}
-    res = {"bytes": n_bytes, "matrices": len(mats), "runs": {}}
+    res = {"bytes": n_bytes, "matrices": len(mats), "joined": args.joined, "runs": {}}
     for th in args.threads:
         torch.set_num_threads(th)
         out_in = [w.t().contiguous() for w in mats]
