@@ -84,8 +84,8 @@ def test_merged_logits_equal_the_adapted_models():
 
 
 def test_targets_and_speed_keep_each_adapter():
-    """Only wq and w_up adapted: with speed installed, a decode step's one-row products (row-block
-    copies, the adapters' bases included) still run each adapter."""
+    """Only wq and w_up adapted: speed re-classes the adapters' bases and the plain projections, leaves
+    the adapters their class, and a decode step still runs each adapter."""
     model = adapted(0, LoraConfig(r=2, targets=("wq", "w_up")))
     blk = model.blocks[0]
     assert isinstance(blk.attn.wq, LoRALinear) and isinstance(blk.ffn.w_up, LoRALinear)
@@ -94,7 +94,7 @@ def test_targets_and_speed_keep_each_adapter():
     speed.install(model)  # the adapted modules keep their class; their bases and the rest are re-classed
     assert isinstance(blk.attn.wq, LoRALinear) and type(blk.attn.wq.base) is speed.RowsLinear
     assert type(blk.attn.wk) is speed.RowsLinear
-    with torch.no_grad(), speed.decoding():
+    with torch.no_grad():
         assert greedy_cached(model, IDS, 6) == want
     # and the decode step's logits are the full forward's
     with torch.no_grad():

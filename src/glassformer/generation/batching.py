@@ -586,11 +586,9 @@ class Engine:
         idx = torch.tensor(toks, device=self.device)[:, None]  # (B, 1)
         cuda = self.device.type == "cuda"
         if B == 1 and not (compiled and cuda):  # one row at an int position, as a one-row Session steps it:
-            # the cache reads the filled slots only (compiled: a dynamic length); eager one-row products
-            # read the row-block copies (speed.decoding)
+            # the cache reads the filled slots only (compiled: a dynamic length)
             fwd = self._compiled_step(1, self.context) if compiled else self.model
-            with speed.decoding():
-                logits, _ = fwd(idx, cache=self._view(0, 1, self.context), pos=pos[0])  # (1, 1, V)
+            logits, _ = fwd(idx, cache=self._view(0, 1, self.context), pos=pos[0])  # (1, 1, V)
         else:  # every row at its own position, reading the slots up to the furthest one's
             L = slots_to_read(max(pos) + 1, self.context, compiled, cuda)
             fwd = self._compiled_step(B, L) if compiled else self.model

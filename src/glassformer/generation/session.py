@@ -7,7 +7,6 @@ right-padded batch gives what each prompt gives alone: docs/generation.md#the-ca
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Iterator, Sequence
 
@@ -105,7 +104,8 @@ class Session:
         self.generator: torch.Generator | None = None
         # One row on a GPU: queue each decode step before reading the token of the one before (_run_ahead).
         self.run_ahead = batch_size == 1 and self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
-        # Speed from outside the model (glassformer.speed): re-classed modules, the same objects and hooks
+        # Speed from outside the model (glassformer.speed): re-classed modules, the same objects and hooks;
+        # what it changes is a compiled step's one-row products
         self.speed = bool(speed)
         if self.speed:
             speed_pkg.install(model)
@@ -198,11 +198,7 @@ class Session:
             self.prefilled_tokens += sum(n)
         self._fresh = False
         fwd = self._model(decode=T == 1)
-        if T > 1:
-            logits = prefill(fwd, ids, self.cache, pos, lengths)
-        else:  # eager one-row products read the row-block copies (speed.decoding); a prefill keeps the plain model's
-            with speed_pkg.decoding() if self.speed else contextlib.nullcontext():
-                logits = decode_step(fwd, ids, self.cache, pos)
+        logits = prefill(fwd, ids, self.cache, pos, lengths) if T > 1 else decode_step(fwd, ids, self.cache, pos)
         # A stopped row re-feeds its last token at the same slot (same keys and values) and
         # stays put, so the batch keeps one shape and the row's cache stays exact.
         self.cached = [c + (k if a else k - 1) for c, k, a in zip(self.cached, n, self.active)]
