@@ -6,15 +6,16 @@ fp32 weights in all. This times the 43 in a row, over and over, for each way a m
 its weight (`--joined`: 25 products, Q/K/V and gate/up side by side as one matrix each, the layout
 the model ran before it made them three and two products, and the layout of bench/results/matvec.json):
 
-  linear        F.linear(x, W) with nn.Linear's (out, in) weight (what a projection runs outside
-                speed.decoding(), or with Session(speed=False))
+  linear        F.linear(x, W) with nn.Linear's (out, in) weight (what every eager projection runs,
+                speed installed or not: a session's eager decode step)
   x @ W         the (in, out) matrix, one product (runs on one thread whatever the thread count)
   blocks P      the (in, out) matrix seen as P column blocks (a strided view), one batched product
   copied P      the same blocks copied to their own memory
   rows P        the matrix cut along its inputs into P row blocks (contiguous), one batched
-                product, then the P partial outputs summed (glassformer.speed.rows.held_product over
-                the copy speed.rows.row_blocks makes, P = threads: what RowsLinear runs for one row
-                inside speed.decoding(), a session's eager decode step)
+                product, then the P partial outputs summed: an experiment the library does not
+                run. glassformer.speed used to hold such copies (P = threads) for eager one-row
+                products; end to end they decoded at 0.83x the plain model's speed at 2 threads on
+                torch 2.13 (equal at 1), so they were removed and eager steps run `linear`
 
 and other kernels torch offers for the job: `torch.mv` on either layout, oneDNN's linear
 (plain, and with its weights reordered to oneDNN's own layout), MKL's packed sgemm, and the
@@ -49,9 +50,9 @@ from decode import bandwidth  # noqa: E402  (bench/ is the script's folder)
 
 
 def step_matrices(joined: bool = False) -> list[torch.Tensor]:
-    """The (in, out) matrices one decode step multiplies by, in order, as the row-block copies
-    (speed.rows.row_blocks) lay them out: one per projection, or with `joined` Q/K/V and gate/up
-    each one matrix side by side."""
+    """The (in, out) matrices one decode step multiplies by, in order (the layout `x @ W` and the
+    row blocks read; `linear` reads their (out, in) transposes): one per projection, or with `joined`
+    Q/K/V and gate/up each one matrix side by side."""
     c = ModelConfig(**REFERENCE_SHAPE)
     if joined:
         per_layer = [(c.dim, c.q_dim + 2 * c.kv_dim), (c.q_dim, c.dim), (c.dim, 2 * c.ffn_dim), (c.ffn_dim, c.dim)]

@@ -4,9 +4,10 @@ The choices behind the training step (docs/benchmarks.md, "Training tokens/s"): 
 attention kernel against two matrix-product forms, Q/K/V and gate/up as the model's own three
 and two products (Attention's wq, wk, wv; FeedForward's w_gate, w_up) against one product over
 their weights joined (a measurement of what joining would buy, its concatenation paid each
-call; the model does not join them), RMSNorm as written against torch's F.rms_norm (what
-glassformer.speed's FusedRMSNorm runs where no gradient is wanted), RoPE as model.apply_rope
-against the roll-and-multiply-add form. Batch 8 × 256 tokens, fp32, median of 10 runs each.
+call; the model does not join them), RMSNorm as written against torch's F.rms_norm (a
+measurement: the model runs the formula; glassformer.speed no longer swaps it in, as at 1.00x
+it bought decoding nothing), RoPE as model.apply_rope against the roll-and-multiply-add form.
+Batch 8 × 256 tokens, fp32, median of 10 runs each.
 
     python bench/train_parts.py [--threads 2]          # bench/results/train_parts.json
 """
