@@ -97,7 +97,7 @@ def test_every_projection_and_an_untied_head_are_replaced(tie):
 
 def test_greedy_decoding_equals_the_int8_models_own_full_forward():
     fp32 = tiny_model(n_layers=2)
-    plain = list(generate(fp32, PROMPT, max_new_tokens=STEPS, greedy=True))  # holds row-block copies
+    plain = list(generate(fp32, PROMPT, max_new_tokens=STEPS, greedy=True))  # installs glassformer.speed
     model = quantize_int8(fp32)
     want = greedy_by_full_forward(model, PROMPT, STEPS)
     assert list(generate(model, PROMPT, max_new_tokens=STEPS, greedy=True)) == want

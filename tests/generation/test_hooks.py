@@ -126,7 +126,7 @@ class Doubled(torch.nn.Module):
 
 def test_a_replaced_projection_runs_in_training_generation_and_batches():
     model = reinit(tiny_model(n_layers=2), std=0.3)
-    plain = list(generate(model, PROMPT, max_new_tokens=STEPS, greedy=True))  # holds row-block copies
+    plain = list(generate(model, PROMPT, max_new_tokens=STEPS, greedy=True))  # installs glassformer.speed
     model.blocks[0].attn.wq = Doubled(model.blocks[0].attn.wq)
     model.blocks[1].ffn.w_gate = Doubled(model.blocks[1].ffn.w_gate)
     model.lm_head = Doubled(model.lm_head)
