@@ -1,5 +1,5 @@
 """glassformer's harness model against the harness's own `hf` model, same weights, same requests
-(docs/benchmarks.md#harness).
+(docs/benchmarks-log.md#harness).
 
 A random Hugging Face Llama (saved by transformers, with a byte-level BPE tokenizer trained here)
 is loaded by both; the harness builds the requests of two tasks written here as YAML + JSONL: a

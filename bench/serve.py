@@ -187,7 +187,7 @@ class RawClient:
     """The leanest client (`--client raw`): HTTP/1.1 written and read by hand over kept-alive asyncio
     connections, one per request in flight, so what the client costs a request and a chunk is little
     more than its writes, its line reads and a JSON parse, and the figures are the server's rather
-    than a client library's (the client's CPU a token beside aiohttp's: docs/benchmarks.md#serve)."""
+    than a client library's (the client's CPU a token beside aiohttp's: docs/benchmarks-log.md#serve)."""
 
     def __init__(self):
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
@@ -245,7 +245,7 @@ class RawClient:
 
 def _session(kind: str, n: int):
     """The client `kind` (--client: aiohttp, httpx or raw) for n concurrent streams. It shares the two cores with the server: aiohttp reads a
-    streamed chunk for about a third of httpx's CPU (`--client httpx` compares; docs/benchmarks.md#serve),
+    streamed chunk for about a third of httpx's CPU (`--client httpx` compares; docs/benchmarks-log.md#serve),
     CPU that would be charged to the server's figures; `--client raw` costs less again (RawClient)."""
     if kind == "raw":
         return RawClient()

@@ -320,7 +320,7 @@ REFERENCE_SHAPE = dict(
 
 # prepare's BPE vocabulary when none is given: 1024 (2048 until the eighth tuning round, where on
 # tinyshakespeare 1024 tokens and epoch sampling trained to lower held-out bits per byte in the same
-# CPU time: docs/benchmarks.md#quality-per-cpu-minute-on-tinyshakespeare).
+# CPU time: docs/benchmarks-log.md#quality-per-cpu-minute-on-tinyshakespeare).
 DEFAULT_VOCAB_SIZE = 1024
 SAMPLINGS = ("epochs", "random")  # how training draws its windows: TrainConfig.sampling, text.data.get_batch
 # Training settings whose default changed after runs were saved without them: what those runs used.

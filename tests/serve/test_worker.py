@@ -92,7 +92,7 @@ class _Pipe:
 def test_the_childs_messages_come_at_most_every_stream_interval(interval):
     """The child sends a step's events at once when they hold a request's first token or its end, and
     otherwise waits until `stream_interval` has passed since its last message, so one message carries
-    several steps' tokens (each message wakes the server: docs/benchmarks.md#serve); interval 0 is a
+    several steps' tokens (each message wakes the server: docs/benchmarks-log.md#serve); interval 0 is a
     message every step. Stepped here by hand, a step taking 5 ms of the test's clock; a second request
     joins at the sixth step."""
     model = tiny_model(vocab_size=300)
@@ -131,7 +131,7 @@ def test_the_childs_messages_come_at_most_every_stream_interval(interval):
 def test_the_childs_reader_sleeps_through_a_stream(fragile):
     """Each step's events go up a pipe of their own: the child's reader (its main thread, blocked on the
     parent's pipe) is not woken by them. On one two-way socket it woke at every step, when the parent
-    drained that step's message (docs/benchmarks.md#serve)."""
+    drained that step's message (docs/benchmarks-log.md#serve)."""
     engine = fragile.engine
     pid = engine.process.pid
 
@@ -149,7 +149,7 @@ def test_the_childs_reader_sleeps_through_a_stream(fragile):
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's switch counts of threads")
 def test_the_servers_loop_reads_the_childs_pipe_itself(fragile):
     """The child's messages are read on the HTTP server's asyncio loop (`add_reader`), not by a thread
-    that then wakes the loop: one thread woken a step's message, not two (docs/benchmarks.md#serve)."""
+    that then wakes the loop: one thread woken a step's message, not two (docs/benchmarks-log.md#serve)."""
     engine = fragile.engine
     threads = [fragile.server._thread] + ([engine._reader] if engine._reader is not None else [])
 

@@ -47,7 +47,7 @@ def _masked_decode_step(q, k, v, q_pos, key_mask, window, scale):
     two batched products with the keys a row may not read set to -inf before the softmax (CPU).
 
     Cheaper than the fused kernel with a boolean mask at a few rows, the same numbers to 4e-7
-    (bench/batching.py --fused-mask; docs/benchmarks.md#serve). A row with no readable key gets
+    (bench/batching.py --fused-mask; docs/benchmarks-log.md#serve). A row with no readable key gets
     zeros, as from every kernel."""
     Tk = k.shape[2]
     if key_mask is None and window is None:  # causal by position: key j is hidden from a row before it
@@ -64,7 +64,7 @@ def _masked_decode_step(q, k, v, q_pos, key_mask, window, scale):
 def _fused(q, k, v, **kw):
     """F.scaled_dot_product_attention; in float32 while training in bf16 on a CPU, whose fused
     kernel's bf16 backward is slow (the demo model's bf16 step costs 0.67x float32's this way, 0.99x
-    without it: bench/quality_tuning.py, docs/benchmarks.md#what-bought-what-fixed-steps-one-thread-busy-machine).
+    without it: bench/quality_tuning.py, docs/benchmarks-log.md#what-bought-what-fixed-steps-one-thread-busy-machine).
     The products around it stay bf16 under autocast."""
     if (CPU_BF16_IN_FLOAT32 and q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad
             and torch.is_grad_enabled()):

@@ -46,7 +46,7 @@ BUCKETS = (1, 2, 4, 8, 16)  # the batch sizes a compiled decode step is run at (
 # A batched decode step reads the cache up to the furthest row's position, rounded up: eagerly to a
 # multiple of EAGER_LENGTH_STEP, a new view (KVCache.view, a few hundred microseconds) once each 16
 # positions, where a multiple of 64 read 32 slots too many on average (bench/batching.py --length-step 64,
-# docs/benchmarks.md#continuous-batching-in-process); compiled to a power of two from LENGTH_STEP
+# docs/benchmarks-log.md#continuous-batching-in-process); compiled to a power of two from LENGTH_STEP
 # (each length a compile of its own).
 EAGER_LENGTH_STEP = 16
 LENGTH_STEP = 64

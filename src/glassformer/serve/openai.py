@@ -149,7 +149,7 @@ def _text_size(prompt) -> int:
 async def _encoded(encode, backend: Backend, prompt):
     """encode(backend, prompt) on the event loop when the prompt is ids or a short text, else on a worker
     thread so a long text never stalls the streams. The hand-over to a thread and back costs more
-    server CPU than encoding a short prompt: docs/benchmarks.md#serve."""
+    server CPU than encoding a short prompt: docs/benchmarks-log.md#serve."""
     if _text_size(prompt) <= INLINE_CHARS:
         return encode(backend, prompt)
     return await run_in_threadpool(encode, backend, prompt)

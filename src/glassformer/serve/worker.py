@@ -2,7 +2,7 @@
 process never wait on each other's interpreter lock.
 
 Why: with the engine on a thread of the server's process, its decode step took 1.85 ms against 1.24
-ms in-process on the demo shape (docs/benchmarks.md#serve): the lock handed back and forth between
+ms in-process on the demo shape (docs/benchmarks-log.md#serve): the lock handed back and forth between
 the forward's many small operations and the thread taking each token. Here a child process (the
 "spawn" start method: safe with torch and CUDA) loads the checkpoint itself through the loader it is
 given (a picklable callable, e.g. the one `glassformer serve` loads with), builds the same
@@ -13,7 +13,7 @@ events come back up another, a message at most every few milliseconds while stre
 message. Who reads that pipe: a reader thread here, or, given `start(loop=...)`, that asyncio loop
 itself (`loop.add_reader`), as `glassformer serve` does: its HTTP side then takes the engine's
 events on the loop that streams them, with no thread to wake and no hand-over between threads per
-message (docs/benchmarks.md#serve).
+message (docs/benchmarks-log.md#serve).
 
 What can be answered at submit time is answered here, synchronously, with the engine's own errors:
 the request's checks (`check_request`, against the model's config the child sends once loaded),
@@ -362,7 +362,7 @@ def _running_loop():
 def send(conn, message) -> None:
     """`conn.send(message)` with the plain pickler: multiprocessing's own (ForkingPickler) copies its
     table of reducers, torch's many among them, for every message, a cost on the engine's side of
-    each message between two steps (docs/benchmarks.md#serve). `recv()` reads either. What the two
+    each message between two steps (docs/benchmarks-log.md#serve). `recv()` reads either. What the two
     processes exchange (requests, events, counts) holds no tensor to share."""
     conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
@@ -421,7 +421,7 @@ class ChildEngine(Engine):
     Why not a message every step: on the demo model (a step about 1 ms) a message a step made one
     stream's answer 13-14% slower than `generate`, a message at most every 20 ms 4%, and only the
     first and the last 2% (bench/serve_overhead.py --stream-interval 0,20,1000,
-    docs/benchmarks.md#serve): about 0.14 ms of the engine's time a message, mostly the send, which
+    docs/benchmarks-log.md#serve): about 0.14 ms of the engine's time a message, mostly the send, which
     wakes the server's loop on the other core. A row's tokens made meanwhile go together in the
     next message, in order."""
 

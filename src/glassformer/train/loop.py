@@ -145,7 +145,7 @@ def fix_time_budget(run: RunState) -> None:
 # Re-plans under wsd: every REPLAN_EVERY steps, from the speed over the last WINDOW intervals (a few
 # seconds of the demo model: long enough to average a step's jitter, short enough to follow a shift
 # of the machine's speed, which on a shared virtual machine came and went within a run:
-# docs/benchmarks.md#quality-per-cpu-minute-on-tinyshakespeare).
+# docs/benchmarks-log.md#quality-per-cpu-minute-on-tinyshakespeare).
 REPLAN_EVERY, WINDOW = 50, 4
 
 
