@@ -1,5 +1,5 @@
 """GGUF: export time and peak memory, and batch-1 decode of glassformer against llama.cpp on the
-same GGUF weights, in one run (docs/benchmarks-log.md#gguf).
+same GGUF weights, in one run (docs/benchmarks-log.md#gguf-export-and-decode-against-llamacpp-on-the-same-file).
 
 1. Export: a checkpoint of the smollm-135m shape (random weights, fp32, tied head) is written
    with `glassformer convert --to-gguf` as f32 and as q8_0, each in a fresh child process that

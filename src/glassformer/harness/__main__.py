@@ -1,6 +1,6 @@
 """`python -m glassformer.harness ARGS`: the harness's own command line (`lm_eval ARGS`) with the
 model name `glassformer` registered first, for harness versions that do not read the
-`lm_eval.models` entry point (docs/eval.md#the-harness-command-line)."""
+`lm_eval.models` entry point (docs/eval.md#the-harnesss-command-line-and-python-api)."""
 
 from __future__ import annotations
 

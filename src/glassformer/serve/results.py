@@ -1,5 +1,5 @@
 """The response objects of the OpenAI-compatible API: log-probabilities in each endpoint's shape,
-usage, and the envelope every completion and chunk shares (docs/serve.md#responses).
+usage, and the envelope every completion and chunk shares (docs/serve.md#endpoints).
 
 A token's text here is `Tokenizer.id_to_piece`: its bytes as UTF-8, with a byte that is only part
 of a character written as \\xNN; chat's `bytes` field gives the exact bytes. An id past the
