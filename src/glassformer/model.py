@@ -107,14 +107,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str = "
     """x (B, T, heads, H) turned by the tables of rope_tables: (a cos − b sin, a sin + b cos) for each
     feature pair (a, b), in fp32. The same numbers as the pair-by-pair formula (tests/model): a fused
     multiply-add (addcmul) would round once instead of twice, and checkpoints would change their logits."""
-    xf = x if x.dtype == torch.float32 else x.float()
+    xf = x.float()  # (B, T, heads, H) in fp32
     H = x.shape[-1]
     if pairs == "half":
         swapped = xf.roll(H // 2, dims=-1)  # (b, a) for each pair (a, b)
     else:
         swapped = xf.unflatten(-1, (H // 2, 2)).flip(-1).flatten(-2)  # (B, T, h, H)
     out = xf * cos + swapped * sin
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    return out.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str = "half") -> torch.Tensor:
