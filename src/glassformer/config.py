@@ -324,6 +324,7 @@ REFERENCE_SHAPE = dict(
 DEFAULT_VOCAB_SIZE = 1024
 SAMPLINGS = ("epochs", "random")  # how training draws its windows: TrainConfig.sampling, text.data.get_batch
 # Training settings whose default changed after runs were saved without them: what those runs used.
+CHECKPOINT_FORMATS = ("safetensors", "dcp")  # train --checkpoint-format: one file gathered, or DCP shards
 SAVED_BEFORE = {"sampling": "random"}
 
 
@@ -353,6 +354,8 @@ class TrainConfig:
     """Seeds the weights, the batches (drawn from (seed, step)) and dropout."""
     sampling: str = "epochs"
     """How the training windows are drawn: 'epochs' (each token once an epoch: the windows tile the text from an offset drawn each epoch, in a shuffled order) or 'random' (each window anywhere, drawn anew: some text twice, other text not at all; the only way before; docs/data.md#batches-glassformertextdata)."""
+    align_docs: bool = False
+    """Begin every training window at a document's start (position 0 or right after an end-of-text token), each document start once an epoch under --sampling epochs (docs/data.md#batches-from-shards)."""
     batch_size: int = 8
     """Sequences per optimizer step, over all processes together (the global batch)."""
     micro_batch: int = 0
@@ -409,6 +412,10 @@ class TrainConfig:
     """Autocast dtype: 'auto' (bf16 on CUDA, fp32 elsewhere), 'bf16' or 'fp32'."""
     fsdp: bool = False
     """Under torchrun, shard weights, gradients and optimizer state with FSDP2 (fully_shard) instead of DDP."""
+    checkpoint_format: str = "safetensors"
+    """How checkpoints hold the weights and optimizer state: 'safetensors' (full tensors gathered on rank 0 into model.safetensors and train_state.safetensors) or 'dcp' (each process writes its own shards with torch.distributed.checkpoint into step-N/dcp/, nothing gathered; resumes at any world size; docs/training.md#past-one-machine)."""
+    activation_checkpointing: bool = False
+    """Keep only each block's input from the forward and recompute the block's activations in backward (torch.utils.checkpoint): about a third more compute for a fraction of the activation memory (`glassformer cost --activation-checkpointing`; docs/training.md#activation-checkpointing)."""
     skip_nonfinite: bool = False
     """Skip an optimizer step whose loss or gradient norm is not finite instead of stopping."""
     progress: bool = True
@@ -462,6 +469,8 @@ class TrainConfig:
             raise ValueError(f"need muon_lr > 0 and 0 <= muon_momentum < 1; got {self.muon_lr}, {self.muon_momentum}")
         if isinstance(self.log, str):
             self.log = [self.log]
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format must be {' or '.join(CHECKPOINT_FORMATS)}, got {self.checkpoint_format!r}")
         if self.lora_r < 0:
             raise ValueError(f"lora_r must be at least 1 (or 0: no LoRA), got {self.lora_r}")
 

@@ -128,7 +128,6 @@ def test_muon_resume_is_bitwise(data, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("settings, words", [
-    ({"fsdp": True}, "--fsdp"),
     ({"lora_r": 8, "init_from": "x"}, "--lora-r"),
     ({"optimizer": "sgd"}, "adamw or muon"),
 ])

@@ -84,18 +84,15 @@ def check_optimizer(cfg) -> None:
         raise UserError(f"--optimizer {cfg.optimizer!r}: choose adamw or muon")
     if cfg.optimizer != "muon":
         return
-    if cfg.fsdp:
-        raise UserError("--optimizer muon with --fsdp: Muon orthogonalises each whole matrix, and FSDP gives each "
-                        "process a shard of it (orthogonalising a shard is not orthogonalising the matrix): "
-                        "drop --fsdp (DDP works) or use --optimizer adamw")
     if cfg.lora_r:
         raise UserError("--optimizer muon with --lora-r: the block matrices are frozen under LoRA and Muon would "
                         "only see the thin rank-r adapter factors: use --optimizer adamw for adapters")
 
 
 def make_muon(model: torch.nn.Module, lr: float, muon_lr: float, momentum: float, weight_decay: float,
-              betas: tuple[float, float], device: torch.device) -> Optimizers:
-    """torch.optim.Muon for the block matrices, AdamW (one decay rule) for everything else.
+              betas: tuple[float, float], device: torch.device, sharded: bool = False) -> Optimizers:
+    """torch.optim.Muon for the block matrices, AdamW (one decay rule) for everything else; under
+    FSDP2 (sharded) ShardedMuon, the same update on matrices each process holds a row shard of.
 
     The Muon group carries lr_ratio = muon_lr / lr, so the one schedule (set_lr) scales both."""
     muon_cls = getattr(torch.optim, "Muon", None)
@@ -109,9 +106,118 @@ def make_muon(model: torch.nn.Module, lr: float, muon_lr: float, momentum: float
     chosen = {id(p) for p in matrices}
     rest = torch.nn.Module()
     rest.params = torch.nn.ParameterList([p for _, p in named if id(p) not in chosen])
-    muon = muon_cls([{"params": matrices, "lr_ratio": muon_lr / lr}], lr=muon_lr, momentum=momentum,
-                    weight_decay=weight_decay, nesterov=True)
-    return Optimizers(muon, make_optimizer(rest, lr, weight_decay, betas, device))
+    muon = (ShardedMuon if sharded else muon_cls)([{"params": matrices, "lr_ratio": muon_lr / lr}], lr=muon_lr,
+                                                  momentum=momentum, weight_decay=weight_decay, nesterov=True)
+    return Optimizers(muon, make_optimizer(rest, lr, weight_decay, betas, device, sharded=sharded))
+
+
+# Keller Jordan's quintic Newton–Schulz coefficients, torch.optim.Muon's defaults.
+NS_COEFFICIENTS, NS_STEPS, NS_EPS = (3.4445, -4.7750, 2.0315), 5, 1e-7
+
+
+def newton_schulz(g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS) -> torch.Tensor:
+    """Muon's orthogonalisation of one whole (rows, cols) matrix, in bf16, wide side last: the same
+    operations in the same order as torch.optim.Muon, so one process and many give the same bits."""
+    a, b, c = coefficients
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class ShardedMuon(torch.optim.Optimizer):
+    """Muon on FSDP2's row-sharded matrices (DTensors, Shard(0)), as nanochat's and modded-nanogpt's
+    distributed Muon: the momentum and Nesterov look-ahead are elementwise, so each process does them
+    on its own rows; Newton–Schulz needs the whole matrix, so matrix i's rows are gathered to process
+    i mod world (each process orthogonalises its own matrices, all at once), and the result's rows
+    are scattered back. FSDP2's reduce-scatter has already left each process the mean gradient's
+    rows. The state (momentum_buffer) and step are torch.optim.Muon's, so checkpoints move between
+    the two; plain tensors (one process) are orthogonalised in place of the gather."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True):
+        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
+                    "ns_coefficients": NS_COEFFICIENTS, "eps": NS_EPS, "ns_steps": NS_STEPS, "adjust_lr_fn": None}
+        super().__init__(params, defaults)
+        if any(p.dim() != 2 for g in self.param_groups for p in g["params"]):
+            raise ValueError("Muon trains 2-D matrices only")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = []
+            for p in params:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])  # B ← μB + (1 − μ)g, on this process's rows
+                updates.append(p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
+            orthogonal = orthogonalise_owned(updates, group)  # this process's rows of each, bf16
+            lr = group["lr"]
+            for p, o in zip(params, orthogonal):
+                rows, cols = p.shape  # the whole matrix's shape, as torch.optim.Muon scales by it
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.mul_(1 - lr * group["weight_decay"])
+                local.add_(o, alpha=-lr * math.sqrt(max(1.0, rows / cols)))
+        return None
+
+
+def row_counts(rows: int, world: int) -> list[int]:
+    """Rows each process holds of a matrix FSDP2 shards on dim 0 (torch.chunk's split, empty shards last).
+
+    >>> row_counts(5, 2), row_counts(2, 4)
+    ([3, 2], [1, 1, 0, 0])
+    """
+    chunk = -(-rows // world)
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
+
+
+def orthogonalise_owned(updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+    """Newton–Schulz of each whole matrix, as this process's rows (plain tensors: the matrix itself).
+
+    DTensor i (Shard(0) over a 1-D mesh) is owned by process i mod world: every process sends its
+    rows, padded to one chunk, to the owner (gather, all matrices in flight at once), the owner
+    orthogonalises the matrix, then sends each process its rows back (scatter)."""
+    import torch.distributed as dist
+
+    ns = lambda m: newton_schulz(m, group["ns_coefficients"], group["ns_steps"], group["eps"])  # noqa: E731
+    if not updates or not hasattr(updates[0], "to_local"):
+        return [ns(u) for u in updates]
+    mesh = updates[0].device_mesh
+    pg, me, world = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    shards, gathered, works = [], [], []
+    for i, u in enumerate(updates):  # (rows_i, cols) whole, (counts[me], cols) here
+        local, counts, owner = u.to_local(), row_counts(u.shape[0], world), i % world
+        assert local.shape[0] == counts[me], (u.placements, local.shape, counts)  # FSDP2's even split on dim 0
+        padded = local.new_zeros(counts[0], u.shape[1])  # (chunk, cols)
+        padded[: counts[me]] = local
+        pieces = [torch.empty_like(padded) for _ in range(world)] if me == owner else None
+        works.append(dist.gather(padded, pieces, dst=dist.get_global_rank(pg, owner), group=pg, async_op=True))
+        shards.append((counts, owner, padded))
+        gathered.append(pieces)
+    for w in works:
+        w.wait()
+    out, works = [], []
+    for (counts, owner, padded), pieces in zip(shards, gathered):
+        send = None
+        if me == owner:  # the whole matrix: each process's rows, padding dropped
+            whole = ns(torch.cat([p[:n] for p, n in zip(pieces, counts)]))  # (rows, cols) bf16
+            send = [torch.zeros_like(padded, dtype=whole.dtype) for _ in range(world)]
+            for r, part in enumerate(whole.split(counts[0])):
+                send[r][: part.shape[0]] = part
+        mine = padded.new_empty(padded.shape, dtype=torch.bfloat16)
+        works.append(dist.scatter(mine, send, src=dist.get_global_rank(pg, owner), group=pg, async_op=True))
+        out.append(mine[: counts[me]])
+    for w in works:
+        w.wait()
+    return out
 
 
 SCHEDULES = ("cosine", "wsd")

@@ -13,14 +13,17 @@ import numpy as np
 import torch
 
 from .. import devices, speed
-from .distributed import Dist, barrier, load_optimizer, wrap
+from .distributed import Dist, barrier, check_checkpoint_format, load_optimizer, wrap
+from .recompute import checkpoint_blocks
 from ..checkpoint.folders import newest_checkpoint, remove_leftovers
+from ..checkpoint.dcp import load_sharded
 from ..checkpoint.training import load_training
 from ..config import ModelConfig, TrainConfig
 from ..errors import UserError
-from ..text.data import TokenFile, check_prepared
+from ..text.data import check_prepared, load_split, read_meta
 from .metrics import MetricsLog, flops_per_token, machine_peak, pick_threads
 from .lora import check_flags, describe, prepare_model, resumed_adapter
+from .loader import attach_docs, check_same_data, data_fingerprint
 from .loggers import LoggedMetrics, check_specs, make_sinks
 from .optim import check_optimizer, make_muon, make_optimizer
 from .runstate import RunState, set_rng_state
@@ -45,12 +48,15 @@ def autocast_for(device: torch.device, dtype: str):
 
 
 def read_prepared(data: str | Path) -> dict:
-    """meta.json of a prepared data folder, after checking the folder holds both token files and
-    that a run can read it: meta.json, the tokenizer and every id (text/data.py check_prepared)."""
+    """meta.json of a prepared data folder, after checking the folder holds both token files (or
+    meta.json lists shards) and that a run can read it: meta.json, the tokenizer, every shard's
+    header and count, and every id (text/data.py check_prepared)."""
     data = Path(data)
     if not data.is_dir():
         raise UserError(f"--data {data} is not a folder: run `glassformer prepare --out {data}` first")
-    for f in ("meta.json", "train.bin", "val.bin"):
+    if not (data / "meta.json").is_file():
+        raise UserError(f"{data} has no meta.json: it is not a prepared data folder; run `glassformer prepare --out {data}`")
+    for f in () if "shards" in read_meta(data) else ("train.bin", "val.bin"):  # a shard missing: load_split says
         if not (data / f).is_file():
             raise UserError(f"{data} has no {f}: it is not a prepared data folder; run `glassformer prepare --out {data}`")
     return check_prepared(data)
@@ -120,9 +126,11 @@ def start_run(cfg: TrainConfig, d: Dist) -> RunState:
     meta = read_prepared(data)
     check_flags(cfg)
     check_optimizer(cfg)
+    check_checkpoint_format(cfg)
     check_specs(cfg.log)
     open_run_folder(out, d)
-    resume_from, saved = find_checkpoint(cfg, out, d)
+    fingerprint = data_fingerprint(data, meta)
+    resume_from, saved = find_checkpoint(cfg, out, d, lambda state: check_same_data(state, fingerprint, data))
     torch.manual_seed(cfg.seed)
     model, grown = (resumed_model(cfg, resume_from, saved[0]), None) if saved else build_model(cfg, meta)
     if describe(model):
@@ -131,9 +139,10 @@ def start_run(cfg: TrainConfig, d: Dist) -> RunState:
         say(d, f"vocabulary grown from {grown['from']} to {grown['to']} ids for the data's tokenizer: "
                f"new rows of {', '.join(grown['matrices'])} are the mean of the old rows")
     seq_len, micro, accum = batch_shape(cfg, model.config, d)
-    train_tokens, val_tokens = (TokenFile(data / f"{split}.bin", meta["dtype"]) for split in ("train", "val"))
+    train_tokens, val_tokens = (load_split(data, split, meta) for split in ("train", "val"))
     if len(train_tokens) <= seq_len + 1:
-        raise UserError(f"{data}/train.bin has {len(train_tokens)} tokens, fewer than one sequence of {seq_len + 1}")
+        where = f"{data}/train.bin" if "shards" not in meta else f"the training shards of {data}"
+        raise UserError(f"{where} has {len(train_tokens)} tokens, fewer than one sequence of {seq_len + 1}")
     net, optimizer = place_model(cfg, model, d, device)
     n_eval = (cfg.eval_tokens + 1) if cfg.eval_tokens else len(val_tokens)
     eval_ids = np.asarray(val_tokens[:n_eval])
@@ -141,10 +150,12 @@ def start_run(cfg: TrainConfig, d: Dist) -> RunState:
                    train_tokens=train_tokens, eval_ids=eval_ids,
                    eval_bytes=int(round(meta.get("val_bytes", 0) * min(1.0, len(eval_ids) / max(1, len(val_tokens))))),
                    seq_len=seq_len, micro=micro, accum=accum, autocast=contextlib.nullcontext, n_threads=0,
-                   total_steps=None if cfg.time_budget else cfg.max_steps, t_start=t_start, grown=grown)
+                   total_steps=None if cfg.time_budget else cfg.max_steps, t_start=t_start, grown=grown,
+                   data_fingerprint=fingerprint)
     attach_masks(run, meta, len(train_tokens), len(val_tokens), n_eval)
+    attach_docs(run, meta)
     if saved:
-        restore_training(run, *saved[1:])
+        restore_training(run, *saved[1:], folder=resume_from)
         run.grown = saved[2].get("vocab_growth")
     if cfg.time_budget and cfg.calibrate_steps > cfg.warmup_steps and run.total_steps is None:
         raise UserError("--calibrate-steps must not exceed --warmup-steps with --time-budget, so the "
@@ -186,9 +197,10 @@ def open_run_folder(out: Path, d: Dist) -> None:
     barrier(d)
 
 
-def find_checkpoint(cfg: TrainConfig, out: Path, d: Dist) -> tuple[Path | None, tuple | None]:
+def find_checkpoint(cfg: TrainConfig, out: Path, d: Dist, check=None) -> tuple[Path | None, tuple | None]:
     """With --resume: (newest complete checkpoint, its (model state, optimizer state, train state,
-    RNG tensors)); (None, None) for a fresh run, which --resume on an empty run folder is too."""
+    RNG tensors)), after check(train state) (the data folder's, train/loader.py); (None, None) for a
+    fresh run, which --resume on an empty run folder is too."""
     resume_from = newest_checkpoint(out) if cfg.resume else None
     if cfg.resume and resume_from is None:
         say(d, f"--resume: no complete checkpoint in {out} yet, so starting fresh")
@@ -197,11 +209,13 @@ def find_checkpoint(cfg: TrainConfig, out: Path, d: Dist) -> tuple[Path | None, 
             say(d, f"initialising from {cfg.init_from}")
         return None, None
     saved = load_training(resume_from)
+    if check is not None:
+        check(saved[2])
     say(d, f"resuming from {resume_from} (step {saved[2]['step']})")
     return resume_from, saved
 
 
-def resumed_model(cfg: TrainConfig, folder: Path, state_dict: dict):
+def resumed_model(cfg: TrainConfig, folder: Path, state_dict: dict | None):
     """The checkpoint's model, with the run's dropout; an adapter checkpoint's on its base (--base)."""
     from ..checkpoint.builder import model_from_state
     from ..checkpoint.checks import check_fits_memory, check_layers_held, json_object, model_config
@@ -211,6 +225,12 @@ def resumed_model(cfg: TrainConfig, folder: Path, state_dict: dict):
     meta = json_object(read_json(file), file)
     if "lora" in meta:
         model = resumed_adapter(cfg, folder)
+    elif state_dict is None:  # sharded (dcp/): built here, its weights loaded once wrapped (restore_training)
+        from ..model import Transformer
+
+        mcfg = model_config(meta, file)
+        check_fits_memory(mcfg, file, torch.get_default_dtype().itemsize)
+        model = Transformer(mcfg).train()
     else:
         mcfg, dtype = model_config(meta, file), torch.get_default_dtype()
         check_layers_held(mcfg, file, state_dict.keys(), folder / "model.safetensors")
@@ -242,18 +262,24 @@ def place_model(cfg: TrainConfig, model, d: Dist, device: torch.device):
     if cfg.compile:
         model.compile()
         say(d, "compile: the first step (and the first evaluation) compile the model once, tens of seconds on a CPU")
+    if cfg.activation_checkpointing:  # before FSDP2 re-classes the blocks in its turn
+        checkpoint_blocks(model)
     net = wrap(model, d, cfg.fsdp, device)
-    betas = (cfg.beta1, cfg.beta2)
+    betas, sharded = (cfg.beta1, cfg.beta2), cfg.fsdp and d.enabled
     if cfg.optimizer == "muon":
-        optimizer = make_muon(model, cfg.lr, cfg.muon_lr, cfg.muon_momentum, cfg.weight_decay, betas, device)
+        optimizer = make_muon(model, cfg.lr, cfg.muon_lr, cfg.muon_momentum, cfg.weight_decay, betas, device, sharded)
     else:
-        optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, betas, device, sharded=cfg.fsdp and d.enabled)
+        optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, betas, device, sharded=sharded)
     return net, optimizer
 
 
-def restore_training(run: RunState, optim_sd: dict, state: dict, rng_tensors: dict) -> None:
-    """A resumed run's optimizer moments, RNG states, step counts and best checkpoint."""
-    load_optimizer(run.net, run.optimizer, optim_sd)
+def restore_training(run: RunState, optim_sd: dict | None, state: dict, rng_tensors: dict, folder: Path) -> None:
+    """A resumed run's optimizer moments (and a sharded checkpoint's weights), RNG states, step counts
+    and best checkpoint."""
+    if optim_sd is None:  # dcp/: each rank reads its pieces, resharded to this world size
+        load_sharded(folder, run.net, run.optimizer)
+    else:
+        load_optimizer(run.net, run.optimizer, optim_sd)
     set_rng_state(state["rng"], rng_tensors)
     run.step, run.total_steps, run.elapsed0 = state["step"], state["total_steps"], state["elapsed"]
     run.best = state.get("best") or run.best
