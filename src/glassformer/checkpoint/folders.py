@@ -21,6 +21,7 @@ from ..files import atomic_folder, atomic_text, read_json
 from .builder import model_state
 from .checks import json_object
 from .hub import find
+from .sharded import consolidate, is_sharded
 
 FORMAT = "glassformer"
 FORMAT_VERSION = 1
@@ -95,7 +96,15 @@ def is_complete(folder: Path) -> bool:
 def resolve(path: str | Path, weights: bool = True) -> Path:
     """The checkpoint folder that `path` names: itself, a run folder's `latest`, the folder a
     run's `latest` / `best` pointer file names, or a Hugging Face Hub name's snapshot (hub.py;
-    weights=False fetches only its config)."""
+    weights=False fetches only its config). A sharded (DCP) training checkpoint gets its
+    model.safetensors consolidated once when weights are wanted, so every reader takes one file."""
+    folder = _resolve(path, weights)
+    if weights and is_sharded(folder):
+        consolidate(folder)
+    return folder
+
+
+def _resolve(path: str | Path, weights: bool) -> Path:
     path = find(path, weights=weights)
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist: give a checkpoint folder, a run folder, a Hugging Face folder "

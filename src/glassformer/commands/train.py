@@ -13,7 +13,8 @@ def add_arguments(p) -> None:
     from .options import device_type, seed_type
 
     docs = field_docs(TrainConfig)
-    checked = {"device": device_type(auto=True), "seed": seed_type()}  # refused as the command line is read
+    checked = {"device": device_type(auto=True), "seed": seed_type(),  # refused as the command line is read
+               "checkpoint_format": _checkpoint_format}
     p.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                    help="JSON or TOML file of training settings (flags given here override it)")
     for f in dataclasses.fields(TrainConfig):
@@ -36,6 +37,16 @@ def add_arguments(p) -> None:
         shown = "" if default in ("", None) else f" (default: {default})"
         p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.split("_")[-1].upper(),
                        help=doc + shown)
+
+
+def _checkpoint_format(text: str) -> str:
+    """An argparse type for --checkpoint-format: one of config.CHECKPOINT_FORMATS."""
+    from ..config import CHECKPOINT_FORMATS
+
+    if text not in CHECKPOINT_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpoint format: choose safetensors (one file, the "
+                                         "default) or dcp (each process its shards, torch.distributed.checkpoint)")
+    return text
 
 
 def read_config_file(path: str) -> dict:

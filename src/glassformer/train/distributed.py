@@ -3,7 +3,10 @@
 Without torchrun's RANK / WORLD_SIZE / LOCAL_RANK everything here is a no-op. Batches are
 drawn globally from (seed, step) and sliced by rank, so the mean gradient is the one-process
 gradient; checkpoints hold full tensors gathered with torch.distributed.checkpoint.state_dict,
-loadable at any world size (docs/training.md#many-processes).
+or with --checkpoint-format dcp each rank's own shards (checkpoint/dcp.py); either loads at any
+world size (docs/training.md#many-processes). Across machines RANK and WORLD_SIZE count every
+process of every node and LOCAL_RANK this node's, so a process's GPU is its LOCAL_RANK
+(docs/training.md#past-one-machine).
 """
 
 from __future__ import annotations
@@ -44,6 +47,15 @@ def setup(device_type: str) -> Dist:
             torch.cuda.set_device(local)
         dist.init_process_group(backend=backend)
     return Dist(rank=rank, world_size=world, local_rank=local)
+
+
+def check_checkpoint_format(cfg) -> None:
+    """--checkpoint-format checked before anything is written (a TrainConfig)."""
+    from ..errors import UserError
+
+    if cfg.checkpoint_format == "dcp" and cfg.lora_r:
+        raise UserError("--checkpoint-format dcp shards the whole model's state; a LoRA run's checkpoints hold "
+                        "the adapter alone (a small file): leave --checkpoint-format at safetensors")
 
 
 def teardown(d: Dist, clean: bool = True) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from .distributed import all_mean, all_sum, any_rank, full_states, teardown
 from .distributed import setup as setup_processes
+from ..checkpoint.dcp import save_sharded
 from ..checkpoint.folders import add_snapshot, prune, read_pointer, step_name, write_pointer
 from ..checkpoint.training import save_training
 from ..config import TrainConfig
@@ -22,6 +23,7 @@ from ..errors import DiskFullError, UserError
 from ..text.data import get_batch
 from .cpu_memory import keep_freed_memory
 from .evaluate import score, summary
+from .loader import data_state
 from .metrics import load_plotting, plot_losses
 from .lora import adapter_writer
 from .optim import decay_start, lr_at
@@ -75,7 +77,8 @@ def one_step(run: RunState) -> None:
         torch.manual_seed(cfg.seed * 1_000_003 + run.step * d.world_size + d.rank)
     run.lr = lr_at(run.step, cfg.lr, cfg.min_lr, cfg.warmup_steps, run.total_steps or 10**9, cfg.schedule, cfg.decay_frac)
     xs, ys = get_batch(run.train_tokens, cfg.batch_size, run.seq_len, cfg.seed, run.step, d.rank, d.world_size,
-                       mask=run.train_mask, block=run.block, sampling=cfg.sampling)  # (B/W, T); ys -1 where the mask says no loss
+                       mask=run.train_mask, block=run.block, sampling=cfg.sampling,
+                       doc_starts=run.doc_starts)  # (B/W, T); ys -1 where the mask says no loss
     res = train_step(run.net, run.optimizer, xs, ys, accum=run.accum, lr=run.lr, grad_clip=cfg.grad_clip,
                      autocast=run.autocast, d=d, device=run.device, masked=run.train_mask is not None)
     if not res.stepped:
@@ -286,19 +289,14 @@ def evaluate_and_checkpoint(run: RunState) -> dict:
 
 
 def save_checkpoint(run: RunState, val: dict | None, reason: str) -> str | None:
-    """Checkpoint at `run.step` (a collective); rank 0 writes. Returns the folder name."""
+    """Checkpoint at `run.step` (a collective); rank 0 writes, or with --checkpoint-format dcp each
+    rank its own shards (checkpoint/dcp.py). Returns the folder name."""
+    if run.cfg.checkpoint_format == "dcp":
+        return save_sharded_checkpoint(run, val, reason)
     model_sd, optim_sd = full_states(run.net, run.optimizer)
     failed, name, out, step = None, None, run.out, run.step
     if run.d.main:
-        js, tensors = rng_state()
-        state = {
-            "step": step, "total_steps": run.total_steps, "elapsed": run.elapsed0 + time.perf_counter() - run.t_start,
-            "tokens_seen": step * run.tokens_per_step, "val": val, "best": run.best, "reason": reason,
-            "world_size": run.d.world_size, "threads": run.n_threads, "torch": torch.__version__, "rng": js,
-            "config": run.cfg.to_dict(), "time_budget_plan": run.plan,
-        }
-        if run.grown:
-            state["vocab_growth"] = run.grown
+        state, tensors = checkpoint_state(run, val, reason)
         try:
             folder = save_training(out, step, run.model.config, model_sd, run.data / "tokenizer.json", optim_sd,
                                    state, tensors, adapter_writer(run.model, model_sd, run.data / "tokenizer.json"))
@@ -308,6 +306,38 @@ def save_checkpoint(run: RunState, val: dict | None, reason: str) -> str | None:
     if any_rank(failed is not None, run.d, run.device):  # every rank stops together; rank 0 says why
         raise failed or UserError("rank 0 could not write a checkpoint")
     return name
+
+
+def save_sharded_checkpoint(run: RunState, val: dict | None, reason: str) -> str:
+    """--checkpoint-format dcp: every rank writes the weights and moments it holds, nothing gathered;
+    rank 0 the small files around them. A failed write stops every rank with rank 0's line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    failed, out, step = None, run.out, run.step
+    state, tensors = checkpoint_state(run, val, reason) if run.d.main else (None, None)
+    try:
+        save_sharded(out, step, run.model.config, run.net, run.optimizer, run.data / "tokenizer.json", state, tensors,
+                     run.d.main)
+    except (OSError, CheckpointException) as e:  # DCP raises the same CheckpointException on every rank
+        failed = _failed_write(e if isinstance(e, OSError) else OSError(str(e).splitlines()[0]), out, step)
+    if any_rank(failed is not None, run.d, run.device):
+        raise failed or UserError(f"another process could not write its shards of {out}/{step_name(step)}")
+    return step_name(step)
+
+
+def checkpoint_state(run: RunState, val: dict | None, reason: str) -> tuple[dict, dict]:
+    """(train_state.json's dict, the RNG tensors) of a checkpoint at `run.step` (rank 0's)."""
+    step = run.step
+    js, tensors = rng_state()
+    state = {
+        "step": step, "total_steps": run.total_steps, "elapsed": run.elapsed0 + time.perf_counter() - run.t_start,
+        "tokens_seen": step * run.tokens_per_step, "val": val, "best": run.best, "reason": reason,
+        "world_size": run.d.world_size, "threads": run.n_threads, "torch": torch.__version__, "rng": js,
+        "config": run.cfg.to_dict(), "time_budget_plan": run.plan, "data": data_state(run),
+    }
+    if run.grown:
+        state["vocab_growth"] = run.grown
+    return state, tensors
 
 
 def _failed_write(e: OSError, out, step: int) -> UserError:
