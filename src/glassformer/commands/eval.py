@@ -108,7 +108,7 @@ def folder_ids(data, model):
     import numpy as np
 
     from ..errors import UserError
-    from ..text.data import TokenFile, check_ids, check_split_length, read_meta
+    from ..text.data import check_ids, check_split_length, load_split, read_meta
 
     meta = read_meta(data)
     if meta["vocab_size"] != model.config.vocab_size:
@@ -116,10 +116,10 @@ def folder_ids(data, model):
                         f"{model.config.vocab_size}: use the data folder the model was trained on, or a text file")
     if "val_bytes" not in meta:
         raise UserError(f"{data / 'meta.json'} has no val_bytes, which bits per byte divide by: prepare the folder again")
-    tokens = TokenFile(data / "val.bin", meta["dtype"])
+    tokens = load_split(data, "val", meta)  # val.bin, or the val shards
     check_split_length(tokens, meta, "val")
     check_ids(tokens, meta["vocab_size"])  # before any window is scored
-    ids = np.asarray(tokens.array)
+    ids = np.asarray(tokens.array[:len(tokens)])
     n_bytes = int(meta["val_bytes"])  # in a conversation folder, the scored tokens' bytes
     return ids, n_bytes, conversation_scoring(data, meta, len(ids), model.config.max_seq_len)
 

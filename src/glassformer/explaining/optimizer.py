@@ -48,8 +48,9 @@ from ..checkpoint.folders import complete_checkpoints, step_name
 from ..checkpoint.training import load_training
 from ..config import TrainConfig
 from ..errors import UserError
-from ..text.data import TokenFile
+from ..text.data import load_split
 from ..train.distributed import Dist, load_optimizer
+from ..train.loader import attach_docs
 from ..train.loop import one_step
 from ..train.runstate import RunState
 from ..train.setup import attach_masks, autocast_for, batch_shape, place_model, read_prepared, resolve_device, resumed_model
@@ -252,7 +253,7 @@ def resume_run(folder: Path, data: str | Path | None = None) -> tuple[RunState, 
     meta = _prepared(data)
     model = resumed_model(cfg, folder, model_sd)
     seq_len, micro, accum = batch_shape(cfg, model.config, d)
-    train_tokens, val_tokens = (TokenFile(data / f"{split}.bin", meta["dtype"]) for split in ("train", "val"))
+    train_tokens, val_tokens = (load_split(data, split, meta) for split in ("train", "val"))
     net, optimizer = place_model(cfg, model, d, device)
     load_optimizer(net, optimizer, optim_sd)
     run = RunState(cfg=cfg, d=d, device=device, data=data, out=folder.parent, model=model, net=net,
@@ -260,6 +261,7 @@ def resume_run(folder: Path, data: str | Path | None = None) -> tuple[RunState, 
                    seq_len=seq_len, micro=micro, accum=accum, autocast=autocast_for(device, cfg.dtype),
                    n_threads=torch.get_num_threads(), step=state["step"], total_steps=state["total_steps"])
     attach_masks(run, meta, len(train_tokens), len(val_tokens), 0)
+    attach_docs(run, meta)  # --align-docs: the windows the run drew
     run.bar = _NoBar()
     if state.get("world_size", 1) > 1:
         note = (note + "; " if note else "") + (f"the run trained on {state['world_size']} processes: recomputed "

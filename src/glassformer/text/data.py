@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from ..config import DEFAULT_VOCAB_SIZE, SAMPLINGS, TrainConfig
 from ..errors import UserError
 from ..files import read_json
+from .shards import ShardSet
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "uint8": np.uint8}  # uint8: loss masks
 
@@ -94,21 +96,48 @@ def check_meta(meta, path: str | Path) -> dict:
     chat = meta.get("chat")
     if chat is not None and not (isinstance(chat, dict) and isinstance(chat.get("train_on"), str) and "context" in meta):
         raise UserError(f"{path}: \"chat\" must be an object with \"train_on\", beside \"context\": {again}")
+    if "shards" in meta:
+        check_shard_list(meta, path, again)
     return meta
 
 
-def check_ids(tokens: "TokenFile", vocab_size: int) -> None:
-    """A UserError unless every id in the token file is below vocab_size (the model's embedding has
-    that many rows). One vectorised max over the memory map: 2 GiB of uint16 ids in 0.1 s from the
-    page cache, 1.3 s from disk (docs/data.md#what-train-checks-in-a-data-folder)."""
-    if not len(tokens) or np.iinfo(tokens.dtype).max < vocab_size:  # an empty file, or no id it can hold is too large
-        return
-    top = int(tokens.array.max())
-    if top >= vocab_size:
-        at = _first_at_least(tokens.array, vocab_size)
-        raise UserError(f"{tokens.path} holds token id {top} (first bad one at position {at}) but the vocabulary has "
-                        f"{vocab_size} ids (0 to {vocab_size - 1}): the file does not belong to this folder's "
-                        f"tokenizer; prepare the folder again")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def check_shard_list(meta: dict, path: str | Path, again: str) -> None:
+    """A UserError unless meta.json's "shards" is {"train": [...], "val": [...]}, each a non-empty list
+    of {"file": a file name in the folder, "tokens": a whole number, "sha256": 64 hex digits}
+    whose tokens add up to the split's *_tokens."""
+    shards = meta["shards"]
+    if not isinstance(shards, dict) or not all(isinstance(shards.get(s), list) and shards[s] for s in ("train", "val")):
+        raise UserError(f"{path}: \"shards\" must be an object of non-empty \"train\" and \"val\" lists: {again}")
+    for split in ("train", "val"):
+        for i, e in enumerate(shards[split]):
+            name = e.get("file") if isinstance(e, dict) else None
+            if not (isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
+                    and _whole(e.get("tokens")) and e["tokens"] >= 0
+                    and isinstance(e.get("sha256"), str) and SHA256_HEX.fullmatch(e["sha256"])):
+                raise UserError(f"{path}: shards.{split}[{i}] must be {{\"file\": a file name in the folder, \"tokens\": "
+                                f"a whole number, \"sha256\": 64 hex digits}}, not {e!r:.80}: {again}")
+        total, said = sum(e["tokens"] for e in shards[split]), meta.get(f"{split}_tokens")
+        if said is not None and said != total:
+            raise UserError(f"{path}: the {split} shards count {total} tokens but {split}_tokens is {said}: {again}")
+
+
+def check_ids(tokens: "TokenFile | ShardSet", vocab_size: int) -> None:
+    """A UserError unless every id in the token file (or each shard) is below vocab_size (the model's
+    embedding has that many rows). One vectorised max over the memory map: 2 GiB of uint16 ids in
+    0.1 s from the page cache, 1.3 s from disk (docs/data.md#what-train-checks-in-a-data-folder)."""
+    files = zip(tokens.paths, tokens.shards) if isinstance(tokens, ShardSet) else [(tokens.path, tokens.array)]
+    for path, ids in files:
+        if not len(ids) or np.iinfo(ids.dtype).max < vocab_size:  # empty, or no id it can hold is too large
+            continue
+        top = int(ids.max())
+        if top >= vocab_size:
+            at = _first_at_least(ids, vocab_size)
+            raise UserError(f"{path} holds token id {top} (first bad one at position {at}) but the vocabulary has "
+                            f"{vocab_size} ids (0 to {vocab_size - 1}): the file does not belong to this folder's "
+                            f"tokenizer; prepare the folder again")
 
 
 def _first_at_least(ids, limit: int, chunk: int = 1 << 24) -> int:
@@ -150,27 +179,44 @@ def check_prepared(folder: str | Path, splits: tuple[str, ...] = ("train", "val"
     meta = read_meta(folder)
     check_tokenizer(folder, meta["vocab_size"])
     for split in splits:
-        tokens = TokenFile(folder / f"{split}.bin", meta["dtype"])
+        tokens = load_split(folder, split, meta)  # a sharded split: every shard's header read and checked here
         check_split_length(tokens, meta, split)
         check_ids(tokens, meta["vocab_size"])
     return meta
 
 
-def check_split_length(tokens: "TokenFile", meta: dict, split: str) -> None:
-    """A UserError when meta.json counts another number of ids for the split than its file holds
-    (a folder copied in part, or files from two folders)."""
+def check_split_length(tokens: "TokenFile | ShardSet", meta: dict, split: str) -> None:
+    """A UserError when meta.json counts another number of ids for the split (or for a shard) than its
+    file holds, or a shard holds ids of another dtype (a folder copied in part, or files from two folders)."""
+    again = "the folder is damaged or mixes two folders' files; prepare it again"
+    if isinstance(tokens, ShardSet):
+        for path, ids, entry in zip(tokens.paths, tokens.shards, meta["shards"][split]):
+            if len(ids) != entry["tokens"]:
+                raise UserError(f"{path} holds {len(ids)} ids but meta.json lists {entry['tokens']} for it: {again}")
+            if ids.dtype.name != meta["dtype"]:
+                raise UserError(f"{path} holds {ids.dtype.name} ids but meta.json says dtype {meta['dtype']}: {again}")
+        return  # check_meta found the shards' counts add up to {split}_tokens
     said = meta.get(f"{split}_tokens")
     if said is not None and said != len(tokens):
-        raise UserError(f"{tokens.path} holds {len(tokens)} ids but meta.json says {split}_tokens {said}: the folder "
-                        f"is damaged or mixes two folders' files; prepare it again")
+        raise UserError(f"{tokens.path} holds {len(tokens)} ids but meta.json says {split}_tokens {said}: {again}")
 
 
-def load_split(folder: str | Path, split: str) -> TokenFile:
-    """TokenFile of a prepared folder's `train` or `val` split."""
+def load_split(folder: str | Path, split: str, meta: dict | None = None) -> "TokenFile | ShardSet":
+    """A prepared folder's `train` or `val` split: a TokenFile of {split}.bin, or, where meta.json lists
+    "shards", a ShardSet of the split's shards in their order (each header checked as it is mapped).
+    meta: the folder's meta.json when already read (else it is read and checked)."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', not {split!r}")
-    meta = read_meta(folder)
-    return TokenFile(Path(folder) / f"{split}.bin", meta["dtype"])
+    folder = Path(folder)
+    meta = read_meta(folder) if meta is None else meta
+    if "shards" not in meta:
+        return TokenFile(folder / f"{split}.bin", meta["dtype"])
+    paths = [folder / e["file"] for e in meta["shards"][split]]
+    for p in paths:
+        if not p.is_file():
+            raise UserError(f"{p} is listed in {folder / 'meta.json'} but does not exist: the folder was copied in "
+                            f"part; copy the rest, or prepare it again")
+    return ShardSet(paths)
 
 
 def load_mask(folder: str | Path, split: str, n_tokens: int) -> TokenFile | None:
@@ -264,6 +310,35 @@ def block_batch_starts(n_tokens: int, block: int, batch_size: int, seq_len: int,
     return torch.randint(0, n_starts, (batch_size,), generator=batch_generator(seed, step)) * block  # (B,)
 
 
+def document_starts(tokens, eot_id: int, chunk: int = 1 << 24) -> np.ndarray:
+    """(D,) int64, ascending: where each document begins in a split of documents joined by eot_id,
+    i.e. 0 and every position right after an eot_id (short of the end). One scan, a chunk at a time
+    (a byte per id of the chunk, not of the split); the result costs 8 bytes a document."""
+    arr = tokens.array if isinstance(tokens, TokenFile) else tokens
+    n, parts = len(arr), [np.zeros(1, np.int64)]
+    for start in range(0, n, chunk):
+        parts.append(np.flatnonzero(np.asarray(arr[start:start + chunk]) == eot_id).astype(np.int64) + (start + 1))
+    starts = np.concatenate(parts)  # (D+1,) the last may be n: a split ends with its last document's eot_id
+    return starts[starts < n]
+
+
+def doc_batch_starts(doc_starts: np.ndarray, n_tokens: int, batch_size: int, seq_len: int, seed: int, step: int,
+                     sampling: str) -> torch.Tensor:
+    """Start offsets (B,) of windows of T+1 tokens that each begin a document (--align-docs): the
+    document starts with room for a whole window, each once an epoch in a shuffled order (sampling
+    "epochs", `epoch_draws` over them as over windows) or drawn anew ("random"); a function of
+    (seed, step) alone, as every batch rule here."""
+    n_units = int(np.searchsorted(doc_starts, n_tokens - seq_len - 1, side="right"))  # starts s with s+T+1 <= n
+    if n_units < 1:
+        raise UserError(f"the token file has {n_tokens} tokens, too few for one window of {seq_len}+1 from a "
+                        f"document's start: use a longer corpus or a shorter context")
+    if sampling == "epochs":
+        units = epoch_draws(n_units, batch_size, seed, step)[0]  # (B,)
+    else:
+        units = torch.randint(0, n_units, (batch_size,), generator=batch_generator(seed, step))  # (B,)
+    return torch.from_numpy(doc_starts[units.numpy()])  # (B,)
+
+
 def _rows(arr, starts: list[int], n: int) -> torch.Tensor:
     """(len(starts), n) int64 rows arr[s:s+n]."""
     if isinstance(arr, torch.Tensor):
@@ -273,7 +348,8 @@ def _rows(arr, starts: list[int], n: int) -> torch.Tensor:
 
 def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
               rank: int = 0, world_size: int = 1, device: str | torch.device | None = None,
-              mask=None, block: int | None = None, sampling: str = TrainConfig.sampling):
+              mask=None, block: int | None = None, sampling: str = TrainConfig.sampling,
+              doc_starts: np.ndarray | None = None):
     """(x, y): this rank's rows of the global batch drawn from (seed, step).
 
     tokens: a TokenFile, numpy array or 1-D tensor of ids. batch_size is the GLOBAL batch B
@@ -281,6 +357,8 @@ def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
     r*B/W … (r+1)*B/W - 1, so concatenating the ranks' x in rank order gives world_size=1's x.
     x, y: int64 (B/W, T), y shifted left one token; mask, block: docs/data.md#conversation-data;
     sampling: "epochs" (each window once an epoch; training's default) or "random" (batch_starts).
+    doc_starts: `document_starts` of tokens, to begin every window at a document (--align-docs,
+    doc_batch_starts; docs/data.md#batches-from-shards).
     """
     if sampling not in SAMPLINGS:
         raise UserError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
@@ -289,7 +367,11 @@ def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
     if batch_size % world_size:
         raise UserError(f"global batch size {batch_size} is not divisible by {world_size} ranks: choose a multiple of {world_size}")
     arr = tokens.array if isinstance(tokens, TokenFile) else tokens
-    if block is None:
+    if doc_starts is not None:
+        if block is not None:
+            raise ValueError("windows start at conversation blocks or at documents, not both")
+        starts = doc_batch_starts(doc_starts, len(arr), batch_size, seq_len, seed, step, sampling)  # (B,)
+    elif block is None:
         starts = batch_starts(len(arr), batch_size, seq_len, seed, step, sampling)  # (B,)
     else:
         starts = block_batch_starts(len(arr), block, batch_size, seq_len, seed, step, sampling)  # (B,)

@@ -18,6 +18,7 @@ import torch
 if TYPE_CHECKING:  # names for the annotations only
     from ..config import TrainConfig
     from ..text.data import TokenFile
+    from ..text.shards import ShardSet
     from .distributed import Dist
     from .metrics import MetricsLog
     from .step import StepResult
@@ -36,7 +37,7 @@ class RunState:
     model: torch.nn.Module  # the Transformer
     net: torch.nn.Module  # what runs the forward: the model, or its DDP/FSDP wrapper
     optimizer: torch.optim.Optimizer
-    train_tokens: TokenFile
+    train_tokens: TokenFile | ShardSet
     eval_ids: np.ndarray  # the held-out tokens each evaluation scores
     eval_bytes: int  # their UTF-8 bytes, for bits per byte
     seq_len: int
@@ -70,6 +71,8 @@ class RunState:
     eval_mask: np.ndarray | None = None  # aligned with eval_ids
     block: int | None = None  # windows start at multiples of this (context + 1)
     grown: dict | None = None  # --init-from's embedding growth, recorded in the run
+    data_fingerprint: dict | None = None  # the data folder's shards and sha256s, which --resume compares (train/loader.py)
+    doc_starts: np.ndarray | None = None  # (D,) with --align-docs: where the training split's documents begin
     stats: dict | None = None  # this step's per-layer statistics (train/stats.py), when taken
     stats_batch: tuple | None = None  # their fixed held-out (x, y), made at the first statistics step
 
