@@ -29,6 +29,8 @@ def add_arguments(p) -> None:
                    help="also price LoRA fine-tuning at rank R: trainable weights, optimizer state, memory (docs/cost.md#lora)")
     p.add_argument("--lora-targets", default=None, metavar="LIST",
                    help="with --lora-r: the adapted products, comma-separated (default: wq,wk,wv,wo,w_gate,w_up,w_down)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="activations as `train --activation-checkpointing` holds them: each block's input, one block recomputed at a time")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="also draw FLOPs and memory against T to this PNG")
 
@@ -100,6 +102,7 @@ def run(args) -> int:
         tokens=None if args.tokens is None else int(args.tokens), steps=args.steps, memory=args.memory,
         attention=args.attention, optimizer=args.optimizer,
         master_weights=False if args.no_master_weights else None, lora_r=args.lora_r, lora_targets=targets,
+        activation_checkpointing=args.activation_checkpointing,
     )
     if args.plot:
         try:

@@ -56,14 +56,18 @@ def _kernel(cfg: ModelConfig, B: int, T: int, kernel: str) -> tuple[int, int, in
     raise ValueError(f"unknown attention kernel {kernel!r}; choose one of: naive, tiled, sdpa")
 
 
-def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> dict[str, int]:
+def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None, recompute: bool = False) -> dict[str, int]:
     """Elements autograd saves for backward in one training forward over (B, T), by part.
 
     Keys: the parts (elements), 'total' (elements, all floating point), 'fp32' (how many
     of them are kept in fp32 whatever the dtype) and 'mask_bytes' (bool masks).
+    recompute (--activation-checkpointing): the peak during backward instead, when each block
+    keeps only its input (part 'block_inputs', L·B·T·D) and one block at a time recomputes its
+    activations: the block parts count one layer, the parts outside the blocks are unchanged.
     """
     kernel = cfg.attention if kernel is None else kernel
-    L, D, F, V = cfg.n_layers, cfg.dim, cfg.ffn_dim, cfg.vocab_size
+    D, F, V = cfg.dim, cfg.ffn_dim, cfg.vocab_size
+    L = 1 if recompute else cfg.n_layers  # layers whose activations are held at once
     BT = B * T
     n_act, n_32 = _norm(cfg, BT)
     k_act, k_32, k_mask = _kernel(cfg, B, T, kernel)
@@ -82,6 +86,7 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
         # Dropout keeps its noise per site (the embedding and both sublayers of every block):
         # a float tensor on the CPU; CUDA's fused dropout keeps a bool mask instead (1 byte).
         "dropout": (S * L + 1) * BT * D if cfg.dropout > 0 else 0,
+        "block_inputs": cfg.n_layers * BT * D if recompute else 0,  # what checkpoint keeps of each block
     }
     parts_32 = {  # fp32 whatever the dtype
         # qk_norm: the queries and keys it normalises (in fp32) and 1/rms of every head's row of them
@@ -91,7 +96,8 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
         "logits": BT * V * (2 if cfg.logit_softcap is not None else 1),  # the soft cap keeps its input and tanh's output
         "rope": BT * cfg.head_dim if cfg.pos == "rope" else 0,
     }
-    order = ("norms", "linear_in", "qkv_weight", "attn_z", "attn_kernel", "ffn", "dropout", "logits", "rope")
+    order = ("norms", "linear_in", "qkv_weight", "attn_z", "attn_kernel", "ffn", "dropout", "logits", "rope",
+             "block_inputs")
     parts = {k: parts_act.get(k, 0) + parts_32.get(k, 0) for k in order}
     parts["total"] = sum(parts.values())
     parts["fp32"] = sum(parts_32.values())
@@ -99,15 +105,16 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None) -> 
     return parts
 
 
-def activation_bytes(cfg: ModelConfig, B: int, T: int, dtype: str = "fp32", kernel: str | None = None) -> int:
+def activation_bytes(cfg: ModelConfig, B: int, T: int, dtype: str = "fp32", kernel: str | None = None,
+                     recompute: bool = False) -> int:
     """Bytes of the saved activations: dtype-sized elements, fp32 ones, and bool masks."""
-    a = activations(cfg, B, T, kernel)
+    a = activations(cfg, B, T, kernel, recompute)
     return (a["total"] - a["fp32"]) * dtype_bytes(dtype) + 4 * a["fp32"] + a["mask_bytes"]
 
 
 def train_memory(
     cfg: ModelConfig, B: int, T: int, dtype: str = "fp32", kernel: str | None = None,
-    optimizer: str = "adamw", master_weights: bool | None = None,
+    optimizer: str = "adamw", master_weights: bool | None = None, recompute: bool = False,
 ) -> dict[str, int]:
     """Bytes held during a training step, by part, with 'total'.
 
@@ -125,7 +132,7 @@ def train_memory(
         "grads": P * nb,
         "master_weights": P * 4 if master else 0,
         "optimizer": P * OPTIMIZERS[optimizer] * state_bytes,
-        "activations": activation_bytes(cfg, B, T, dtype, kernel),
+        "activations": activation_bytes(cfg, B, T, dtype, kernel, recompute),
     }
     parts["total"] = sum(parts.values())
     return parts
@@ -154,10 +161,10 @@ def max_batch(memory_bytes: int, fixed_bytes: int, bytes_per_row: int) -> int:
 
 
 def max_train_batch(cfg: ModelConfig, T: int, memory_bytes: int, dtype: str = "fp32", kernel: str | None = None,
-                    optimizer: str = "adamw", master_weights: bool | None = None) -> int:
+                    optimizer: str = "adamw", master_weights: bool | None = None, recompute: bool = False) -> int:
     """Largest batch of T-token rows whose training step fits in memory_bytes (activations grow with B)."""
-    one = train_memory(cfg, 1, T, dtype, kernel, optimizer, master_weights)
-    per_row = train_memory(cfg, 2, T, dtype, kernel, optimizer, master_weights)["total"] - one["total"]
+    one = train_memory(cfg, 1, T, dtype, kernel, optimizer, master_weights, recompute)
+    per_row = train_memory(cfg, 2, T, dtype, kernel, optimizer, master_weights, recompute)["total"] - one["total"]
     return max_batch(memory_bytes, one["total"] - per_row, per_row)
 
 

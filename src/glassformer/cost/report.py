@@ -71,9 +71,9 @@ def _flop_keys(cfg: ModelConfig, B: int, T: int) -> dict:
 
 
 def _memory_keys(cfg: ModelConfig, B: int, T: int, dtype: str, kernel: str, optimizer: str,
-                 master_weights: bool | None) -> dict:
-    act = activations(cfg, B, T, kernel)
-    train = train_memory(cfg, B, T, dtype, kernel, optimizer, master_weights)
+                 master_weights: bool | None, recompute: bool = False) -> dict:
+    act = activations(cfg, B, T, kernel, recompute)
+    train = train_memory(cfg, B, T, dtype, kernel, optimizer, master_weights, recompute)
     return {
         "activations": act["total"],
         "activations_by_part": {k: v for k, v in act.items() if k != "total"},
@@ -108,12 +108,14 @@ def estimate(
     master_weights: bool | None = None,
     lora_r: int | None = None,
     lora_targets: tuple[str, ...] | None = None,
+    activation_checkpointing: bool = False,
 ) -> dict:
     """Every cost of `cfg` for a batch of `batch` rows of `seq` tokens; see docs/cost.md for each key.
 
     seq defaults to the model's context, dtype to bf16 on a GPU and fp32 on the CPU,
     memory to the hardware's, attention to the config's kernel, tokens to 20 per weight.
     lora_r: also price LoRA fine-tuning at that rank (on lora_targets, default all): key "lora".
+    activation_checkpointing: activations and memory as `train --activation-checkpointing` holds them.
     """
     B, T = int(batch), cfg.max_seq_len if seq is None else int(seq)
     kernel = cfg.attention if attention is None else attention
@@ -124,9 +126,10 @@ def estimate(
     mem_bytes = hw.memory_bytes if memory is None else parse_bytes(memory)
     r = {"config": cfg.to_dict(),
          "inputs": {"batch": B, "seq": T, "dtype": dtype, "attention": kernel, "hardware": hw.name,
-                    "mfu": mfu, "optimizer": optimizer, "memory_bytes": mem_bytes},
+                    "mfu": mfu, "optimizer": optimizer, "memory_bytes": mem_bytes,
+                    "activation_checkpointing": activation_checkpointing},
          **_weight_keys(cfg), **_flop_keys(cfg, B, T),
-         **_memory_keys(cfg, B, T, dtype, kernel, optimizer, master_weights)}
+         **_memory_keys(cfg, B, T, dtype, kernel, optimizer, master_weights, activation_checkpointing)}
     tokens, steps = _train_length(r["params"], B, T, tokens, steps)
     peak = hw.peak(dtype)
     r.update({
@@ -135,7 +138,7 @@ def estimate(
         "train_flops": r["flops_train_step"] * steps,
         "peak_flops": peak,
         "train_time_seconds": r["flops_train_step"] * steps / (mfu * peak),
-        "max_batch": max_train_batch(cfg, T, mem_bytes, dtype, kernel, optimizer, master_weights),
+        "max_batch": max_train_batch(cfg, T, mem_bytes, dtype, kernel, optimizer, master_weights, activation_checkpointing),
         "max_batch_inference": max_inference_batch(cfg, T, mem_bytes, dtype),
         "decode": _decode_keys(cfg, r["params"], T, dtype, hw),
         "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "memory_bytes": hw.memory_bytes,
@@ -196,7 +199,8 @@ def format_table(r: dict) -> str:
         add("scores pass FFN at T", "no feed-forward (ffn='none')")
     else:
         add("scores pass FFN at T", f"{cs:,} (full grid); {'never (window)' if cc is None else f'{cc:,}'} (causal pairs)")
-    add(f"activations ({i['attention']})", f"{human(r['activations'])} numbers, {human(r['activation_bytes'], 'B', 1024)}")
+    add(f"activations ({i['attention']})", f"{human(r['activations'])} numbers, {human(r['activation_bytes'], 'B', 1024)}"
+        + (" (checkpointed: each block's input, one block recomputed at a time)" if i.get("activation_checkpointing") else ""))
     add(f"training memory ({i['dtype']}, {i['optimizer']})", human(r["train_memory_bytes"], "B", 1024))
     for k, v in r["train_memory_by_part"].items():
         if v:
