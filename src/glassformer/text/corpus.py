@@ -1,7 +1,9 @@
-"""Corpora: the embedded Shakespeare default, or any user file or folder of text.
+"""Corpora: the embedded Shakespeare default, any user file or folder of text, or rows of parquet,
+JSONL or a Hugging Face dataset (read by text/sources.py, docs/data.md#corpora-parquet-jsonl-and-the-hub).
 
-A corpus is two lists of documents, train and val; a document is a byte range of a file (or
-of an archive member), read lazily as text chunks, so a corpus need not fit in memory. How
+A corpus is two lists of documents, train and val (for rows, two streams read anew at each pass:
+sources.SplitDocuments); a document is a byte range of a file (or of an archive member, or a row's
+text), read lazily as text chunks, so a corpus need not fit in memory. How
 the default is obtained, how folios pair with first versions and which works are held out:
 docs/data.md#corpora-glassformertextcorpus.
 """
@@ -342,5 +344,30 @@ def default_corpus(archive: Path | None = None) -> Corpus:
     return Corpus(f"{DEFAULT_PACKAGE} (the embedded default: {TEXTS})", train, val, meta)
 
 
-def get_corpus(path: str | Path | None, val_fraction: float = 0.1) -> Corpus:
-    return default_corpus() if path is None else user_corpus(path, val_fraction)
+def get_corpus(path: str | Path | None, val_fraction: float = 0.1, *, text_field: str | None = None,
+               max_docs: int | None = None, max_tokens: int | None = None, tokenizer=None,
+               show_progress: bool | None = None) -> Corpus:
+    """The corpus `path` names: None the embedded default; `hf:OWNER/NAME[:CONFIG][@REVISION]` a Hugging
+    Face dataset; a parquet/JSONL file or a folder of them (text_field, max_docs, max_tokens: sources.RowSource;
+    tokenizer, if given, measures --max-tokens' bytes per token); else a text file or folder (user_corpus)."""
+    from . import sources
+
+    field = sources.TEXT_FIELD if text_field is None else text_field
+    if path is not None and str(path).startswith("hf:"):
+        files, meta = sources.hub_files(str(path), field)
+    else:
+        files, meta = (None if path is None else sources.local_files(Path(path), field, TEXT_SUFFIXES)), {}
+    if files is None:
+        given = [flag for flag, v in (("--text-field", text_field), ("--max-docs", max_docs), ("--max-tokens", max_tokens))
+                 if v is not None]
+        if given:
+            raise UserError(f"{given[0]} is for parquet, JSONL and hf: corpora (a document a row), not for "
+                            f"{'the default corpus' if path is None else f'the text corpus {path}'}: leave it out")
+        return default_corpus() if path is None else user_corpus(path, val_fraction)
+    source = sources.RowSource(str(path), files, val_fraction, max_docs, max_tokens, tokenizer).scan(show_progress)
+    return Corpus(str(path), source.split(False, Document), source.split(True, Document), {**source.meta(), **meta})
+
+
+def split_bytes(docs) -> int:
+    """The bytes of a split's documents: a list's summed, a row corpus's split counted when it was read."""
+    return docs.nbytes if hasattr(docs, "nbytes") else sum(d.nbytes for d in docs)

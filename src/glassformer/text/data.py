@@ -548,8 +548,9 @@ def _check_prepare(corpus, out: Path, tokenizer, vocab_size, context: int, sampl
         raise UserError(f"--context {context} must be at least 1")
     if not sample_mb > 0:
         raise UserError(f"--tokenizer-sample-mb {sample_mb} must be positive")
-    train_size = sum(d.nbytes for d in corpus.train)
-    val_size = sum(d.nbytes for d in corpus.val)
+    from .corpus import split_bytes
+
+    train_size, val_size = split_bytes(corpus.train), split_bytes(corpus.val)  # a row corpus's without a pass
     if train_size == 0 or val_size == 0:
         raise UserError(f"corpus {corpus.description} is empty or has no {'training' if train_size == 0 else 'validation'} text: give more text")
     return vocab_size, train_size, val_size
