@@ -18,7 +18,8 @@ from glassformer.cli import main
 from ..support import data  # noqa: F401  (a fixture)
 from .test_train_distributed import ARGS, torchrun, train_losses, val_losses
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in"),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]  # DCP's one-process note
 
 DCP = ["--checkpoint-format", "dcp"]
 
@@ -103,6 +104,39 @@ def test_one_process_to_two(data, single, sharded, tmp_path):
     assert "resuming from" in proc.stderr
     assert train_losses(resumed) == pytest.approx(train_losses(single), abs=1e-5, rel=0)
     assert val_losses(resumed) == pytest.approx(val_losses(single), abs=1e-5, rel=0)
+
+
+def test_a_background_save_holds_the_state_of_its_step(tmp_path):
+    """dcp.async_save returns before the writes end; the checkpoint must hold the weights and moments
+    as they were when it was asked for, not as the steps after it changed them, and `latest` and
+    a pointer waiting on it move only once the folder is complete."""
+    from glassformer.checkpoint import dcp
+    from glassformer.checkpoint.folders import read_pointer
+    from glassformer.config import ModelConfig
+    from glassformer.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", vocab_size=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    moment = opt.state[model.embed.weight]["exp_avg"].clone()
+    dcp.save_sharded(tmp_path, 1, model.config, model, opt, None, {"step": 1}, {}, main=True)
+    assert str(tmp_path) in dcp._pending and read_pointer(tmp_path, "latest") is None  # still writing
+    dcp.when_complete(tmp_path, lambda: (tmp_path / "marker").write_text("x"))
+    with torch.no_grad():  # the next steps change every tensor in place
+        for p in model.parameters():
+            p.add_(1.0)
+        opt.state[model.embed.weight]["exp_avg"].add_(1.0)
+    dcp.finish_pending(tmp_path)
+    assert read_pointer(tmp_path, "latest") == "step-000001" and (tmp_path / "marker").is_file()
+    model2 = Transformer(ModelConfig.from_preset("tiny", vocab_size=64))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    dcp.load_sharded(tmp_path / "step-000001", model2, opt2)
+    assert all(torch.equal(model2.state_dict()[k], want[k]) for k in want)
+    assert torch.equal(opt2.state[model2.embed.weight]["exp_avg"], moment)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -10,16 +10,20 @@ process: sharded.py. Layout: docs/training.md#past-one-machine.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ..config import ModelConfig
 from ..files import atomic_folder
 from .folders import FORMAT, FORMAT_VERSION, step_name, write_pointer, write_tokenizer
-from .sharded import DCP_DIR, check_sharded, one_process_quiet
+from .sharded import DCP_DIR, check_sharded
 
 
 def _states(net: torch.nn.Module, optimizer) -> dict:
@@ -30,17 +34,68 @@ def _states(net: torch.nn.Module, optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
+@dataclass
+class Pending:
+    """A sharded save still being written in the background: its future, and on rank 0 what
+    completes the folder once every rank's shards are down."""
+
+    future: Future
+    finish: list[Callable[[], None]]  # rank 0: complete the folder, then whatever waits on it (when_complete)
+
+
+_pending: dict[str, Pending] = {}  # run folder -> its one save in flight
+_group: list = []  # [(the default group, the gloo group the background writes talk over)] (_save_group)
+
+
+def _save_group():
+    """A process group of its own for the background writes (gloo: async_save needs a CPU backend,
+    and collectives of a second thread must not interleave with training's on the default group);
+    None in one process. Made on the first save, which every rank reaches together."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if not _group or _group[0][0] is not dist.group.WORLD:  # a new process group: a new side group with it
+        _group[:] = [(dist.group.WORLD, dist.new_group(backend="gloo"))]
+    return _group[0][1]
+
+
+def finish_pending(run: str | Path) -> None:
+    """Wait for the run's save in flight, if any, and complete its folder (rank 0): before the next
+    save starts and before the run ends. A failed background write is raised here."""
+    pending = _pending.pop(str(run), None)
+    if pending is None:
+        return
+    pending.future.result()  # rank 0's completes after every rank's shards and the index are written
+    for action in pending.finish:
+        action()
+
+
+def when_complete(run: str | Path, action: Callable[[], None]) -> None:
+    """Run action (rank 0: a pointer naming the checkpoint just saved) once that checkpoint is
+    complete: now, or when its background save is finished, so no pointer names a missing folder."""
+    pending = _pending.get(str(run))
+    if pending is None:
+        action()
+    else:
+        pending.finish.append(action)
+
+
 def save_sharded(run: Path, step: int, config: ModelConfig, net: torch.nn.Module, optimizer, tokenizer,
-                 state: dict | None, tensors: dict[str, torch.Tensor] | None, main: bool) -> Path:
+                 state: dict | None, tensors: dict[str, torch.Tensor] | None, main: bool,
+                 background: bool = True) -> Path:
     """Write run/step-NNNNNN as a sharded checkpoint (a collective: every rank calls it; `state`,
-    `tensors` matter on rank 0 alone) and, on rank 0, move `latest` to it.
+    `tensors` matter on rank 0 alone); rank 0 completes the folder and moves `latest` to it.
 
     Every rank writes its shards into one temporary sibling (.step-N.tmp-dcp, a name all ranks
     know without talking); rank 0 then builds the checkpoint folder atomically around it, so a
-    crash at any point leaves only temporary folders, which the next run deletes."""
+    crash at any point leaves only temporary folders, which the next run deletes. background:
+    dcp.async_save copies the state to CPU memory and returns, the writes overlap the next steps,
+    and the folder is completed by finish_pending (the next save, or the end of the run)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    finish_pending(run)  # one save in flight at a time
     run, dst = Path(run), Path(run) / step_name(step)
     shards = run / f".{dst.name}.tmp-{DCP_DIR}"
     distributed = dist.is_available() and dist.is_initialized()
@@ -48,15 +103,26 @@ def save_sharded(run: Path, step: int, config: ModelConfig, net: torch.nn.Module
         shutil.rmtree(shards)
     if distributed:
         dist.barrier()
-    with one_process_quiet(not distributed):
-        dcp.save(_states(net, optimizer), checkpoint_id=str(shards), no_dist=not distributed)  # each rank its pieces; rank 0 the index
+    state = copy.deepcopy(state)  # as it is now: the loop changes its plan and best while the writes go on
+    finish = [lambda: _complete(run, dst, shards, config, tokenizer, state, tensors)] if main else []
+    if background and hasattr(dcp, "async_save"):
+        future = dcp.async_save(_states(net, optimizer), checkpoint_id=str(shards), process_group=_save_group(),
+                                no_dist=not distributed)
+        _pending[str(run)] = Pending(future, finish)
+        return dst
+    dcp.save(_states(net, optimizer), checkpoint_id=str(shards), no_dist=not distributed)  # each rank its pieces
     if distributed:
         dist.barrier()
-    if not main:
-        return dst
+    for action in finish:
+        action()
+    return dst
+
+
+def _complete(run: Path, dst: Path, shards: Path, config: ModelConfig, tokenizer, state: dict | None,
+              tensors: dict[str, torch.Tensor] | None) -> None:
+    """Rank 0, once every rank's shards are written: the checkpoint folder, atomically, and `latest`."""
     atomic_folder(dst, lambda tmp: _write_small_files(tmp, shards, config, tokenizer, state, tensors))
     write_pointer(run, "latest", dst.name)
-    return dst
 
 
 def _write_small_files(tmp: Path, shards: Path, config: ModelConfig, tokenizer, state: dict | None,
@@ -84,6 +150,5 @@ def load_sharded(folder: str | Path, net: torch.nn.Module, optimizer) -> None:
     check_sharded(folder)
     states = _states(net, optimizer)  # the optimizer's moments exist (zeros) before they are loaded into
     distributed = dist.is_available() and dist.is_initialized()
-    with one_process_quiet(not distributed):
-        dcp.load(states, checkpoint_id=str(Path(folder) / DCP_DIR), no_dist=not distributed)
+    dcp.load(states, checkpoint_id=str(Path(folder) / DCP_DIR), no_dist=not distributed)
     set_state_dict(net, optimizer, model_state_dict=states["model"], optim_state_dict=states["optim"])

@@ -4,7 +4,6 @@ reader of a checkpoint takes (resolve() makes it on first read). Writing one: dc
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from pathlib import Path
 
@@ -17,14 +16,9 @@ DCP_DIR = "dcp"
 METADATA = ".metadata"  # DCP's index of the pieces; written by rank 0 last, after every rank's data
 
 
-@contextlib.contextmanager
-def one_process_quiet(alone: bool):
-    """DCP warns on every save and load without a process group that it assumes one process: that
-    is what we mean there, so the warning is dropped (and kept under torchrun, where it would be news)."""
-    with warnings.catch_warnings():
-        if alone:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+# DCP warns on every save and load without a process group (one process, or a background save's
+# thread) that it assumes one process: that is what we mean there, so the line is not shown.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def is_sharded(folder: str | Path) -> bool:
@@ -67,8 +61,7 @@ def sharded_model_state(folder: str | Path, config: ModelConfig) -> dict[str, to
              for k, m in index.items() if k.startswith("model.") and hasattr(m, "size")}
     if config.tie_embeddings:
         model.pop("lm_head.weight", None)
-    with one_process_quiet(True):
-        dcp.load({"model": model}, checkpoint_id=where, no_dist=True)
+    dcp.load({"model": model}, checkpoint_id=where, no_dist=True)
     return model
 
 

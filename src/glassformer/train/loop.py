@@ -15,7 +15,7 @@ import torch
 
 from .distributed import all_mean, all_sum, any_rank, full_states, teardown
 from .distributed import setup as setup_processes
-from ..checkpoint.dcp import save_sharded
+from ..checkpoint.dcp import finish_pending, save_sharded, when_complete
 from ..checkpoint.folders import add_snapshot, prune, read_pointer, step_name, write_pointer
 from ..checkpoint.training import save_training
 from ..config import TrainConfig
@@ -281,8 +281,8 @@ def evaluate_and_checkpoint(run: RunState) -> dict:
         run.best = {"name": f"step-{run.step:06d}", "val_loss": val["loss"]}
     name = save_checkpoint(run, val, "eval")
     if run.d.main:
-        if is_best:
-            write_pointer(run.out, "best", name)
+        if is_best:  # once the folder is complete (a dcp save may still be writing: checkpoint/dcp.py)
+            when_complete(run.out, lambda: write_pointer(run.out, "best", name))
         prune(run.out, run.cfg.keep_last, {run.best["name"], name} - {None})
         plot_losses(run.out / "metrics.jsonl", run.out / "loss.png")
     return val
@@ -340,6 +340,20 @@ def checkpoint_state(run: RunState, val: dict | None, reason: str) -> tuple[dict
     return state, tensors
 
 
+def complete_saves(run: RunState) -> None:
+    """Wait for a --checkpoint-format dcp save still writing in the background and complete its
+    folder; a failed write stops every rank with one line, as a failed save does."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    failed = None
+    try:
+        finish_pending(run.out)
+    except (OSError, CheckpointException) as e:
+        failed = _failed_write(e if isinstance(e, OSError) else OSError(str(e).splitlines()[0]), run.out, run.step)
+    if any_rank(failed is not None, run.d, run.device):
+        raise failed or UserError(f"another process could not write its shards of {run.out}/{step_name(run.step)}")
+
+
 def _failed_write(e: OSError, out, step: int) -> UserError:
     """The one line for a checkpoint that could not be written (atomic_folder removed its partial
     folder). A full disk's DiskFullError already names the folder and the bytes: it goes out as it is,
@@ -368,6 +382,7 @@ def finish(run: RunState) -> dict:
         run.last_val = evaluate_and_checkpoint(run)
         say(run.d, f"done: {run.step} steps; held-out loss {run.last_val['loss']:.4f}, "
                    f"{run.last_val['bpb']:.4f} bits per byte; run in {run.out}")
+    complete_saves(run)
     if run.metrics:
         run.metrics.close()
     return {"steps": run.step, "total_steps": run.total_steps, "losses": run.losses, "val": run.last_val,
