@@ -109,11 +109,17 @@ def test_a_sharded_folder_reads_and_batches_as_its_single_file(folders, ids):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_a_sharded_folder_trains_as_its_single_file(folders, tmp_path):
+def test_a_sharded_folder_trains_and_evaluates_as_its_single_file(folders, tmp_path, capsys):
     single, sharded = folders
     for data, out in ((single, tmp_path / "single"), (sharded, tmp_path / "sharded")):
         assert main(["train", "--data", str(data), "--out", str(out), *ARGS, "--max-steps", "4"]) == 0
     assert losses(tmp_path / "sharded") == losses(tmp_path / "single")  # bit for bit: the same batches
+    scores = []
+    for data in folders:  # eval --data scores the val shards as it scores val.bin
+        capsys.readouterr()
+        assert main(["eval", "--checkpoint", str(tmp_path / "sharded" / "step-000004"), "--data", str(data)]) == 0
+        scores.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert scores[0] == scores[1] and scores[0]["tokens"] == 799
     state = json.loads((tmp_path / "sharded" / "step-000004" / "train_state.json").read_text())
     assert state["data"]["fingerprint"]["shards"] == json.loads((sharded / "meta.json").read_text())["shards"]
 

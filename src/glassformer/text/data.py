@@ -339,11 +339,9 @@ def doc_batch_starts(doc_starts: np.ndarray, n_tokens: int, batch_size: int, seq
     return torch.from_numpy(doc_starts[units.numpy()])  # (B,)
 
 
-def _rows(arr, starts: list[int], n: int) -> torch.Tensor:
-    """(len(starts), n) int64 rows arr[s:s+n]."""
-    if isinstance(arr, torch.Tensor):
-        return torch.stack([arr[s:s + n].long() for s in starts])
-    return torch.from_numpy(np.stack([np.asarray(arr[s:s + n], dtype=np.int64) for s in starts]))
+def _rows(arr, starts: list[int], n: int) -> np.ndarray:
+    """(len(starts), n) int64 rows arr[s:s+n] (arr: numpy, a memory map, a ShardSet or a CPU tensor)."""
+    return np.stack([np.asarray(arr[s:s + n], dtype=np.int64) for s in starts])
 
 
 def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
@@ -378,13 +376,16 @@ def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
     per = batch_size // world_size
     mine = starts[rank * per:(rank + 1) * per].tolist()  # (B/W,) only this rank's windows are read
     rows = _rows(arr, mine, seq_len + 1)  # (B/W, T+1)
-    x, y = rows[:, :-1], rows[:, 1:]  # (B/W, T) each
+    # Copied in numpy: torch's copies of (B/W, T) go through its intra-op threads, which on a machine
+    # whose cores are busy took 36 ms a batch for 0.03 ms of work (docs/benchmarks-log.md#the-loaders-share-of-a-step).
+    x, y = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])  # (B/W, T) each
     if mask is not None:
         keep = _rows(mask.array if isinstance(mask, TokenFile) else mask, mine, seq_len + 1)[:, 1:]  # (B/W, T)
-        y = y.masked_fill(keep == 0, -1)
+        y[keep == 0] = -1
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
     if device is not None:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    return x.contiguous(), y.contiguous()
+    return x, y
 
 
 # -- prepare: corpus -> tokenizer + token files -------------------------------------------
