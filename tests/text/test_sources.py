@@ -125,6 +125,9 @@ def test_max_docs_takes_the_first_documents_and_reads_no_further_file(tmp_path):
     corpus = get_corpus(tmp_path / "d", max_docs=40)
     assert sorted(texts_of(corpus.train) + texts_of(corpus.val)) == sorted(texts[:40])
     assert corpus.meta["max_docs"] == 40 and corpus.meta["documents_read"] == 40
+    (tmp_path / "d" / "1.parquet").write_bytes(b"not parquet either")
+    corpus = get_corpus(tmp_path / "d", max_docs=30)  # ends with the first file: the second is never opened
+    assert sorted(texts_of(corpus.train) + texts_of(corpus.val)) == sorted(texts[:30])
 
 
 def test_max_tokens_stops_near_the_count_the_given_tokenizer_makes(tmp_path):
@@ -188,6 +191,7 @@ def _bad(tmp_path, capsys, argv, match):
     ("parquet", ["--corpus", "{t}/c.parquet", "--max-docs", "0"], "--max-docs 0 must be at least 1"),
     ("text", ["--corpus", "{t}/c.txt", "--max-docs", "5"], "--max-docs is for parquet, JSONL and hf: corpora"),
     (None, ["--corpus", "hf:no-slash"], "is not a Hugging Face dataset name"),
+    ("jsonl", ["--chat", "{t}/c.jsonl", "--max-docs", "5"], "--max-docs is for a parquet, JSONL or hf: --corpus"),
 ])
 def test_bad_row_input_is_one_line_naming_the_file(tmp_path, capsys, setup, argv, match):
     if setup in ("parquet", "mixed"):

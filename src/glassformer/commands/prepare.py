@@ -72,6 +72,10 @@ def run(args) -> int:
     if args.chat is not None:
         if args.corpus is not None:
             raise UserError("give either --chat (conversations) or --corpus (text), not both")
+        rows = [f for f, v in (("--text-field", args.text_field), ("--max-docs", args.max_docs),
+                               ("--max-tokens", args.max_tokens)) if v is not None]
+        if rows:
+            raise UserError(f"{rows[0]} is for a parquet, JSONL or hf: --corpus, not for --chat: leave it out")
         if args.bpe_dropout:
             raise UserError("--bpe-dropout is for a text corpus: drop it with --chat (conversations keep the "
                             "tokenizer's own segmentation, which their loss masks follow)")

@@ -170,6 +170,8 @@ class RowSource:
         """(name, UTF-8 text) of each document of the slice, in order; the name is FILE#ROW."""
         n = 0
         for f in self.files:
+            if self.limit is not None and n >= self.limit:
+                return  # before the next file is opened (or fetched)
             for row, data in enumerate(f.rows()):
                 if self.limit is not None and n >= self.limit:
                     return
