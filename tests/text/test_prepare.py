@@ -31,7 +31,7 @@ def prepared(tmp_path_factory):
     text = corpus_text()
     (root / "corpus.txt").write_text(text, encoding="utf-8")
     rc = main(["prepare", "--corpus", str(root / "corpus.txt"), "--out", str(root / "data"), "--vocab-size", "400",
-               "--context", "32"])
+               "--context", "32", "--shard-tokens", "0"])  # one train.bin and val.bin: test_prepare_shards.py has shards
     assert rc == 0
     return root / "data", text
 
@@ -122,7 +122,7 @@ def test_large_vocabulary_uses_uint32(tmp_path, prepared):
     big.save(str(tmp_path / "big.json"))
     (tmp_path / "c.txt").write_text(corpus_text(1, 300) + "<extra65000> the king\n" * 5, encoding="utf-8")
     assert main(["prepare", "--corpus", str(tmp_path / "c.txt"), "--out", str(tmp_path / "o"),
-                 "--tokenizer", str(tmp_path / "big.json"), "--context", "8"]) == 0
+                 "--tokenizer", str(tmp_path / "big.json"), "--context", "8", "--shard-tokens", "0"]) == 0
     meta = read_meta(tmp_path / "o")
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == big.get_vocab_size() > 65536
     ids = TokenFile(tmp_path / "o" / "val.bin", "uint32")[:].tolist()
@@ -225,7 +225,7 @@ def test_default_corpus_split_is_reproducible(tmp_path):
     archive = _default_archive()
     metas = []
     for run in ("a", "b"):
-        assert main(["prepare", "--out", str(tmp_path / run), "--vocab-size", "260"]) == 0
+        assert main(["prepare", "--out", str(tmp_path / run), "--vocab-size", "260", "--shard-tokens", "0"]) == 0
         metas.append(read_meta(tmp_path / run))
     assert metas[0] == metas[1]
     for name in ("train.bin", "val.bin", "tokenizer.json"):
@@ -248,7 +248,7 @@ def test_bpe_dropout_writes_seeded_copies_of_the_training_split(tmp_path, prepar
     segmentation (seeded: the same folder again), val.bin and the tokenizer as without it."""
     folder, _ = prepared
     argv = ["prepare", "--corpus", str(folder.parent / "corpus.txt"), "--vocab-size", "400", "--context", "32",
-            "--bpe-dropout", "0.1", "--dropout-copies", "3"]
+            "--bpe-dropout", "0.1", "--dropout-copies", "3", "--shard-tokens", "0"]
     assert main([*argv, "--out", str(tmp_path / "a")]) == 0 and main([*argv, "--out", str(tmp_path / "b")]) == 0
     a, plain = read_meta(tmp_path / "a"), read_meta(folder)
     assert (a["bpe_dropout"], a["dropout_copies"], plain["bpe_dropout"], plain["dropout_copies"]) == (0.1, 3, 0.0, 1)

@@ -50,6 +50,14 @@ def add_arguments(p) -> None:
                         "docs/data.md#bpe-dropout)")
     p.add_argument("--dropout-copies", type=int, default=6, metavar="K",
                    help="with --bpe-dropout: how many encodings of the training split train.bin holds")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
+                   help="write each split as shards of N token ids, train_000000.bin, … and val_000000.bin, …, in "
+                        "llm.c's format (a 256-int32 header, then the ids); a document may run on into the next "
+                        "shard. An interrupted prepare keeps its whole shards and the same command continues from "
+                        "them. 0: one train.bin and val.bin of raw ids, the layout before shards (docs/data.md#shards)")
+    p.add_argument("--workers", type=int, default=None, metavar="K",
+                   help="encode in K processes, results kept in document order (default: the cores, for a corpus "
+                        "of 16 MB or more; 1: this process, tokenizers using its own threads)" + NO_DEFAULT)
     p.add_argument("--progress", action="store_true", default=None,
                    help="always show progress bars (default: only on a terminal)" + NO_DEFAULT)
 
@@ -59,6 +67,7 @@ def run(args) -> int:
 
     from ..errors import UserError
     from ..text.data import check_dropout
+    from ..text.encoding import check_shard_tokens, check_workers
     from ..text.tokenizer import check_vocab_size
 
     tokenizer = None
@@ -69,6 +78,8 @@ def run(args) -> int:
     elif args.vocab_size is not None:
         check_vocab_size(args.vocab_size)  # fail before reading any corpus
     check_dropout(args.bpe_dropout, args.dropout_copies)
+    check_shard_tokens(args.shard_tokens)
+    workers = None if args.workers is None else check_workers(args.workers)  # None: the cores, for a large corpus
     if args.chat is not None:
         if args.corpus is not None:
             raise UserError("give either --chat (conversations) or --corpus (text), not both")
@@ -89,7 +100,8 @@ def run(args) -> int:
         meta = prepare(corpus, args.out, vocab_size=args.vocab_size, tokenizer=tokenizer,
                        context=args.context, tokenizer_sample_mb=args.tokenizer_sample_mb,
                        show_progress=args.progress, add_chat_tokens=args.add_chat_tokens,
-                       bpe_dropout=args.bpe_dropout, dropout_copies=args.dropout_copies)
+                       bpe_dropout=args.bpe_dropout, dropout_copies=args.dropout_copies,
+                       shard_tokens=args.shard_tokens, workers=workers)
     keys = ("vocab_size", "dtype", "train_tokens", "val_tokens", "train_bytes", "val_bytes")
     print(f"wrote {args.out}: " + ", ".join(f"{k} {meta[k]}" for k in keys))
     print(json.dumps({k: meta[k] for k in keys}))

@@ -390,9 +390,6 @@ def get_batch(tokens, batch_size: int, seq_len: int, seed: int, step: int,
 
 # -- prepare: corpus -> tokenizer + token files -------------------------------------------
 BATCH_CHUNKS = 8  # chunks encoded together (2 MB of text; tokenizers spreads a batch over its threads)
-# Batches encoded at once: while one batch's last chunks finish, the next one's fill the idle
-# threads, so no core waits at a batch boundary (bench/prepare_throughput.py).
-IN_FLIGHT = 2
 
 
 def _chunk_batches(docs, stats, progress):
@@ -420,66 +417,75 @@ def _chunk_batches(docs, stats, progress):
         yield batch, nbytes
 
 
-def write_split(tok, docs, path: Path, dtype: str, stats=None, progress=None, dropout: float = 0.0,
-                seed: int = 0, append: bool = False) -> tuple[int, int]:
+def write_split(tok, docs, path, dtype: str, stats=None, progress=None, dropout: float = 0.0,
+                seed: int = 0, append: bool = False, encoders=None, start: tuple | None = None) -> tuple[int, int]:
     """Encode docs into a token file, each document followed by eot_id; (tokens, bytes).
 
-    dropout > 0: BPE-dropout (`bpe_steps.merge_all` with dropout) in place of the tokenizer's own ids, each
-    batch's draws seeded by (seed, the batch's number), so the same arguments write the same file.
-    append: add to the file instead of starting it.
+    path: a file for the raw ids, or a sink with write(ids, where) and .tokens (a text/encoding.py
+    ShardWriter: shards). dropout > 0: BPE-dropout (`bpe_steps.merge_all` with dropout) in place of
+    the tokenizer's own ids, each batch's draws seeded by (seed, the batch's number), so the same
+    arguments write the same file. append: add to the file instead of starting it. encoders: an
+    entered text/encoding.py Encoders (worker processes) to encode with; else this process's threads.
+    start: (batch, offset) to resume at: earlier batches are read (their bytes counted) but not
+    encoded, and the first `offset` ids of that batch are dropped (docs/data.md#shards).
 
-    Streams: at most IN_FLIGHT + 1 batches of BATCH_CHUNKS text chunks and their ids are in
-    memory, encoded by `tokenizers` in its own threads while this one reads and writes
-    (docs/data.md#streaming-and-exactness). bytes counts the UTF-8 bytes of the text that was
-    encoded (after any U+FFFD replacement), what bits per byte divides by; eot counts none.
+    Streams: a few batches of BATCH_CHUNKS text chunks and their ids are in memory at a time, encoded
+    by `tokenizers` while this thread reads and writes (docs/data.md#streaming-and-exactness). bytes
+    counts the UTF-8 bytes of the text that was encoded (after any U+FFFD replacement), what bits per
+    byte divides by; eot counts none.
     """
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
+    from .encoding import Encoders, FileSink
 
     np_dtype = np.dtype(DTYPES[dtype]).newbyteorder("<")
     eot = np.asarray([] if tok.eot_id is None else [tok.eot_id], dtype=np_dtype)
-    n_tokens = n_bytes = 0
+    sink = path if hasattr(path, "write") else FileSink(path, append)
+    first, skip = start or (0, 0)
+    before, n_bytes = sink.tokens, 0
 
-    def encode(texts: list[str], number: int) -> list[np.ndarray]:
-        # Runs in a worker: the batch's Encoding objects (tens of bytes a token) are freed here,
-        # and only 2 or 4 bytes a token wait to be written.
-        if dropout > 0:
-            draw = random.Random(f"{seed}:{number}").random
-            return [np.asarray(bpe.encode(t, dropout, draw), dtype=np_dtype) for t in texts]
-        return [np.asarray(e.ids, dtype=np_dtype) for e in tok.tk.encode_batch_fast(texts, add_special_tokens=False)]
-
-    if dropout > 0:
-        from .bpe_steps import ByteLevelBpe
-
-        bpe = ByteLevelBpe(tok)
-
-    def write(f, batch, ids) -> int:
-        parts = []
-        for (_, ends), chunk_ids in zip(batch, ids):
-            parts.append(chunk_ids)
-            if ends:
-                parts.append(eot)
-        flat = np.concatenate(parts)
-        flat.tofile(f)
-        return len(flat)
-
-    with open(path, "ab" if append else "wb") as f, ThreadPoolExecutor(IN_FLIGHT) as pool:
-        pending: deque = deque()  # (batch, future of its ids), oldest first
+    def jobs():  # ((number, documents ended), texts, ends) of each batch to encode
+        nonlocal n_bytes
         for number, (batch, nb) in enumerate(_chunk_batches(docs, stats, progress)):
             n_bytes += nb
-            pending.append((batch, pool.submit(encode, [t for t, _ in batch], number)))
-            if len(pending) > IN_FLIGHT:
-                done, job = pending.popleft()
-                n_tokens += write(f, done, job.result())
-        while pending:
-            done, job = pending.popleft()
-            n_tokens += write(f, done, job.result())
-    return n_tokens, n_bytes
+            if number >= first:
+                ends = [e for _, e in batch]
+                yield (number, sum(ends)), [t for t, _ in batch], ends
+
+    if dropout > 0 or encoders is None:
+        encoders = Encoders(tok.tk, eot, 1, _dropout_encoder(tok, dropout, seed, np_dtype, eot) if dropout > 0 else None)
+    try:
+        for (number, n_docs), ids in encoders.ordered(jobs()):  # ids: (n,) the batch's, in order
+            offset = skip if number == first else 0
+            sink.write(ids[offset:], (seed, number, offset))
+            if hasattr(progress, "add"):
+                progress.add(n_docs, len(ids) - offset)
+    finally:
+        if sink is not path:
+            sink.close()
+    return sink.tokens - before, n_bytes
+
+
+def _dropout_encoder(tok, dropout: float, seed: int, np_dtype, eot: np.ndarray):
+    """encode(texts, ends, (number, _)) -> ids with BPE-dropout, draws seeded by (seed, number)."""
+    from .bpe_steps import ByteLevelBpe
+
+    bpe = ByteLevelBpe(tok)
+
+    def encode(texts: list[str], ends: list[bool], key) -> np.ndarray:
+        draw = random.Random(f"{seed}:{key[0]}").random
+        parts = []
+        for t, last in zip(texts, ends):
+            parts.append(np.asarray(bpe.encode(t, dropout, draw), dtype=np_dtype))
+            if last:
+                parts.append(eot)
+        return np.concatenate(parts) if parts else eot[:0]
+
+    return encode
 
 
 def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer=None,
             context: int = 256, tokenizer_sample_mb: float = 256, show_progress: bool | None = None,
-            add_chat_tokens: bool = False, bpe_dropout: float = 0.0, dropout_copies: int = 6) -> dict:
+            add_chat_tokens: bool = False, bpe_dropout: float = 0.0, dropout_copies: int = 6,
+            shard_tokens: int = 0, workers: int | None = 1) -> dict:
     """Write a prepared data folder at `out` (atomically) and return its meta.json.
     corpus: a glassformer.corpus.Corpus. tokenizer: a Tokenizer to reuse; if None, byte-level
     BPE is trained on the training split alone, to vocab_size (default DEFAULT_VOCAB_SIZE). context: the
@@ -488,44 +494,161 @@ def prepare(corpus, out: str | Path, *, vocab_size: int | None = None, tokenizer
     add_chat_tokens: the chat tokens and default template too (docs/data.md#conversation-data).
     bpe_dropout > 0: train.bin holds dropout_copies encodings of the training split, each with
     BPE-dropout of that probability and seeded by its number; val.bin stays the tokenizer's own
-    (docs/data.md#bpe-dropout).
+    (docs/data.md#bpe-dropout). shard_tokens N > 0: each split as shards of N ids in llm.c's format
+    (train_000000.bin, …), resumable after an interruption; 0: one train.bin and val.bin (the
+    command's default is 100M: docs/data.md#shards). workers: processes that encode (1: this one;
+    None: auto_workers, the cores for a large corpus).
     """
     import sys
 
-    from ..files import atomic_folder
-    from .corpus import DecodeStats
+    from .encoding import auto_workers, check_shard_tokens, check_workers
 
     out = Path(out)
     vocab_size, train_size, val_size = _check_prepare(corpus, out, tokenizer, vocab_size, context, tokenizer_sample_mb)
     check_dropout(bpe_dropout, dropout_copies)
-    disable = None if show_progress is None else not show_progress  # None: show on a terminal only
+    check_shard_tokens(shard_tokens)
+    copies = dropout_copies if bpe_dropout > 0 else 1
+    workers = auto_workers(copies * train_size + val_size) if workers is None else check_workers(workers)
+    job = _PrepareJob(corpus, out, context, bpe_dropout, copies, shard_tokens, workers,
+                      None if show_progress is None else not show_progress,  # None: show on a terminal only
+                      copies * train_size + val_size, add_chat_tokens)
+    make_tokenizer = functools.partial(_make_tokenizer, corpus, tokenizer, vocab_size, tokenizer_sample_mb,
+                                       train_size, add_chat_tokens, job.disable)
+    meta = job.run_sharded(make_tokenizer, (vocab_size, tokenizer_sample_mb, add_chat_tokens, tokenizer)) \
+        if shard_tokens else job.run_single(make_tokenizer)
+    if job.stats.warning():
+        print(job.stats.warning(), file=sys.stderr)
+    return meta
+
+
+def _make_tokenizer(corpus, tokenizer, vocab_size, sample_mb, train_size, add_chat_tokens, disable) -> tuple:
+    """(the tokenizer to encode with, whether it was trained here, the bytes it trained on)."""
     trained, sampled = tokenizer is None, None
     if trained:
-        tokenizer, sampled = _train_tokenizer(corpus, vocab_size, tokenizer_sample_mb, train_size, disable)
+        tokenizer, sampled = _train_tokenizer(corpus, vocab_size, sample_mb, train_size, disable)
     if add_chat_tokens:
         chat_ready(tokenizer, True)
-    stats, meta = DecodeStats(), {}  # invalid UTF-8 counted while encoding
+    return tokenizer, trained, sampled
 
-    def write(tmp: Path) -> None:
-        if add_chat_tokens:
-            tokenizer.save_folder(tmp)  # with tokenizer_config.json and the template
-        else:
-            tokenizer.save(tmp / "tokenizer.json")
-        _written_check(tmp, out, lambda: check_tokenizer(tmp, tokenizer.vocab_size))  # before the long encoding
-        copies = dropout_copies if bpe_dropout > 0 else 1
-        if bpe_dropout > 0:
+
+def _save_tokenizer(tokenizer, folder: Path, with_configs: bool) -> None:
+    if with_configs:
+        tokenizer.save_folder(folder)  # with tokenizer_config.json and the template
+    else:
+        tokenizer.save(folder / "tokenizer.json")
+
+
+class _PrepareJob:
+    """One `prepare` of a text corpus: the arguments its steps share, and the two ways to write the
+    folder: whole into a temporary folder renamed in (one file a split), or resumably (shards)."""
+
+    def __init__(self, corpus, out: Path, context: int, dropout: float, copies: int, shard_tokens: int,
+                 workers: int, disable, total_bytes: int, add_chat: bool):
+        from .corpus import DecodeStats
+
+        self.corpus, self.out, self.context, self.dropout, self.copies = corpus, out, context, dropout, copies
+        self.shard_tokens, self.workers, self.disable, self.total_bytes = shard_tokens, workers, disable, total_bytes
+        self.add_chat = add_chat
+        self.stats = DecodeStats()  # invalid UTF-8 counted while encoding
+
+    def run_single(self, make_tokenizer) -> dict:
+        from ..files import atomic_folder
+
+        tokenizer, trained, sampled = make_tokenizer()
+        meta = {}
+
+        def write(tmp: Path) -> None:
+            _save_tokenizer(tokenizer, tmp, self.add_chat)
+            _written_check(tmp, self.out, lambda: check_tokenizer(tmp, tokenizer.vocab_size))  # before the long encoding
+            if self.dropout > 0:
+                check_dropout_tokenizer(tokenizer)
+            counts = _encode_splits(tmp, self.corpus, tokenizer, self.context, self.stats, self.total_bytes,
+                                    self.disable, self.dropout, self.copies, workers=self.workers)
+            meta.update(self.meta(tokenizer, counts, trained, sampled))
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            _written_check(tmp, self.out, lambda: check_prepared(tmp))  # what train will check, before the rename
+
+        atomic_folder(self.out, write)
+        return meta
+
+    def meta(self, tokenizer, counts: dict, trained: bool, sampled) -> dict:
+        meta = _prepared_meta(self.corpus, tokenizer, counts, self.context, trained, sampled, self.stats)
+        meta.update(bpe_dropout=self.dropout, dropout_copies=self.copies)
+        return meta
+
+    def run_sharded(self, make_tokenizer, asked: tuple) -> dict:
+        """Write into .OUT.partial beside out, keeping it (and its whole shards, listed in its progress
+        file) when interrupted, so the same command again continues there; renamed to out once whole."""
+        import shutil
+        import sys
+
+        from .encoding import Progress
+
+        tmp = self.out.parent / f".{self.out.name}.partial"
+        tmp.mkdir(parents=True, exist_ok=True)
+        progress = Progress.resume(tmp, self.inputs(asked))
+        try:
+            return self._write_sharded(tmp, progress, make_tokenizer)
+        except UserError:
+            shutil.rmtree(tmp, ignore_errors=True)  # bad input: the command must change, so nothing is worth keeping
+            raise
+        except BaseException:
+            kept = sum(len(progress.shards(s)) for s in ("train", "val"))
+            if kept or progress.data["tokenizer"]:
+                print(f"prepare stopped; {tmp} keeps {kept} whole shard(s) and the tokenizer: the same command "
+                      f"continues from them (delete it to start over)", file=sys.stderr)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def inputs(self, asked: tuple) -> str:
+        """A digest of everything the shards' bytes depend on: an earlier run's progress is used only
+        when it is the same (the documents by name and size, the tokenizer or how it is trained, the
+        shard size, BPE-dropout and the chunking)."""
+        from .corpus import CHUNK_BYTES
+        from .encoding import digest
+
+        vocab_size, sample_mb, add_chat, tokenizer = asked
+        c = self.corpus
+        return digest({"corpus": c.description, "meta": c.meta, "chunking": [CHUNK_BYTES, BATCH_CHUNKS],
+                       "docs": [[(d.name, d.nbytes) for d in docs] for docs in (c.train, c.val)],
+                       "tokenizer": tokenizer.tk.to_str() if tokenizer is not None else [vocab_size, sample_mb],
+                       "chat_tokens": add_chat, "shard_tokens": self.shard_tokens,
+                       "dropout": [self.dropout, self.copies]})
+
+    def _write_sharded(self, tmp: Path, progress, make_tokenizer) -> dict:
+        from ..files import _fsync_files, _swap_in
+
+        tokenizer, trained, sampled = self._tokenizer(tmp, progress, make_tokenizer)
+        if self.dropout > 0:
             check_dropout_tokenizer(tokenizer)
-        counts = _encode_splits(tmp, corpus, tokenizer, context, stats, copies * train_size + val_size, disable,
-                                bpe_dropout, copies)
-        meta.update(_prepared_meta(corpus, tokenizer, counts, context, trained, sampled, stats))
-        meta.update(bpe_dropout=bpe_dropout, dropout_copies=copies)
+        counts = _encode_splits(tmp, self.corpus, tokenizer, self.context, self.stats, self.total_bytes,
+                                self.disable, self.dropout, self.copies, workers=self.workers,
+                                shard_tokens=self.shard_tokens, progress=progress)
+        meta = self.meta(tokenizer, counts, trained, sampled)
+        meta.update(shard_tokens=self.shard_tokens, shards={s: progress.shard_list(s) for s in ("train", "val")})
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _written_check(tmp, out, lambda: check_prepared(tmp))  # what train will check, before the folder is renamed in
+        _written_check(tmp, self.out, lambda: check_prepared(tmp))  # what train will check, before the rename
+        progress.path.unlink()
+        (tmp / "COMPLETE").write_text("ok\n")
+        _fsync_files(tmp)
+        _swap_in(tmp, self.out)
+        return meta
 
-    atomic_folder(out, write)
-    if stats.warning():
-        print(stats.warning(), file=sys.stderr)
-    return meta
+    def _tokenizer(self, tmp: Path, progress, make_tokenizer) -> tuple:
+        """make_tokenizer()'s answer, saved in tmp; or, resuming, the one an earlier run of the same
+        inputs saved there (training it again could take long)."""
+        from .tokenizer import Tokenizer
+
+        saved = progress.data["tokenizer"]
+        if saved is not None and (tmp / "tokenizer.json").is_file():
+            tokenizer = Tokenizer.from_folder(tmp) if saved["chat"] else Tokenizer.from_file(tmp / "tokenizer.json")
+            return tokenizer, saved["trained"], saved["sampled"]
+        tokenizer, trained, sampled = make_tokenizer()
+        _save_tokenizer(tokenizer, tmp, self.add_chat)
+        _written_check(tmp, self.out, lambda: check_tokenizer(tmp, tokenizer.vocab_size))  # before the long encoding
+        progress.set_tokenizer({"trained": trained, "sampled": sampled, "chat": self.add_chat})
+        return tokenizer, trained, sampled
 
 
 def _written_check(tmp: Path, out: Path, check) -> None:
@@ -607,31 +730,75 @@ def check_dropout_tokenizer(tokenizer) -> None:
 
 
 def _encode_splits(folder: Path, corpus, tokenizer, context: int, stats, total_bytes: int, disable,
-                   dropout: float = 0.0, copies: int = 1) -> dict:
-    """train.bin and val.bin in folder; {split: (tokens, bytes)}, each split checked to hold context+1 tokens.
-    With dropout, train.bin is `copies` BPE-dropout encodings of the training split one after another
-    (copy k seeded by k), its bytes counted in each."""
-    import sys
+                   dropout: float = 0.0, copies: int = 1, workers: int = 1, shard_tokens: int = 0,
+                   progress=None) -> dict:
+    """The splits' ids in folder, {split: (tokens, bytes)}, each split checked to hold context+1 tokens:
+    train.bin and val.bin, or with progress (text/encoding.py Progress) the shards it sizes, resumed
+    where it left off. With dropout, the training split is `copies` BPE-dropout encodings of the text
+    one after another (copy k seeded by k), its bytes counted in each. workers: encoding processes."""
+    from .encoding import EncodeBar, Encoders
 
-    from tqdm import tqdm
-
-    from .corpus import DecodeStats
-
-    dtype = dtype_for_vocab(tokenizer.vocab_size)
-    counts = {}
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="encode", disable=disable, file=sys.stderr) as bar:
-        tokens = nbytes = 0
-        for k in range(copies):  # invalid UTF-8 counted once, in the first copy
-            t, b = write_split(tokenizer, corpus.train, folder / "train.bin", dtype, stats if k == 0 else DecodeStats(),
-                               bar, dropout=dropout, seed=k, append=k > 0)
-            tokens, nbytes = tokens + t, nbytes + b
-        counts["train"] = (tokens, nbytes)
-        counts["val"] = write_split(tokenizer, corpus.val, folder / "val.bin", dtype, stats, bar)
+    eot = np.asarray([] if tokenizer.eot_id is None else [tokenizer.eot_id],
+                     dtype=np.dtype(DTYPES[dtype_for_vocab(tokenizer.vocab_size)]).newbyteorder("<"))
+    with EncodeBar(total_bytes, disable) as bar, Encoders(tokenizer.tk, eot, workers) as encoders:
+        counts = {split: _encode_split(folder, split, docs, tokenizer, stats, bar, encoders,
+                                       dropout if split == "train" else 0.0, copies if split == "train" else 1,
+                                       shard_tokens, progress)
+                  for split, docs in (("train", corpus.train), ("val", corpus.val))}
     for split, (n_tok, _) in counts.items():
         if n_tok < context + 1:
             raise UserError(f"the {split} split has {n_tok} tokens, too few for a context of {context} (+1): "
                             f"give a longer corpus or a smaller --context")
     return counts
+
+
+def _encode_split(folder: Path, split: str, docs, tokenizer, stats, bar, encoders, dropout: float, copies: int,
+                  shard_tokens: int, progress) -> tuple[int, int]:
+    """(tokens, bytes) of one split written by write_split, copy after copy: into {split}.bin, or
+    (progress given) into shards, skipping what progress has finished. Invalid UTF-8 is counted once,
+    in the first copy."""
+    from .corpus import DecodeStats
+    from .encoding import ShardWriter
+
+    dtype = dtype_for_vocab(tokenizer.vocab_size)
+    if progress is not None and progress.done(split):
+        done = progress.done(split)
+        stats.bytes_replaced += done["invalid_bytes"]
+        stats.n_files += done["invalid_files"]
+        stats.files.extend(done["invalid_names"][:100 - len(stats.files)])
+        bar.update(done["bytes"])
+        return sum(r["tokens"] for r in progress.shards(split)), done["bytes"]
+    sink = folder / f"{split}.bin" if progress is None else ShardWriter(folder, split, dtype, shard_tokens, progress)
+    at = None if progress is None else progress.resume_at(split)  # (copy, batch, offset) to continue from
+    before = (stats.bytes_replaced, stats.n_files, len(stats.files))
+    tokens = nbytes = 0
+    try:
+        for k in range(copies):
+            start = _start_of(at, k)
+            t, b = write_split(tokenizer, docs, sink, dtype, stats if k == 0 else DecodeStats(), bar,
+                               dropout=dropout, seed=k, append=k > 0, encoders=encoders, start=start)
+            tokens, nbytes = tokens + t, nbytes + b
+        if progress is None:
+            return tokens, nbytes
+        sink.close()
+    except BaseException:
+        if progress is not None:
+            sink.abandon()  # only whole shards stay
+        raise
+    progress.finish(split, nbytes, {"invalid_bytes": stats.bytes_replaced - before[0],
+                                              "invalid_files": stats.n_files - before[1],
+                                              "invalid_names": stats.files[before[2]:]})
+    return sink.tokens, nbytes
+
+
+def _start_of(at: tuple | None, copy: int) -> tuple | None:
+    """write_split's `start` for a copy when the split's stream continues at `at` = (copy, batch, offset)
+    (None: from the beginning; (None, None, None): after the last id, its last shard finished)."""
+    if at is None or (at[0] is not None and copy > at[0]):
+        return None
+    if at[0] is None or copy < at[0]:
+        return (1 << 62, 0)  # the copy is written whole: read for its byte count, nothing encoded
+    return at[1], at[2]
 
 
 def _prepared_meta(corpus, tokenizer, counts: dict, context: int, trained: bool, sampled, stats) -> dict:
