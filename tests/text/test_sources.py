@@ -300,3 +300,24 @@ def test_hub_datasets_offline_flag_counts_too(hub, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     assert sources.hub_settings()[1] is False
+
+
+def test_prepare_reads_a_row_corpus_four_times_and_resume_sees_a_replaced_file(tmp_path, monkeypatch):
+    texts = docs_of(16, 120)
+    write_parquet(tmp_path / "c.parquet", texts)
+    opened = []
+    real = sources.RowFile.rows
+
+    def counting(self):
+        opened.append(self.name)
+        return real(self)
+
+    monkeypatch.setattr(sources.RowFile, "rows", counting)
+    rc = main(["prepare", "--corpus", str(tmp_path / "c.parquet"), "--out", str(tmp_path / "data"),
+               "--vocab-size", "300", "--context", "16", "--workers", "1"])
+    assert rc == 0
+    assert len(opened) == 4  # the first read, the tokenizer's sample, train, val: no pass for the resume check
+    first = get_corpus(tmp_path / "c.parquet").train.fingerprint()
+    assert get_corpus(tmp_path / "c.parquet").train.fingerprint() == first
+    write_parquet(tmp_path / "c.parquet", texts[:-1] + ["a new last document."])
+    assert get_corpus(tmp_path / "c.parquet").train.fingerprint() != first

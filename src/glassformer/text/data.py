@@ -611,7 +611,8 @@ class _PrepareJob:
         vocab_size, sample_mb, add_chat, tokenizer = asked
         c = self.corpus
         return digest({"corpus": c.description, "meta": c.meta, "chunking": [CHUNK_BYTES, BATCH_CHUNKS],
-                       "docs": [[(d.name, d.nbytes) for d in docs] for docs in (c.train, c.val)],
+                       "docs": [docs.fingerprint() if hasattr(docs, "fingerprint") else [(d.name, d.nbytes) for d in docs]
+                                for docs in (c.train, c.val)],  # a row corpus's without another pass
                        "tokenizer": tokenizer.tk.to_str() if tokenizer is not None else [vocab_size, sample_mb],
                        "chat_tokens": add_chat, "shard_tokens": self.shard_tokens,
                        "dropout": [self.dropout, self.copies]})

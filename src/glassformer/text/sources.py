@@ -49,6 +49,13 @@ class RowFile:
     name: str
     locate: Callable[[], Path]
     text_field: str = TEXT_FIELD
+    pinned: bool = False  # a Hub file of a fixed commit: its name and size say what it holds
+
+    def fingerprint(self) -> list:
+        """[name, size, mtime_ns] (a pinned file without the time, which a new download changes): cheap, and
+        different when the file is replaced."""
+        st = self.locate().stat()
+        return [self.name, st.st_size] + ([] if self.pinned else [st.st_mtime_ns])
 
     def rows(self) -> Iterator[bytes]:
         """Each row's text as UTF-8 bytes, in file order; null and empty texts are skipped."""
@@ -165,14 +172,19 @@ class RowSource:
         self.docs = {False: 0, True: 0}  # split (is it validation) -> documents
         self.nbytes = {False: 0, True: 0}  # split -> UTF-8 bytes
         self.bytes_per_token = None
+        self.opened = None  # fingerprints of the files scan() opened
 
-    def documents(self) -> Iterator[tuple[str, bytes]]:
-        """(name, UTF-8 text) of each document of the slice, in order; the name is FILE#ROW."""
+    def documents(self, recording: bool = False) -> Iterator[tuple[str, bytes]]:
+        """(name, UTF-8 text) of each document of the slice, in order; the name is FILE#ROW. recording:
+        each file opened adds its fingerprint to self.opened."""
         n = 0
         for f in self.files:
             if self.limit is not None and n >= self.limit:
                 return  # before the next file is opened (or fetched)
-            for row, data in enumerate(f.rows()):
+            rows = f.rows()
+            if recording:
+                self.opened.append(f.fingerprint())
+            for row, data in enumerate(rows):
                 if self.limit is not None and n >= self.limit:
                     return
                 n += 1
@@ -188,7 +200,8 @@ class RowSource:
         stop_bytes = self._stop_bytes()
         seen = 0
         lo = hi = None  # [hash, documents, bytes] of the smallest and largest hash seen
-        with tqdm(self.documents(), unit="doc", unit_scale=True, desc="read", file=sys.stderr,
+        self.opened = []
+        with tqdm(self.documents(recording=True), unit="doc", unit_scale=True, desc="read", file=sys.stderr,
                   disable=None if show_progress is None else not show_progress) as bar:
             for _, data in bar:
                 h, nb = text_hash(data), len(data)
@@ -236,6 +249,12 @@ class RowSource:
         n_tokens = sum(len(e.ids) for e in self.tokenizer.tk.encode_batch(texts, add_special_tokens=False))
         return nb / max(1, n_tokens)
 
+    def fingerprint(self) -> dict:
+        """What the slice's documents depend on, without reading them again: the files scan() opened
+        (RowFile.fingerprint), the counts, the cut and the limit."""
+        return {"files": self.opened, "docs": [self.docs[False], self.docs[True]],
+                "bytes": [self.nbytes[False], self.nbytes[True]], "cut": self.cut, "limit": self.limit}
+
     def is_val(self, data: bytes) -> bool:
         return text_hash(data) < self.cut
 
@@ -276,6 +295,10 @@ class SplitDocuments:
     @property
     def nbytes(self) -> int:
         return self.source.nbytes[self.val]
+
+    def fingerprint(self) -> list:
+        """Stands for the list of (name, bytes) of the documents that prepare's resume compares, with no pass."""
+        return [self.val, self.source.fingerprint()]
 
     def __iter__(self):
         for name, data in self.source.documents():
@@ -344,7 +367,7 @@ def hub_files(text: str, text_field: str) -> tuple[list[RowFile], dict]:
     fetch = partial(_fetch, text, repo, commit, cache, offline)
     configs = _card_configs(fetch) if "README.md" in listing else None
     chosen = select_files(text, repo, revision, listing, configs, config)
-    files = [RowFile(f"hf:{repo}/{name}", partial(fetch, name), text_field) for name in chosen]
+    files = [RowFile(f"hf:{repo}/{name}", partial(fetch, name), text_field, pinned=True) for name in chosen]
     return files, {"hf": {"repo": repo, "config": config, "revision": revision, "commit": commit}}
 
 
