@@ -321,3 +321,46 @@ def test_prepare_reads_a_row_corpus_four_times_and_resume_sees_a_replaced_file(t
     assert get_corpus(tmp_path / "c.parquet").train.fingerprint() == first
     write_parquet(tmp_path / "c.parquet", texts[:-1] + ["a new last document."])
     assert get_corpus(tmp_path / "c.parquet").train.fingerprint() != first
+
+
+def test_hub_online_fetches_one_file_at_a_time_and_only_the_slice(tmp_path, monkeypatch):
+    """The Hub itself stood in for by huggingface_hub's two calls: the listing (dataset_info) and the
+    download (hf_hub_download), so the order of fetching and reading is seen."""
+    import types
+
+    import huggingface_hub
+
+    names = [f"data/{i}.parquet" for i in range(3)]
+    texts = {n: docs_of(20 + i, 30) for i, n in enumerate(names)}
+    for n in names:
+        write_parquet(tmp_path / "repo" / n, texts[n])
+    events = []
+
+    def dataset_info(self, repo, revision=None, **k):
+        events.append(("list", repo, revision))
+        return types.SimpleNamespace(sha=COMMIT_A, siblings=[types.SimpleNamespace(rfilename=n) for n in names])
+
+    def download(repo, name, repo_type=None, revision=None, cache_dir=None, local_files_only=False):
+        assert (repo_type, revision, local_files_only) == ("dataset", COMMIT_A, False)
+        events.append(("fetch", name))
+        return str(tmp_path / "repo" / name)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    corpus = get_corpus("hf:org/name@main", max_docs=45)
+    assert events == [("list", "org/name", "main"), ("fetch", names[0]), ("fetch", names[1])]  # not the third
+    assert all_texts(corpus) == sorted(texts[names[0]] + texts[names[1]][:15])
+    assert corpus.meta["hf"] == {"repo": "org/name", "config": None, "revision": "main", "commit": COMMIT_A}
+
+    def missing(self, repo, revision=None, **k):
+        from huggingface_hub.utils import RepositoryNotFoundError
+
+        e = RepositoryNotFoundError.__new__(RepositoryNotFoundError)
+        Exception.__init__(e, "404 Repository Not Found")
+        raise e
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", missing)
+    with pytest.raises(UserError, match="hf:org/gone: no such dataset on the Hugging Face Hub"):
+        get_corpus("hf:org/gone")

@@ -15,7 +15,7 @@ import io
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from functools import partial
 from pathlib import Path, PurePosixPath
@@ -44,22 +44,29 @@ def row_kind(name: str) -> str | None:
 @dataclass
 class RowFile:
     """One parquet or JSONL file: `name` is what errors and meta.json say, `locate()` gives the local
-    path (a Hub file is fetched into the Hugging Face cache the first time it is asked for)."""
+    path (a Hub file is fetched into the Hugging Face cache when it is first read)."""
 
     name: str
     locate: Callable[[], Path]
     text_field: str = TEXT_FIELD
     pinned: bool = False  # a Hub file of a fixed commit: its name and size say what it holds
+    _path: Path | None = field(default=None, repr=False, compare=False)
+
+    def local(self) -> Path:
+        """The local path, located (a Hub file fetched) once."""
+        if self._path is None:
+            self._path = self.locate()
+        return self._path
 
     def fingerprint(self) -> list:
         """[name, size, mtime_ns] (a pinned file without the time, which a new download changes): cheap, and
         different when the file is replaced."""
-        st = self.locate().stat()
+        st = self.local().stat()
         return [self.name, st.st_size] + ([] if self.pinned else [st.st_mtime_ns])
 
     def rows(self) -> Iterator[bytes]:
         """Each row's text as UTF-8 bytes, in file order; null and empty texts are skipped."""
-        path = self.locate()
+        path = self.local()
         if row_kind(self.name) == "parquet":
             return _parquet_rows(path, self.name, self.text_field)
         return _jsonl_rows(path, self.name, self.text_field)
