@@ -11,6 +11,7 @@ DTensors use, instead of the fused kernel one process would pick."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,13 +19,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from glassformer.checkpoint.folders import write_pointer
 from glassformer.cli import main
 from glassformer.train.metrics import read_metrics
 
 from ..support import data, REPO  # noqa: F401  (a fixture)
 
 ARGS = ["--preset", "tiny", "--model", "ffn_dim=175", "--max-steps", "6", "--batch-size", "4", "--seq-len", "32",
-        "--eval-every", "6", "--eval-tokens", "256", "--log-every", "1", "--warmup-steps", "2", "--no-progress",
+        "--eval-every", "3", "--eval-tokens", "256", "--log-every", "1", "--warmup-steps", "2", "--no-progress",
         "--seed", "4", "--threads", "1", "--optimizer", "muon", "--muon-lr", "0.05", "--stats-every", "0"]
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
@@ -56,3 +58,14 @@ def test_fsdp_muon_two_processes_match_one(data, tmp_path, monkeypatch):
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.allclose(wa[k], wb[k], rtol=0, atol=1e-5), k
+    # Their step-3 checkpoint (full tensors: the sharded momentum buffers gathered by name) resumes
+    # in one process, under torch.optim.Muon, and goes on as the two did.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(two, resumed)
+    shutil.rmtree(resumed / "step-000006")
+    write_pointer(resumed, "latest", "step-000003")
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim, "AdamW", ForeachAdamW)
+        assert main(["train", "--data", str(data), "--out", str(resumed), "--resume", "--no-progress",
+                     "--micro-batch", "2"]) == 0
+    assert losses(resumed) == pytest.approx(b, abs=1e-5, rel=0)
