@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import random
 
 import numpy as np
@@ -117,8 +118,9 @@ def test_an_interrupted_prepare_continues_from_its_whole_shards(tmp_path, corpus
 
     monkeypatch.setattr(encoding.Progress, "add_shard", stop_after_the_first)
     with pytest.raises(KeyboardInterrupt):
-        prepare(corpus, tmp_path / "o", **argv)
+        prepare(corpus, tmp_path / "o", **argv, workers=2)  # stopped with 2 workers, continued with 1
     monkeypatch.undo()
+    assert not multiprocessing.active_children()  # the workers were ended
     partial = tmp_path / ".o.partial"
     assert "the same command continues" in capsys.readouterr().err and not (tmp_path / "o").exists()
     assert sorted(p.name for p in partial.glob("*.bin")) == ["train_000000.bin"]  # the half-written second is gone

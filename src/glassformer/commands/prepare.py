@@ -1,4 +1,4 @@
-"""`glassformer prepare`: corpus -> tokenizer.json + train.bin + val.bin + meta.json."""
+"""`glassformer prepare`: corpus -> tokenizer.json + token shards (or train.bin + val.bin) + meta.json."""
 
 from __future__ import annotations
 

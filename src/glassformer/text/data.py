@@ -1,5 +1,6 @@
-"""Token files and batches: the prepared data folder (tokenizer.json, train.bin, val.bin,
-meta.json, COMPLETE) and `get_batch`, deterministic in (seed, step) across ranks.
+"""Token files and batches: the prepared data folder (tokenizer.json, train.bin and val.bin or
+their shards train_000000.bin …, meta.json, COMPLETE) and `get_batch`, deterministic in (seed,
+step) across ranks. Shards, worker processes, resuming: docs/data.md#shards.
 
 Documents are joined with the end-of-text token, which stands for zero bytes of text, so
 bpb = (sum of per-token losses in nats over val.bin) / (ln 2 * val_bytes). The folder's
@@ -592,13 +593,20 @@ class _PrepareJob:
         except UserError:
             shutil.rmtree(tmp, ignore_errors=True)  # bad input: the command must change, so nothing is worth keeping
             raise
-        except BaseException:
+        except BaseException as e:
+            from ..errors import DiskFullError
+            from ..files import disk_full
+
             kept = sum(len(progress.shards(s)) for s in ("train", "val"))
-            if kept or progress.data["tokenizer"]:
-                print(f"prepare stopped; {tmp} keeps {kept} whole shard(s) and the tokenizer: the same command "
-                      f"continues from them (delete it to start over)", file=sys.stderr)
-            else:
+            if not (kept or progress.data["tokenizer"]):
                 shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            if disk_full(e):
+                raise DiskFullError(f"the disk filled while writing {tmp} ({e.strerror if isinstance(e, OSError) else e}); "
+                                    f"its {kept} whole shard(s) are kept: free some space and run the same command "
+                                    f"again to continue") from None
+            print(f"prepare stopped; {tmp} keeps {kept} whole shard(s) and the tokenizer: the same command "
+                  f"continues from them (delete it to start over)", file=sys.stderr)
             raise
 
     def inputs(self, asked: tuple) -> str:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import queue
+import shutil
 import sys
 from collections import deque
 from pathlib import Path
@@ -74,15 +75,20 @@ class Encoders:
     def __init__(self, tk, eot: np.ndarray, workers: int = 1, encode=None):
         self.tk, self.eot, self.workers, self.encode = tk, eot, workers, encode
         self.procs: list = []
+        self.queues: list = []
         self.torch_in_workers = False
 
     def __enter__(self) -> "Encoders":
         if self.workers > 1 and self.encode is None:
-            self._start()
+            try:
+                self._start()
+            except BaseException:
+                self._stop(now=True)
+                raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop()
+    def __exit__(self, kind, *exc) -> None:
+        self._stop(now=kind is not None)
 
     def ordered(self, jobs):
         if not self.procs:
@@ -146,11 +152,17 @@ class Encoders:
         assert number == n, f"worker {i} answered batch {number} for {n}"
         return out
 
-    def _stop(self) -> None:
-        for (jobs, _), p in zip(self.queues if self.procs else [], self.procs):
-            if p.is_alive():
+    def _stop(self, now: bool = False) -> None:
+        """Let the workers finish (None: no more jobs), or, after a failure or Ctrl-C, end them at once
+        and drop what the queues still hold (else exit would wait to flush it into a dead pipe)."""
+        for (jobs, results), p in zip(self.queues if self.procs else [], self.procs):
+            if now:
+                p.terminate()
+                jobs.cancel_join_thread()
+                results.cancel_join_thread()
+            elif p.is_alive():
                 jobs.put(None)
-        for p in self.procs:
+        for p in self.procs:  # the ones started so far, if starting failed
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
@@ -270,6 +282,9 @@ class Progress:
                 p.data["splits"][split] = {"shards": kept, "done": old["splits"][split]["done"] if whole else None}
                 if not whole:
                     break  # a later split was written after this one: its shards are redone too
+        else:  # another run's folder: nothing in it (a tokenizer's template, say) may reach this one
+            for f in folder.iterdir():
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
         keep = {r["file"] for s in p.data["splits"].values() for r in s["shards"]}
         for f in folder.glob("*.bin"):
             if f.name not in keep:
