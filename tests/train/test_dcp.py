@@ -139,6 +139,22 @@ def test_a_background_save_holds_the_state_of_its_step(tmp_path):
     assert torch.equal(opt2.state[model2.embed.weight]["exp_avg"], moment)
 
 
+def test_a_stop_completes_the_save_still_being_written(data, tmp_path, monkeypatch, capsys):
+    """A non-finite loss at step 13 stops the run while step 10's background save may still be
+    writing: that checkpoint is completed first, and named as the last good one."""
+    from glassformer.checkpoint.folders import complete_checkpoints, read_pointer
+
+    from .test_train import inject
+
+    out = tmp_path / "run"
+    inject(monkeypatch, 13, lambda loss: loss * float("nan"))
+    assert main(["train", "--data", str(data), "--out", str(out), *ARGS, *DCP]) == 2
+    assert "step-000010" in capsys.readouterr().err
+    assert read_pointer(out, "latest") == read_pointer(out, "best") == "step-000010"
+    assert [p.name for p in complete_checkpoints(out)] == ["step-000010"]
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

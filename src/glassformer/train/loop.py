@@ -20,10 +20,9 @@ from ..checkpoint.folders import add_snapshot, prune, read_pointer, step_name, w
 from ..checkpoint.training import save_training
 from ..config import TrainConfig
 from ..errors import DiskFullError, UserError
-from ..text.data import get_batch
 from .cpu_memory import keep_freed_memory
 from .evaluate import score, summary
-from .loader import data_state
+from .loader import data_state, next_batch
 from .metrics import load_plotting, plot_losses
 from .lora import adapter_writer
 from .optim import decay_start, lr_at
@@ -76,9 +75,7 @@ def one_step(run: RunState) -> None:
     if cfg.dropout > 0 or cfg.lora_dropout > 0:  # the dropout masks are a function of (seed, step, rank)
         torch.manual_seed(cfg.seed * 1_000_003 + run.step * d.world_size + d.rank)
     run.lr = lr_at(run.step, cfg.lr, cfg.min_lr, cfg.warmup_steps, run.total_steps or 10**9, cfg.schedule, cfg.decay_frac)
-    xs, ys = get_batch(run.train_tokens, cfg.batch_size, run.seq_len, cfg.seed, run.step, d.rank, d.world_size,
-                       mask=run.train_mask, block=run.block, sampling=cfg.sampling,
-                       doc_starts=run.doc_starts)  # (B/W, T); ys -1 where the mask says no loss
+    xs, ys = next_batch(run)  # (B/W, T) from (seed, step); ys -1 where the mask says no loss
     res = train_step(run.net, run.optimizer, xs, ys, accum=run.accum, lr=run.lr, grad_clip=cfg.grad_clip,
                      autocast=run.autocast, d=d, device=run.device, masked=run.train_mask is not None)
     if not res.stepped:
@@ -96,6 +93,7 @@ def nonfinite(run: RunState, res) -> None:
     if run.cfg.skip_nonfinite:
         say(run.d, f"step {step}: non-finite loss/gradient norm ({res.loss}, {res.grad_norm}): step skipped")
         return
+    complete_saves(run)  # a dcp checkpoint still being written is the last good one: completed first
     prev = read_pointer(run.out, "latest")
     run.bar.close()
     if run.metrics:
