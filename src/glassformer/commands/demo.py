@@ -53,7 +53,7 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     print("== 1/3 data", flush=True)
-    if (data / "meta.json").is_file() and (data / "train.bin").is_file():
+    if (data / "meta.json").is_file() and ((data / "train.bin").is_file() or (data / "train_000000.bin").is_file()):
         print(f"using the prepared corpus in {data} (delete it to prepare again)")
     else:
         argv = ["prepare", "--out", str(data)] + (["--corpus", args.corpus] if args.corpus else [])
