@@ -1,6 +1,7 @@
 """--checkpoint-format dcp: sharded checkpoints written with torch.distributed.checkpoint resume at
-the same and at another world size (2 processes -> 1 and 1 -> 2, gloo) on the losses of the
-uninterrupted one-file run, and read as one model file (load, generate, convert)."""
+the same and at another world size (2 processes -> 1 here; 1 -> 2, across two "nodes", in
+test_multinode.py) on the losses of the uninterrupted one-file run, and read as one model file
+(load, generate, convert)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,18 @@ def test_dcp_resumes_exactly_in_one_process(data, single, sharded, tmp_path):
     assert val_losses(resumed) == val_losses(single)
 
 
+def test_muon_run_resumes_exactly_from_dcp(data, tmp_path):
+    """Muon and AdamW side by side (optim.Optimizers): both optimizers' state goes into the shards."""
+    muon = ["--optimizer", "muon", "--max-steps", "6", "--eval-every", "3"]
+    one, two = tmp_path / "one", tmp_path / "dcp"
+    assert main(["train", "--data", str(data), "--out", str(one), *ARGS, *muon]) == 0
+    assert main(["train", "--data", str(data), "--out", str(two), *ARGS, *muon, *DCP]) == 0
+    shutil.rmtree(two / "step-000006")
+    write_pointer(two, "latest", "step-000003")
+    assert main(["train", "--data", str(data), "--out", str(two), "--resume", "--no-progress"]) == 0
+    assert train_losses(two) == train_losses(one)
+
+
 def test_load_consolidates_one_file_equal_to_the_one_file_runs(single, sharded, tmp_path):
     """load() of a sharded checkpoint: model.safetensors made once beside dcp/, holding the same
     tensors the one-file run saved (its own file the independent reference)."""
@@ -94,16 +107,6 @@ def test_two_processes_to_one(data, single, tmp_path):
     resumed = cut_back_to_step_10(out, tmp_path / "resumed")
     assert main(["train", "--data", str(data), "--out", str(resumed), "--resume", "--no-progress"]) == 0
     assert train_losses(resumed) == pytest.approx(train_losses(single), abs=1e-5, rel=0)
-
-
-@pytest.mark.slow  # a torchrun of 2 processes: about 20 s on 2 busy cores
-def test_one_process_to_two(data, single, sharded, tmp_path):
-    """A one-process dcp checkpoint resumed by 2 DDP processes."""
-    resumed = cut_back_to_step_10(sharded, tmp_path / "resumed")
-    proc = torchrun(resumed, data, "--resume")
-    assert "resuming from" in proc.stderr
-    assert train_losses(resumed) == pytest.approx(train_losses(single), abs=1e-5, rel=0)
-    assert val_losses(resumed) == pytest.approx(val_losses(single), abs=1e-5, rel=0)
 
 
 def test_a_background_save_holds_the_state_of_its_step(tmp_path):
