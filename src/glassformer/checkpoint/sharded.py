@@ -5,6 +5,7 @@ reader of a checkpoint takes (resolve() makes it on first read). Writing one: dc
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +20,14 @@ METADATA = ".metadata"  # DCP's index of the pieces; written by rank 0 last, aft
 # DCP warns on every save and load without a process group (one process, or a background save's
 # thread) that it assumes one process: that is what we mean there, so the line is not shown.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """What load_training hands back for a sharded checkpoint's weights and optimizer state: where they
+    are. They are read into the wrapped model and optimizer, at its world size (train.distributed.load_optimizer)."""
+
+    folder: Path
 
 
 def is_sharded(folder: str | Path) -> bool:

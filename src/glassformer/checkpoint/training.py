@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..files import atomic_folder, read_json
 from .checks import DAMAGED, json_object, read_safetensors
-from .sharded import check_sharded, is_sharded
+from .sharded import Sharded, check_sharded, is_sharded
 from .folders import step_name, tensor_bytes, write_pointer, write_state_files
 
 
@@ -71,16 +71,17 @@ def save_training(run: str | Path, step: int, config: ModelConfig, model_state_:
     return folder
 
 
-def load_training(folder: str | Path) -> tuple[dict | None, dict | None, dict, dict]:
+def load_training(folder: str | Path) -> tuple[dict | None, dict | Sharded, dict, dict]:
     """(model state, optimizer state, train_state.json dict, extra tensors) of a training checkpoint;
-    a sharded one's (None, None, …): dcp.load_sharded reads those into the wrapped model."""
+    a sharded one's (None, Sharded(folder), …): both are read into the wrapped model and optimizer
+    by train.distributed.load_optimizer, at the run's world size."""
     folder = Path(folder)
     if not (folder / "COMPLETE").is_file() or not (folder / "train_state.json").is_file():
         raise UserError(f"{folder} is not a complete training checkpoint (no COMPLETE or train_state.json)")
     state = json_object(read_json(folder / "train_state.json"), folder / "train_state.json")
-    if is_sharded(folder):  # weights and moments stay in dcp/ until the wrapped model loads them (dcp.py)
+    if is_sharded(folder):  # weights and moments stay in dcp/ until the wrapped model loads them
         check_sharded(folder)
-        return None, None, state, read_safetensors(folder / "train_state.safetensors")
+        return None, Sharded(folder), state, read_safetensors(folder / "train_state.safetensors")
     if not isinstance(state.get("param_groups"), list):
         raise UserError(f"{folder / 'train_state.json'} has no list of param_groups: {DAMAGED}")
     tensors = read_safetensors(folder / "train_state.safetensors")

@@ -145,8 +145,17 @@ def full_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
 
 
-def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load a full, name-keyed optimizer state (from any world size) into this rank's optimizer."""
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state) -> None:
+    """Load a full, name-keyed optimizer state (from any world size) into this rank's optimizer; a
+    sharded checkpoint's (checkpoint.sharded.Sharded) brings the weights too, each rank reading
+    its pieces (a collective under torchrun)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    from ..checkpoint.dcp import load_sharded
+    from ..checkpoint.sharded import Sharded
+
+    if isinstance(state, Sharded):
+        load_sharded(state.folder, model, optimizer)
+        return
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -16,7 +16,6 @@ from .. import devices, speed
 from .distributed import Dist, barrier, check_checkpoint_format, load_optimizer, wrap
 from .recompute import checkpoint_blocks
 from ..checkpoint.folders import newest_checkpoint, remove_leftovers
-from ..checkpoint.dcp import load_sharded
 from ..checkpoint.training import load_training
 from ..config import ModelConfig, TrainConfig
 from ..errors import UserError
@@ -155,7 +154,7 @@ def start_run(cfg: TrainConfig, d: Dist) -> RunState:
     attach_masks(run, meta, len(train_tokens), len(val_tokens), n_eval)
     attach_docs(run, meta)
     if saved:
-        restore_training(run, *saved[1:], folder=resume_from)
+        restore_training(run, *saved[1:])
         run.grown = saved[2].get("vocab_growth")
     if cfg.time_budget and cfg.calibrate_steps > cfg.warmup_steps and run.total_steps is None:
         raise UserError("--calibrate-steps must not exceed --warmup-steps with --time-budget, so the "
@@ -225,7 +224,7 @@ def resumed_model(cfg: TrainConfig, folder: Path, state_dict: dict | None):
     meta = json_object(read_json(file), file)
     if "lora" in meta:
         model = resumed_adapter(cfg, folder)
-    elif state_dict is None:  # sharded (dcp/): built here, its weights loaded once wrapped (restore_training)
+    elif state_dict is None:  # sharded (dcp/): built here, its weights loaded once wrapped (load_optimizer)
         from ..model import Transformer
 
         mcfg = model_config(meta, file)
@@ -273,13 +272,10 @@ def place_model(cfg: TrainConfig, model, d: Dist, device: torch.device):
     return net, optimizer
 
 
-def restore_training(run: RunState, optim_sd: dict | None, state: dict, rng_tensors: dict, folder: Path) -> None:
-    """A resumed run's optimizer moments (and a sharded checkpoint's weights), RNG states, step counts
-    and best checkpoint."""
-    if optim_sd is None:  # dcp/: each rank reads its pieces, resharded to this world size
-        load_sharded(folder, run.net, run.optimizer)
-    else:
-        load_optimizer(run.net, run.optimizer, optim_sd)
+def restore_training(run: RunState, optim_sd, state: dict, rng_tensors: dict) -> None:
+    """A resumed run's optimizer moments (a sharded checkpoint's weights too: load_optimizer), RNG
+    states, step counts and best checkpoint."""
+    load_optimizer(run.net, run.optimizer, optim_sd)
     set_rng_state(state["rng"], rng_tensors)
     run.step, run.total_steps, run.elapsed0 = state["step"], state["total_steps"], state["elapsed"]
     run.best = state.get("best") or run.best
