@@ -14,7 +14,13 @@
    one file), each prepared in a fresh process reusing the tokenizer; peak RSS should stay
    flat as the corpus grows. One more run trains the tokenizer on the largest corpus.
 
-    python bench/prepare_throughput.py [--rounds 6] [--synthetic-mb 8,32]
+3. One process against all cores (`--workers-mb`, default 32): on a synthetic corpus, tokenizers'
+   batch encoder with one thread and with all of its threads (the text in memory, prepare's own
+   pieces), against `glassformer prepare --workers 1` and `--workers <cores>` (shards, a given
+   tokenizer). Goal: prepare on all cores >= 0.9 x cores x tokenizers with one thread.
+
+    python bench/prepare_throughput.py [--rounds 6] [--synthetic-mb 8,32] [--workers-mb 32]
+    python bench/prepare_throughput.py --only-workers --workers-mb 32 --out bench/results/prepare_workers.json
     python bench/prepare_throughput.py --synthetic-mb 1024   # the full 1 GB run (slow on 2 cores)
 
 Prints a table and writes bench/results/prepare_throughput.json.
@@ -112,13 +118,87 @@ def run_child(argv: list[str]) -> tuple[float, float]:
     return dt, int(hwm) / 1024
 
 
+TOKENIZERS_CHILD = """
+import sys, time
+from tokenizers import Tokenizer
+from glassformer.text.corpus import iter_text, user_corpus
+tk = Tokenizer.from_file(sys.argv[1])
+corpus = user_corpus(sys.argv[2], 0.1)
+chunks = [c for d in corpus.train + corpus.val for c in iter_text(d)]  # the pieces prepare encodes
+nbytes = sum(len(c.encode()) for c in chunks)
+t, c = time.perf_counter(), time.process_time()
+n = sum(len(e.ids) for i in range(0, len(chunks), 8) for e in tk.encode_batch_fast(chunks[i:i + 8], add_special_tokens=False))
+print(nbytes, n, time.perf_counter() - t, time.process_time() - c)
+"""
+
+PREPARE_CHILD = """
+import resource, sys, time
+from glassformer.cli import main
+def cpu():  # this process's threads and its ended workers
+    return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+t, c = time.perf_counter(), cpu()
+rc = main(sys.argv[1:])
+print("SECONDS", time.perf_counter() - t, cpu() - c, file=sys.stderr)
+sys.exit(rc)
+"""
+
+
+def workers_bench(work: Path, tok_path: Path, lines: list[str], mb: int, cores: int) -> dict:
+    """MB/s of text on one synthetic corpus of `mb` MB: tokenizers' batch encoder (encode_batch_fast on
+    prepare's own pieces, 8 a batch, the text already in memory) in one process with one thread and
+    with all its threads, against `glassformer prepare` (shards, a given tokenizer; the time of main()
+    in a fresh process, so imports are not counted) with --workers 1 and --workers <cores>."""
+    path = work / f"workers-{mb}mb.txt"
+    nbytes = synthetic_corpus(path, mb, lines)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = {"mb": nbytes / 1e6, "cores": cores}
+    for name, extra in (("tokenizers one thread", {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}),
+                        ("tokenizers all threads", {})):
+        r = subprocess.run([sys.executable, "-c", TOKENIZERS_CHILD, str(tok_path), str(path)], env={**env, **extra},
+                           capture_output=True, text=True, check=True)
+        text_bytes, tokens, seconds, cpu = r.stdout.split()
+        out[name] = {"seconds": float(seconds), "mb_per_s": int(text_bytes) / 1e6 / float(seconds), "tokens": int(tokens),
+                     "cpu_seconds": float(cpu), "mb_per_cpu_s": int(text_bytes) / 1e6 / float(cpu)}
+    for k in (1, cores):
+        argv = ["prepare", "--corpus", str(path), "--tokenizer", str(tok_path), "--out", str(work / "w"),
+                "--workers", str(k)]
+        r = subprocess.run([sys.executable, "-c", PREPARE_CHILD, *argv], env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"prepare failed: {r.stderr[-500:]}")
+        seconds, cpu = map(float, [ln for ln in r.stderr.splitlines() if ln.startswith("SECONDS")][-1].split()[1:])
+        meta = json.loads((work / "w" / "meta.json").read_text())
+        out[f"prepare --workers {k}"] = {"seconds": seconds, "mb_per_s": nbytes / 1e6 / seconds, "cpu_seconds": cpu,
+                                         "mb_per_cpu_s": nbytes / 1e6 / cpu,
+                                         "shards": len(meta["shards"]["train"]) + len(meta["shards"]["val"])}
+        shutil.rmtree(work / "w")
+    path.unlink()
+    one = out["tokenizers one thread"]["mb_per_s"]
+    out["goal_mb_per_s"] = 0.9 * cores * one
+    out["ratio_to_cores_x_one_thread"] = out[f"prepare --workers {cores}"]["mb_per_s"] / (cores * one)
+    # CPU work per MB does not depend on what else the machine runs: prepare's MB per CPU second over
+    # tokenizers' one-thread figure is the ratio an idle machine would give if the workers kept every core busy.
+    out["cpu_efficiency_vs_one_thread"] = (out[f"prepare --workers {cores}"]["mb_per_cpu_s"]
+                                           / out["tokenizers one thread"]["mb_per_cpu_s"])
+    print(f"\nworkers, synthetic {nbytes / 1e6:.0f} MB, {cores} cores:")
+    for name in ("tokenizers one thread", "tokenizers all threads", "prepare --workers 1", f"prepare --workers {cores}"):
+        print(f"  {name:<28} {out[name]['mb_per_s']:>7.2f} MB/s  {out[name]['mb_per_cpu_s']:>6.2f} MB per CPU s")
+    print(f"  prepare --workers {cores} / ({cores} x tokenizers one thread) = {out['ratio_to_cores_x_one_thread']:.2f} "
+          f"(goal >= 0.9); MB per CPU second, against one tokenizers thread: {out['cpu_efficiency_vs_one_thread']:.2f}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--synthetic-mb", default="8,32", help="comma-separated sizes; empty to skip")
+    ap.add_argument("--workers-mb", type=int, default=32,
+                    help="size of the synthetic corpus for one process against all cores (0 to skip)")
+    ap.add_argument("--only-workers", action="store_true", help="run the workers comparison alone")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "prepare_throughput.json"))
     args = ap.parse_args()
+    if args.only_workers:
+        return only_workers(args)
 
     work = Path(tempfile.mkdtemp(prefix="gf-prepare-bench-"))
     try:
@@ -211,6 +291,8 @@ def main() -> None:
             print(f"extrapolated 1 GB (1000 MB) with a given tokenizer: {1000 / rate / 60:.0f} min at {rate:.2f} MB/s, "
                   f"peak RSS about {max(s['peak_rss_mb'] for s in reuse):.0f} MB (flat in corpus size)")
 
+        workers = workers_bench(work, tok_path, lines, args.workers_mb, cores) if args.workers_mb else None
+
         result = {
             "machine": {"cpu_cores": cores, "one_thread_encode_mb_per_s": one_mbps, "write_fsync_mb_per_s": disk_mbps,
                         "cores_busy_median": busy, "load_average_1min_at_end": os.getloadavg()[0]},
@@ -220,11 +302,34 @@ def main() -> None:
                                "overhead_vs_fastest_raw": overhead, "cpu_overhead_vs_fastest_raw": cpu_overhead, "train_tokenizer_seconds": train_s,
                                "prepare_with_training_seconds": full_s},
             "synthetic": synth,
+            "workers": workers,
             "command": "python bench/prepare_throughput.py " + " ".join(sys.argv[1:]),
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {Path(args.out).relative_to(ROOT) if Path(args.out).is_relative_to(ROOT) else args.out}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def only_workers(args) -> None:
+    """--only-workers: a tokenizer trained on the default corpus's training split, then workers_bench."""
+    work = Path(tempfile.mkdtemp(prefix="gf-prepare-bench-"))
+    try:
+        corpus = default_corpus()
+        texts = [read_text(d) for d in corpus.train + corpus.val]
+        tok = Tokenizer.train(iter(texts[:len(corpus.train)]), args.vocab_size)
+        tok.save(work / "tokenizer.json")
+        lines = [ln for t in texts for ln in t.splitlines() if ln.strip()]
+        cores = len(os.sched_getaffinity(0))
+        result = {"machine": {"cpu_cores": cores, "load_average_1min_at_start": os.getloadavg()[0]},
+                  "vocab_size": tok.vocab_size, "workers": workers_bench(work, work / "tokenizer.json", lines,
+                                                                         args.workers_mb, cores),
+                  "command": "python bench/prepare_throughput.py " + " ".join(sys.argv[1:])}
+        result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
