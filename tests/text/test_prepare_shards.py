@@ -181,3 +181,20 @@ def test_the_command_writes_shards_of_100m_ids_by_default(tmp_path, docs, corpus
     meta = read_meta(tmp_path / "o")
     assert meta["shard_tokens"] == 100_000_000 and [e["file"] for e in meta["shards"]["train"]] == ["train_000000.bin"]
     assert meta["train_tokens"] == single["train_tokens"] == len(llmc_read(tmp_path / "o" / "train_000000.bin"))
+
+
+def test_a_shard_writer_records_each_shard_and_where_the_text_goes_on(tmp_path):
+    """uint32 ids (a vocabulary past 65,536) make llm.c's "llama-3" shards; each finished shard is in
+    progress.json with the stream position after it: (copy, batch, id within the batch)."""
+    progress = encoding.Progress(tmp_path, "inputs")
+    writer = encoding.ShardWriter(tmp_path, "train", "uint32", 5, progress)
+    ids = np.arange(70_000, 70_012, dtype="<u4")
+    writer.write(ids[:7], (0, 0, 0))  # batch 0 of copy 0: 7 ids
+    writer.write(ids[7:], (0, 1, 0))  # batch 1: 5 ids
+    writer.close()
+    records = json.loads((tmp_path / "progress.json").read_text())["splits"]["train"]["shards"]
+    assert [(r["file"], r["tokens"], r["next"]) for r in records] == [
+        ("train_000000.bin", 5, [0, 0, 5]), ("train_000001.bin", 5, [0, 1, 3]), ("train_000002.bin", 2, [None] * 3)]
+    with open(tmp_path / "train_000000.bin", "rb") as f:
+        assert np.frombuffer(f.read(12), "<i4").tolist() == [20240801, 7, 5]
+    assert np.array_equal(np.concatenate([llmc_read(tmp_path / r["file"]) for r in records]), ids)
