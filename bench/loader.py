@@ -37,6 +37,7 @@ from glassformer.cost.flops import train_flops_per_token  # noqa: E402
 from glassformer.cost.hardware import get_hardware  # noqa: E402
 from glassformer.text.data import check_ids, document_starts, get_batch  # noqa: E402
 from glassformer.text.shards import ShardSet, shard_name, write_shard  # noqa: E402
+from glassformer.train.loader import Prefetch  # noqa: E402
 from glassformer.train.optim import make_optimizer  # noqa: E402
 
 EOT = 0
@@ -64,6 +65,19 @@ def loader_ms(tokens, B: int, T: int, steps: int, doc_starts=None) -> float:
         get_batch(tokens, B, T, 1337, step, 0, 1, doc_starts=doc_starts)
         times.append(time.perf_counter() - t)
     return 1000 * float(np.median(times))
+
+
+def exposed_ms(tokens, B: int, T: int, steps: int, step_s: float, doc_starts=None) -> float:
+    """Median milliseconds the loop waits for a batch when the loader reads one step ahead (train/loader.py
+    Prefetch) while a device step of step_s seconds runs: a sleep, as the CPU waits on a GPU (GIL released)."""
+    ahead = Prefetch(lambda step: get_batch(tokens, B, T, 1337, step, 0, 1, doc_starts=doc_starts))
+    waits = []
+    for step in range(steps):
+        t = time.perf_counter()
+        ahead.get(step)
+        waits.append(time.perf_counter() - t)
+        time.sleep(step_s)
+    return 1000 * float(np.median(waits))
 
 
 def step_ms(B: int, T: int, warm: int, steps: int) -> float:
@@ -94,7 +108,8 @@ def main() -> None:
     ap.add_argument("--mfu", type=float, default=0.4, help="the H100's assumed MFU (bf16) for the estimate")
     ap.add_argument("--loader-steps", type=int, default=200)
     ap.add_argument("--warm", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3, help="timed training steps")
+    ap.add_argument("--steps", type=int, default=3, help="timed training steps (0: no CPU step)")
+    ap.add_argument("--ahead-steps", type=int, default=100, help="simulated device steps with the loader reading ahead")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "loader.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -114,22 +129,31 @@ def main() -> None:
             res[f"{name}_batch"] = [B, T]
             res[f"{name}_loader_ms"] = loader_ms(tokens, B, T, args.loader_steps)
             res[f"{name}_loader_align_docs_ms"] = loader_ms(tokens, B, T, args.loader_steps, starts)
-    res["cpu_step_ms"] = step_ms(cb, ct, args.warm, args.steps)
-    cfg = ModelConfig(**REFERENCE_SHAPE)
-    res["h100_step_ms_estimate"] = 1000 * train_flops_per_token(cfg, gt) * gb * gt / (get_hardware("h100").peak("bf16") * args.mfu)
-    res["h100_mfu_assumed"] = args.mfu
+        cfg = ModelConfig(**REFERENCE_SHAPE)
+        res["h100_step_ms_estimate"] = (1000 * train_flops_per_token(cfg, gt) * gb * gt
+                                        / (get_hardware("h100").peak("bf16") * args.mfu))
+        res["h100_mfu_assumed"] = args.mfu
+        for kind, docs in (("loader", None), ("loader_align_docs", starts)):
+            res[f"gpu_{kind}_read_ahead_ms"] = exposed_ms(tokens, gb, gt, args.ahead_steps,
+                                                          res["h100_step_ms_estimate"] / 1000, docs)
+    res["cpu_step_ms"] = step_ms(cb, ct, args.warm, args.steps) if args.steps else None
     for name, step in (("cpu", res["cpu_step_ms"]), ("gpu", res["h100_step_ms_estimate"])):
-        for kind in ("loader", "loader_align_docs"):
+        for kind in ("loader", "loader_align_docs") + (("loader_read_ahead", "loader_align_docs_read_ahead")
+                                                        if name == "gpu" else ()):
             ms = res[f"{name}_{kind}_ms"]
-            res[f"{name}_{kind}_share"] = ms / (ms + step)
+            res[f"{name}_{kind}_share"] = None if step is None else ms / (ms + step)
     print(f"{res['tokens']:,} ids in {res['shards']} shards, {res['documents']:,} documents; "
           f"check_ids {res['check_ids_s_per_1e9']:.2f} s and the document scan {res['doc_scan_s_per_1e9']:.2f} s per 1e9 ids")
-    print(f"CPU, B {cb} x T {ct}: step {res['cpu_step_ms']:.0f} ms; loader {res['cpu_loader_ms']:.3f} ms "
-          f"({100 * res['cpu_loader_share']:.3f}%), with --align-docs {res['cpu_loader_align_docs_ms']:.3f} ms "
-          f"({100 * res['cpu_loader_align_docs_share']:.3f}%)")
+    if args.steps:
+        print(f"CPU, B {cb} x T {ct}: step {res['cpu_step_ms']:.0f} ms; loader {res['cpu_loader_ms']:.3f} ms "
+              f"({100 * res['cpu_loader_share']:.3f}%), with --align-docs {res['cpu_loader_align_docs_ms']:.3f} ms "
+              f"({100 * res['cpu_loader_align_docs_share']:.3f}%)")
     print(f"H100 estimate, B {gb} x T {gt} a process at MFU {args.mfu}: step {res['h100_step_ms_estimate']:.1f} ms; "
           f"loader {res['gpu_loader_ms']:.3f} ms ({100 * res['gpu_loader_share']:.2f}%), with --align-docs "
-          f"{res['gpu_loader_align_docs_ms']:.3f} ms ({100 * res['gpu_loader_align_docs_share']:.2f}%)")
+          f"{res['gpu_loader_align_docs_ms']:.3f} ms ({100 * res['gpu_loader_align_docs_share']:.2f}%); read one step "
+          f"ahead, the wait {res['gpu_loader_read_ahead_ms']:.3f} ms ({100 * res['gpu_loader_read_ahead_share']:.3f}%), "
+          f"with --align-docs {res['gpu_loader_align_docs_read_ahead_ms']:.3f} ms "
+          f"({100 * res['gpu_loader_align_docs_read_ahead_share']:.3f}%)")
     write_json(args.out, res)
 
 

@@ -270,3 +270,24 @@ def test_resume_refuses_a_data_folder_that_changed(kind, ids, tmp_path, capsys):
                     "--resume", data, name)
     assert "not the one the run began with" in err
     assert not (out / "step-000004").exists()
+
+
+def test_reading_ahead_changes_no_batch_and_keeps_errors_for_their_step():
+    from glassformer.errors import UserError
+    from glassformer.train.loader import Prefetch
+
+    reads = []
+
+    def read(step):
+        reads.append(step)
+        if step == 5:
+            raise UserError("step 5 cannot be read")
+        return step * 10
+
+    p = Prefetch(read)
+    assert [p.get(s) for s in (0, 1, 2)] == [0, 10, 20]  # 1 and 2 were read ahead
+    assert p.get(0) == 0  # a step asked out of order is read then
+    p.get(3), p.get(4)
+    with pytest.raises(UserError, match="step 5"):  # read ahead at step 4, raised when step 5 is asked for
+        p.get(5)
+    assert sorted(set(reads)) == [0, 1, 2, 3, 4, 5]

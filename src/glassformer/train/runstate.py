@@ -73,6 +73,7 @@ class RunState:
     grown: dict | None = None  # --init-from's embedding growth, recorded in the run
     data_fingerprint: dict | None = None  # the data folder's shards and sha256s, which --resume compares (train/loader.py)
     doc_starts: np.ndarray | None = None  # (D,) with --align-docs: where the training split's documents begin
+    prefetch: Any = None  # train/loader.py Prefetch: the next step's batch, read while this step computes
     stats: dict | None = None  # this step's per-layer statistics (train/stats.py), when taken
     stats_batch: tuple | None = None  # their fixed held-out (x, y), made at the first statistics step
 
