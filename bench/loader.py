@@ -9,7 +9,9 @@ gradient clipping, fp32, eager) on the same batch shape; share = loader / (loade
 
 A GPU takes a step of this shape far faster than the CPU here, so the loader's time for a larger
 per-process batch is also set against the step time an H100 would take at a stated MFU from the
-FLOP count (cost/flops.py): an estimate, labelled so, until a GPU run measures it. One-off costs
+FLOP count (cost/flops.py): an estimate, labelled so, until a GPU run measures it; and the loop's
+wait for a batch read one step ahead (train/loader.py Prefetch, as train reads) while a sleep of
+that step's length stands in for the device. One-off costs
 at a run's start are timed too: the ids' check against the vocabulary and --align-docs's scan
 for document starts.
 
