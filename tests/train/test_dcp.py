@@ -158,6 +158,22 @@ def test_a_stop_completes_the_save_still_being_written(data, tmp_path, monkeypat
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]
 
 
+def test_a_failed_background_write_is_one_line_and_leaves_nothing(data, tmp_path, monkeypatch, capsys):
+    """A write that fails in the background (here: a value DCP cannot serialise) stops the run at the
+    next save with one line, its temporary shards removed and no pointer moved."""
+    from glassformer.checkpoint import dcp
+    from glassformer.checkpoint.folders import read_pointer
+
+    real = dcp._states
+    monkeypatch.setattr(dcp, "_states", lambda net, opt: {**real(net, opt), "bad": lambda: 0})
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--out", str(out), *ARGS, *DCP]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: could not write checkpoint") and "background write of step-000010 failed: rank 0: " in err[-1]
+    assert read_pointer(out, "latest") is None and read_pointer(out, "best") is None
+    assert not [p for p in out.iterdir() if p.name.startswith((".", "step-"))]
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

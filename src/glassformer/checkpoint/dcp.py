@@ -40,6 +40,7 @@ class Pending:
     completes the folder once every rank's shards are down."""
 
     future: Future
+    shards: Path  # the temporary folder the ranks write into
     finish: list[Callable[[], None]]  # rank 0: complete the folder, then whatever waits on it (when_complete)
 
 
@@ -66,9 +67,27 @@ def finish_pending(run: str | Path) -> None:
     pending = _pending.pop(str(run), None)
     if pending is None:
         return
-    pending.future.result()  # rank 0's completes after every rank's shards and the index are written
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        pending.future.result()  # rank 0's completes after every rank's shards and the index are written
+    except (Exception, CheckpointException) as e:
+        shutil.rmtree(pending.shards, ignore_errors=True)  # nothing partial left behind
+        first = write_failure(e)
+        raise OSError(f"the background write of {pending.shards.name.split('.tmp-')[0].lstrip('.')} failed: {first}") from e
     for action in pending.finish:
         action()
+
+
+def write_failure(e: BaseException) -> str:
+    """The first line of what a failed DCP write raised: a CheckpointException's first failed rank's own error
+    (its failures map rank -> (exception, traceback)), else the error itself."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, failure = next(iter(failures.items()))
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0]}"
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def when_complete(run: str | Path, action: Callable[[], None]) -> None:
@@ -108,9 +127,13 @@ def save_sharded(run: Path, step: int, config: ModelConfig, net: torch.nn.Module
     if background and hasattr(dcp, "async_save"):
         future = dcp.async_save(_states(net, optimizer), checkpoint_id=str(shards), process_group=_save_group(),
                                 no_dist=not distributed)
-        _pending[str(run)] = Pending(future, finish)
+        _pending[str(run)] = Pending(future, shards, finish)
         return dst
-    dcp.save(_states(net, optimizer), checkpoint_id=str(shards), no_dist=not distributed)  # each rank its pieces
+    try:
+        dcp.save(_states(net, optimizer), checkpoint_id=str(shards), no_dist=not distributed)  # each rank its pieces
+    except BaseException:
+        shutil.rmtree(shards, ignore_errors=True)  # nothing partial left behind (DCP fails on every rank)
+        raise
     if distributed:
         dist.barrier()
     for action in finish:

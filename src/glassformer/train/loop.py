@@ -15,7 +15,7 @@ import torch
 
 from .distributed import all_mean, all_sum, any_rank, full_states, teardown
 from .distributed import setup as setup_processes
-from ..checkpoint.dcp import finish_pending, save_sharded, when_complete
+from ..checkpoint.dcp import finish_pending, save_sharded, when_complete, write_failure
 from ..checkpoint.folders import add_snapshot, prune, read_pointer, step_name, write_pointer
 from ..checkpoint.training import save_training
 from ..config import TrainConfig
@@ -317,7 +317,7 @@ def save_sharded_checkpoint(run: RunState, val: dict | None, reason: str) -> str
         save_sharded(out, step, run.model.config, run.net, run.optimizer, run.data / "tokenizer.json", state, tensors,
                      run.d.main)
     except (OSError, CheckpointException) as e:  # DCP raises the same CheckpointException on every rank
-        failed = _failed_write(e if isinstance(e, OSError) else OSError(str(e).splitlines()[0]), out, step)
+        failed = _failed_write(e if isinstance(e, OSError) else OSError(write_failure(e)), out, step)
     if any_rank(failed is not None, run.d, run.device):
         raise failed or UserError(f"another process could not write its shards of {out}/{step_name(step)}")
     return step_name(step)
@@ -347,7 +347,7 @@ def complete_saves(run: RunState) -> None:
     try:
         finish_pending(run.out)
     except (OSError, CheckpointException) as e:
-        failed = _failed_write(e if isinstance(e, OSError) else OSError(str(e).splitlines()[0]), run.out, run.step)
+        failed = _failed_write(e if isinstance(e, OSError) else OSError(write_failure(e)), run.out, run.step)
     if any_rank(failed is not None, run.d, run.device):
         raise failed or UserError(f"another process could not write its shards of {run.out}/{step_name(run.step)}")
 
