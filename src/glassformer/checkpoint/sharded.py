@@ -4,6 +4,7 @@ reader of a checkpoint takes (resolve() makes it on first read). Writing one: dc
 
 from __future__ import annotations
 
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,7 @@ def consolidate(folder: str | Path) -> Path:
     config = model_config(json_object(read_json(folder / "config.json"), folder / "config.json"), folder / "config.json")
     check_fits_memory(config, folder / "config.json", torch.get_default_dtype().itemsize)  # before any tensor is made
     state = sharded_model_state(folder, config)
-    tmp = folder / f".model.safetensors.tmp-{id(state):x}"
+    tmp = folder / f".model.safetensors.tmp-{uuid.uuid4().hex[:8]}"
     try:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
         tmp.rename(file)
