@@ -3,12 +3,12 @@
 Writes made-up documents (a JSONL corpus of pseudo-words drawn with Zipf's law, so the tokenizer
 has something to learn), prepares them with `glassformer prepare --shard-tokens N` into several
 llm.c-format shards, then trains `--preset` on them with `glassformer train` in this process
-(bf16 autocast and --compile on CUDA). `get_batch`, the loader's whole part of a step (windows
-drawn from (seed, step) across shard ends, the int64 x and y), is timed by a wrapper around the
-loop's own call; the loader's share is its time over the run's wall time from the end of
-`--warm-steps` (compilation) to the last step. On a GPU the loader runs while the GPU still works
-on the step before, so the share is what it would cost if the host were the bottleneck: an upper
-bound. tokens/s and MFU are the run's own metrics.jsonl figures, their median after the warm steps.
+(bf16 autocast and --compile on CUDA). `next_batch`, the loader's whole part of a step as the loop
+sees it (the wait for the batch, whose windows are drawn from (seed, step) across shard ends and
+read one step ahead: train/loader.py Prefetch), is timed by a wrapper around the loop's own call;
+the loader's share is its time over the run's wall time from the end of `--warm-steps`
+(compilation) to the last step. tokens/s and MFU are the run's own metrics.jsonl figures, their
+median after the warm steps.
 
     python bench/train_shards.py --out OUTDIR                 # a CUDA GPU: gpt2-124m, 16 × 1024, 300 steps
     python bench/train_shards.py --out OUTDIR --smoke         # any machine: tiny shapes, CPU, checks the script
@@ -54,17 +54,17 @@ def write_corpus(path: Path, mb: float, seed: int = 0) -> int:
 
 
 def timed_loader(loop_module) -> list[float]:
-    """Wrap the training loop's get_batch so every call's seconds land in the returned list."""
+    """Wrap the training loop's next_batch so every call's seconds land in the returned list."""
     seconds: list[float] = []
-    real = loop_module.get_batch
+    real = loop_module.next_batch
 
-    def get_batch(*args, **kwargs):
+    def next_batch(*args, **kwargs):
         t = time.perf_counter()
         out = real(*args, **kwargs)
         seconds.append(time.perf_counter() - t)
         return out
 
-    loop_module.get_batch = get_batch
+    loop_module.next_batch = next_batch
     return seconds
 
 
