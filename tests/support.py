@@ -285,3 +285,16 @@ def fixture_trace(model, ids: list[int], tokens: list[str]) -> dict:
         out[name] = {"shape": list(x.shape), "axes": axes, "data": data}
     return {"tokens": tokens, "ids": list(ids), "positions": list(range(T)),
             "config": model.config.to_dict(), "probes": out}
+
+
+# ----------------------------------------------------------------------------- token shards
+
+
+def llmc_read(path):
+    """llm.c's loader, from its published format: 256 int32 (magic, version, count, …), then the ids."""
+    with open(path, "rb") as f:
+        head = np.frombuffer(f.read(256 * 4), dtype="<i4")
+        kind = {(20240520, 1): "<u2", (20240801, 7): "<u4"}[(int(head[0]), int(head[1]))]
+        ids = np.frombuffer(f.read(), dtype=kind)
+    assert len(ids) == head[2]
+    return ids

@@ -18,17 +18,9 @@ from glassformer.text.corpus import user_corpus
 from glassformer.text.data import load_split, prepare, read_meta
 from glassformer.text.tokenizer import Tokenizer
 
+from ..support import llmc_read
+
 WORDS = "the king queen castle knight sword sea stars hill sings walks waits old young naïve 東京".split()
-
-
-def llmc_read(path):
-    """llm.c's loader, from its published format: 256 int32 (magic, version, count, …), then the ids."""
-    with open(path, "rb") as f:
-        head = np.frombuffer(f.read(256 * 4), dtype="<i4")
-        kind = {(20240520, 1): "<u2", (20240801, 7): "<u4"}[(int(head[0]), int(head[1]))]
-        ids = np.frombuffer(f.read(), dtype=kind)
-    assert len(ids) == head[2]
-    return ids
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,7 @@ from glassformer.errors import UserError
 from glassformer.text.data import get_batch
 from glassformer.text.shards import ShardSet, read_header, shard_name, write_shard
 
-
-def llmc_read(path):
-    """llm.c's loader, from its published format: 256 int32 (magic, version, count, …), then the ids."""
-    with open(path, "rb") as f:
-        head = np.frombuffer(f.read(256 * 4), dtype="<i4")
-        kind = {(20240520, 1): "<u2", (20240801, 7): "<u4"}[(int(head[0]), int(head[1]))]
-        ids = np.frombuffer(f.read(), dtype=kind)
-    assert len(ids) == head[2]
-    return ids
+from ..support import llmc_read
 
 
 @pytest.mark.parametrize("dtype,top", [("uint16", 65535), ("uint32", 200_000)])
