@@ -277,7 +277,10 @@ def restore_training(run: RunState, optim_sd, state: dict, rng_tensors: dict) ->
     states, step counts and best checkpoint."""
     load_optimizer(run.net, run.optimizer, optim_sd)
     set_rng_state(state["rng"], rng_tensors)
-    run.step, run.total_steps, run.elapsed0 = state["step"], state["total_steps"], state["elapsed"]
+    run.step, run.elapsed0 = state["step"], state["elapsed"]
+    # A step-limited run resumed with another --max-steps runs to it (its schedule then spans the new
+    # total, as nanoGPT's max_iters does); a time-budget run keeps the total its budget fixed.
+    run.total_steps = state["total_steps"] if run.cfg.time_budget else run.cfg.max_steps
     run.best = state.get("best") or run.best
     if run.best.get("val_loss") is None:
         run.best["val_loss"] = math.inf
