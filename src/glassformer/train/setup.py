@@ -61,14 +61,20 @@ def read_prepared(data: str | Path) -> dict:
     return check_prepared(data)
 
 
-def check_out(out: Path) -> None:
-    """--out must be a folder or not exist yet (nor sit under a file): said before the data are read
-    or anything is built."""
+def check_out(out: Path, resume: bool = False) -> None:
+    """--out must be a folder or not exist yet (nor sit under a file), and a fresh run (no --resume)
+    may not start in a folder that holds a run's checkpoints or metrics, which it would overwrite or
+    mix with its own: said before the data are read or anything is built."""
     existing = next(p for p in (out, *out.parents) if p.exists())  # the nearest existing one ('.' at last)
     if not existing.is_dir():
         what = "is a file" if existing == out else f"lies under {existing}, which is a file"
         raise UserError(f"--out {out} {what}, not a run folder: choose a new folder name (or an earlier run's "
                         f"folder, with --resume to continue it)")
+    if not resume and existing == out:
+        held = sorted(p.name for p in out.glob("step-*"))[-1:] or [p.name for p in out.glob("metrics.jsonl")]
+        if held:
+            raise UserError(f"--out {out} already holds a run ({held[0]}): continue it with --resume, or choose a "
+                            f"new folder (a fresh run there would overwrite or mix with its files)")
 
 
 def set_dropout(model: torch.nn.Module, p: float) -> None:
@@ -121,7 +127,7 @@ def start_run(cfg: TrainConfig, d: Dist) -> RunState:
     t_start = time.perf_counter()
     device = resolve_device(cfg.device, d)
     data, out = Path(cfg.data), Path(cfg.out)
-    check_out(out)
+    check_out(out, cfg.resume)
     meta = read_prepared(data)
     check_flags(cfg)
     check_optimizer(cfg)
