@@ -12,7 +12,10 @@
    seconds / wall seconds), one thread's encode speed, sequential write+fsync bandwidth.
 2. Bounded memory: synthetic corpora of growing size (Shakespeare's lines reshuffled into
    one file), each prepared in a fresh process reusing the tokenizer; peak RSS should stay
-   flat as the corpus grows. One more run trains the tokenizer on the largest corpus.
+   flat as the corpus grows. One more run trains the tokenizer on the largest corpus
+   (not with --only-memory). Peaks: the main process's own (VmHWM), the largest of its
+   encoding workers' (ru_maxrss of its ended children), and their bound, main + workers x
+   largest worker.
 
 3. One process against all cores (`--workers-mb`, default 32): on a synthetic corpus, tokenizers'
    batch encoder with one thread and with all of its threads (the text in memory, prepare's own
@@ -22,6 +25,7 @@
     python bench/prepare_throughput.py [--rounds 6] [--synthetic-mb 8,32] [--workers-mb 32]
     python bench/prepare_throughput.py --only-workers --workers-mb 32 --out bench/results/prepare_workers.json
     python bench/prepare_throughput.py --synthetic-mb 1024   # the full 1 GB run (slow on 2 cores)
+    python bench/prepare_throughput.py --only-memory --synthetic-mb 256,2048 --out bench/results/prepare_memory_2gb.json
 
 Prints a table and writes bench/results/prepare_throughput.json.
 """
@@ -95,18 +99,42 @@ def synthetic_corpus(path: Path, mb: int, lines: list[str], seed: int = 0) -> in
 
 
 CHILD = """
-import sys
+import os, resource, sys, threading, time
 from glassformer.cli import main
+
+def child_hwm(seen):
+    # Each direct child's own VmHWM, polled: a fresh mm after exec, so unlike ru_maxrss it does not count
+    # the parent's memory that a spawned worker carries until its exec (kept in ru_maxrss by the kernel).
+    me = str(os.getpid())
+    while True:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1] != me:
+                    continue
+                kb = int([ln for ln in open(f"/proc/{pid}/status") if ln.startswith("VmHWM")][0].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            seen[pid] = max(seen.get(pid, 0), kb)
+        time.sleep(0.5)
+
+seen = {}
+threading.Thread(target=child_hwm, args=(seen,), daemon=True).start()
 rc = main(sys.argv[1:])
 # VmHWM: this process's own peak resident memory (ru_maxrss would include the parent's, inherited at fork)
 hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")][0].split()[1]
 print("VmHWM_kB", hwm, file=sys.stderr)
+# The encoding workers (`--workers`), ended and joined by now: ru_maxrss of RUSAGE_CHILDREN is the largest
+# peak among them (kB on Linux), an upper bound, as it also counts what a worker inherited before its exec.
+print("CHILDREN_MAXRSS_kB", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)
+print("CHILDREN_VmHWM_kB", len(seen), max(seen.values(), default=0), file=sys.stderr)
 sys.exit(rc)
 """
 
 
-def run_child(argv: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in MB) of `glassformer ...` in a fresh process."""
+def run_child(argv: list[str]) -> tuple[float, dict]:
+    """(seconds, peak memory in MB) of `glassformer ...` in a fresh process: "main" (its own VmHWM),
+    "worker" (the largest ru_maxrss of its ended children), "worker_vmhwm" and "children" (the largest
+    polled VmHWM of its children, and how many it saw)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", CHILD, *argv], env=env, stdout=subprocess.DEVNULL,
@@ -114,8 +142,10 @@ def run_child(argv: list[str]) -> tuple[float, float]:
     dt = time.perf_counter() - t
     if r.returncode != 0:
         raise SystemExit(f"child failed: {r.stderr[-500:]}")
-    hwm = [ln for ln in r.stderr.splitlines() if ln.startswith("VmHWM_kB")][-1].split()[1]
-    return dt, int(hwm) / 1024
+    field = lambda key: [ln for ln in r.stderr.splitlines() if ln.startswith(key)][-1].split()[1:]
+    children, worker_hwm = map(int, field("CHILDREN_VmHWM_kB"))
+    return dt, {"main": int(field("VmHWM_kB")[0]) / 1024, "worker": int(field("CHILDREN_MAXRSS_kB")[0]) / 1024,
+                "worker_vmhwm": worker_hwm / 1024, "children": children}
 
 
 TOKENIZERS_CHILD = """
@@ -187,6 +217,46 @@ def workers_bench(work: Path, tok_path: Path, lines: list[str], mb: int, cores: 
     return out
 
 
+def memory_bench(work: Path, tok_path: Path, lines: list[str], sizes: list[int], vocab_size: int,
+                 train_largest: bool) -> list[dict]:
+    """Peak memory of `glassformer prepare` (defaults: shards, --workers the cores from 16 MB) on synthetic
+    corpora of each size, each in a fresh process with a given tokenizer; with train_largest, once more
+    training the tokenizer on the largest. The bound is the main process's peak plus the workers times the
+    largest worker's peak (ru_maxrss, which also counts what a worker carried from the main process until
+    its exec, so it errs high; the polled VmHWM beside it is the worker's own)."""
+    from glassformer.text.encoding import auto_workers
+
+    synth = []
+    for size in sizes:
+        path = work / f"synthetic-{size}mb.txt"
+        nbytes = synthetic_corpus(path, size, lines)
+        runs = [("reuse tokenizer", ["--tokenizer", str(tok_path)])]
+        if train_largest and size == max(sizes):
+            runs.append(("train tokenizer", ["--vocab-size", str(vocab_size)]))
+        for mode, extra in runs:
+            dt, rss = run_child(["prepare", "--corpus", str(path), *extra, "--out", str(work / "s")])
+            workers = auto_workers(nbytes)
+            synth.append({"mb": nbytes / 1e6, "mode": mode, "seconds": dt, "mb_per_s": nbytes / 1e6 / dt,
+                          "peak_rss_mb": rss["main"], "workers": workers if workers > 1 else 0,
+                          "peak_rss_worker_mb": rss["worker"], "peak_rss_worker_vmhwm_mb": rss["worker_vmhwm"],
+                          "children_seen": rss["children"],
+                          "peak_rss_bound_mb": rss["main"] + (workers if workers > 1 else 0) * rss["worker"]})
+            shutil.rmtree(work / "s")
+        path.unlink()
+    if synth:
+        print(f"\n{'synthetic corpus':>16} {'mode':<16} {'seconds':>8} {'MB/s':>6} {'main MB':>8} {'workers':>7} "
+              f"{'worker MB':>9} {'(own)':>6} {'bound MB':>9}")
+        for s in synth:
+            print(f"{s['mb']:>13.0f} MB {s['mode']:<16} {s['seconds']:>8.1f} {s['mb_per_s']:>6.2f} {s['peak_rss_mb']:>8.0f} "
+                  f"{s['workers']:>7} {s['peak_rss_worker_mb']:>9.0f} {s['peak_rss_worker_vmhwm_mb']:>6.0f} "
+                  f"{s['peak_rss_bound_mb']:>9.0f}")
+        reuse = [s for s in synth if s["mode"] == "reuse tokenizer"]
+        rate = statistics.median(s["mb_per_s"] for s in reuse)
+        print(f"extrapolated 1 GB (1000 MB) with a given tokenizer: {1000 / rate / 60:.0f} min at {rate:.2f} MB/s, "
+              f"main + workers at most {max(s['peak_rss_bound_mb'] for s in reuse):.0f} MB")
+    return synth
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
@@ -195,10 +265,14 @@ def main() -> None:
     ap.add_argument("--workers-mb", type=int, default=32,
                     help="size of the synthetic corpus for one process against all cores (0 to skip)")
     ap.add_argument("--only-workers", action="store_true", help="run the workers comparison alone")
+    ap.add_argument("--only-memory", action="store_true",
+                    help="run the memory rows of --synthetic-mb alone (a given tokenizer, no training row)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "prepare_throughput.json"))
     args = ap.parse_args()
     if args.only_workers:
         return only_workers(args)
+    if args.only_memory:
+        return only_memory(args)
 
     work = Path(tempfile.mkdtemp(prefix="gf-prepare-bench-"))
     try:
@@ -266,30 +340,8 @@ def main() -> None:
         # Bounded memory on synthetic corpora, each in a fresh process.
         lines = [ln for t in texts for ln in t.splitlines() if ln.strip()]
         tok_path = work / "full" / "tokenizer.json"
-        synth = []
         sizes = [int(s) for s in args.synthetic_mb.split(",") if s.strip()]
-        for size in sizes:
-            path = work / f"synthetic-{size}mb.txt"
-            nbytes = synthetic_corpus(path, size, lines)
-            dt, rss = run_child(["prepare", "--corpus", str(path), "--tokenizer", str(tok_path), "--out", str(work / "s")])
-            synth.append({"mb": nbytes / 1e6, "mode": "reuse tokenizer", "seconds": dt, "mb_per_s": nbytes / 1e6 / dt,
-                          "peak_rss_mb": rss})
-            shutil.rmtree(work / "s")
-            if size == max(sizes):
-                dt, rss = run_child(["prepare", "--corpus", str(path), "--vocab-size", str(args.vocab_size),
-                                     "--out", str(work / "s")])
-                synth.append({"mb": nbytes / 1e6, "mode": "train tokenizer", "seconds": dt,
-                              "mb_per_s": nbytes / 1e6 / dt, "peak_rss_mb": rss})
-                shutil.rmtree(work / "s")
-            path.unlink()
-        if synth:
-            print(f"\n{'synthetic corpus':>16} {'mode':<16} {'seconds':>8} {'MB/s':>6} {'peak RSS MB':>12}")
-            for s in synth:
-                print(f"{s['mb']:>13.0f} MB {s['mode']:<16} {s['seconds']:>8.1f} {s['mb_per_s']:>6.2f} {s['peak_rss_mb']:>12.0f}")
-            reuse = [s for s in synth if s["mode"] == "reuse tokenizer"]
-            rate = statistics.median(s["mb_per_s"] for s in reuse)
-            print(f"extrapolated 1 GB (1000 MB) with a given tokenizer: {1000 / rate / 60:.0f} min at {rate:.2f} MB/s, "
-                  f"peak RSS about {max(s['peak_rss_mb'] for s in reuse):.0f} MB (flat in corpus size)")
+        synth = memory_bench(work, tok_path, lines, sizes, args.vocab_size, train_largest=True)
 
         workers = workers_bench(work, tok_path, lines, args.workers_mb, cores) if args.workers_mb else None
 
@@ -325,6 +377,28 @@ def only_workers(args) -> None:
         result = {"machine": {"cpu_cores": cores, "load_average_1min_at_start": os.getloadavg()[0]},
                   "vocab_size": tok.vocab_size, "workers": workers_bench(work, work / "tokenizer.json", lines,
                                                                          args.workers_mb, cores),
+                  "command": "python bench/prepare_throughput.py " + " ".join(sys.argv[1:])}
+        result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def only_memory(args) -> None:
+    """--only-memory: a tokenizer trained on the default corpus's training split, then memory_bench."""
+    work = Path(tempfile.mkdtemp(prefix="gf-prepare-bench-"))
+    try:
+        corpus = default_corpus()
+        texts = [read_text(d) for d in corpus.train + corpus.val]
+        tok = Tokenizer.train(iter(texts[:len(corpus.train)]), args.vocab_size)
+        tok.save(work / "tokenizer.json")
+        lines = [ln for t in texts for ln in t.splitlines() if ln.strip()]
+        sizes = [int(s) for s in args.synthetic_mb.split(",") if s.strip()]
+        result = {"machine": {"cpu_cores": len(os.sched_getaffinity(0)), "load_average_1min_at_start": os.getloadavg()[0]},
+                  "vocab_size": tok.vocab_size,
+                  "synthetic": memory_bench(work, work / "tokenizer.json", lines, sizes, args.vocab_size, train_largest=False),
                   "command": "python bench/prepare_throughput.py " + " ".join(sys.argv[1:])}
         result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
