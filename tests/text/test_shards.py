@@ -50,3 +50,16 @@ def test_a_bad_shard_is_one_line_naming_it(tmp_path):
         with pytest.raises(UserError, match=words) as e:
             read_header(tmp_path / name)
         assert name in str(e.value) and "\n" not in str(e.value)
+
+
+def test_check_ids_names_the_shard_and_the_position_in_it(tmp_path):
+    from glassformer.text.data import check_ids
+
+    paths = [tmp_path / shard_name("train", i) for i in range(2)]
+    write_shard(paths[0], np.arange(100) % 50, "uint16")
+    bad = np.arange(80) % 50
+    bad[7], bad[60] = 300, 900
+    write_shard(paths[1], bad, "uint16")
+    with pytest.raises(UserError, match=r"train_000001\.bin holds token id 900 \(first bad one at position 7\)"):
+        check_ids(ShardSet(paths), 256)
+    check_ids(ShardSet(paths), 901)

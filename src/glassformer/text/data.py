@@ -21,7 +21,7 @@ import torch
 from ..config import DEFAULT_VOCAB_SIZE, SAMPLINGS, TrainConfig
 from ..errors import UserError
 from ..files import read_json
-from .shards import ShardSet
+from .shards import HEADER_BYTES, ShardSet
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "uint8": np.uint8}  # uint8: loss masks
 
@@ -127,28 +127,41 @@ def check_shard_list(meta: dict, path: str | Path, again: str) -> None:
 
 def check_ids(tokens: "TokenFile | ShardSet", vocab_size: int) -> None:
     """A UserError unless every id in the token file (or each shard) is below vocab_size (the model's
-    embedding has that many rows). One vectorised max over the memory map: 2 GiB of uint16 ids in
-    0.1 s from the page cache, 1.3 s from disk (docs/data.md#what-train-checks-in-a-data-folder)."""
-    files = zip(tokens.paths, tokens.shards) if isinstance(tokens, ShardSet) else [(tokens.path, tokens.array)]
-    for path, ids in files:
-        if not len(ids) or np.iinfo(ids.dtype).max < vocab_size:  # empty, or no id it can hold is too large
+    embedding has that many rows). The ids are read a chunk at a time rather than through the memory
+    map, so checking a folder holds one chunk (32 MB of uint16) however large the folder is: mapped
+    pages, once read, would count in the process's memory until it ends (bench/prepare_throughput.py
+    --only-memory; docs/data.md#what-train-checks-in-a-data-folder)."""
+    if isinstance(tokens, ShardSet):
+        files = [(p, s.dtype, HEADER_BYTES, len(s)) for p, s in zip(tokens.paths, tokens.shards)]
+    else:
+        files = [(tokens.path, tokens.dtype, 0, len(tokens))]
+    for path, dtype, offset, count in files:
+        if not count or np.iinfo(dtype).max < vocab_size:  # empty, or no id it can hold is too large
             continue
-        top = int(ids.max())
-        if top >= vocab_size:
-            at = _first_at_least(ids, vocab_size)
-            raise UserError(f"{path} holds token id {top} (first bad one at position {at}) but the vocabulary has "
+        top, first = -1, None
+        for start, part in _id_chunks(path, dtype, offset, count):
+            top = max(top, int(part.max()))
+            if first is None and top >= vocab_size:
+                first = start + int(np.flatnonzero(part >= vocab_size)[0])
+        if first is not None:
+            raise UserError(f"{path} holds token id {top} (first bad one at position {first}) but the vocabulary has "
                             f"{vocab_size} ids (0 to {vocab_size - 1}): the file does not belong to this folder's "
                             f"tokenizer; prepare the folder again")
 
 
-def _first_at_least(ids, limit: int, chunk: int = 1 << 24) -> int:
-    """The position of the first id >= limit (there is one), a chunk at a time: a comparison of the
-    whole file would allocate a byte per id."""
-    for start in range(0, len(ids), chunk):
-        hits = np.flatnonzero(ids[start:start + chunk] >= limit)
-        if len(hits):
-            return start + int(hits[0])
-    raise AssertionError("no id reaches the limit")
+def _id_chunks(path, dtype, offset: int, count: int, chunk: int = 1 << 24):
+    """(position, ids) of a token file's `count` ids after `offset` bytes, `chunk` at a time, read with
+    plain file reads (no mapping)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        done = 0
+        while done < count:
+            part = np.fromfile(f, dtype=dtype, count=min(chunk, count - done))
+            if not len(part):
+                raise UserError(f"{path} ends after {done} of the {count} ids it should hold: it was cut short; "
+                                f"prepare the folder again")
+            yield done, part
+            done += len(part)
 
 
 def check_tokenizer(folder: str | Path, vocab_size: int):
