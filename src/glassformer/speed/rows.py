@@ -4,11 +4,11 @@ A decode step at batch 1 multiplies one row by every weight, so it is bound by h
 stream from memory. Compiled, the library's product template would call a one-row GEMM; written as
 a multiply-and-sum over the weight's (out, in) rows, inductor makes it one loop that streams the
 weight once, with the bias and the next ops fused around it: a compiled decode step on the
-reference shape ran 1.09x faster this way (bench/decode_parts.py, docs/benchmarks.md).
+reference shape ran 1.14x faster this way (bench/speed_compiled.py, docs/architecture.md#speed).
 
 Eagerly the product stays F.linear, to the bit: row-block copies of the weights (one block per
 thread, partial products summed) used to serve eager one-row products, but on torch 2.13 they ran
-at 0.83x the plain model's decode speed at 2 threads and equal at 1 (bench/decode_parts.py), so the
+at 0.83x the plain model's decode speed at 2 threads and equal at 1 (timed by hand at 34d0aed), so the
 plain product is what runs, and a session's numbers are the plain model's.
 """
 
