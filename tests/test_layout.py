@@ -63,6 +63,8 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
             src = ".".join(p for p in (base, node.module or "") if p)
             for alias in node.names:
                 found.add(f"{src}.{alias.name}" if f"{src}.{alias.name}" in known else src)
+            if node.module is None:  # `from . import x`: Python runs the package's __init__ first, an edge to it too
+                found.add(src)
     return {m for m in found if m in known and m != module}
 
 
@@ -154,10 +156,11 @@ def test_builder_resolves_relative_imports(tmp_path):
         "top.py": "from .sub.x import X\n",
     })
     g = import_graph(root)
-    assert g["pkg.sub.x"] == {"pkg.top", "pkg.sub.y", "pkg.sub.z"}  # modules by name, not the packages
+    # modules by name, and the package a bare `from .. import` / `from . import` runs first
+    assert g["pkg.sub.x"] == {"pkg", "pkg.sub", "pkg.top", "pkg.sub.y", "pkg.sub.z"}
     assert g["pkg.sub"] == {"pkg.sub.x"}
     assert g["pkg.top"] == {"pkg.sub.x"}
-    assert cycles(g) == [["pkg.sub.x", "pkg.top"]]
+    assert cycles(g) == [["pkg.sub", "pkg.sub.x", "pkg.top"]]  # `from . import y` in sub.x runs sub's __init__
 
 
 def test_from_dot_import_of_a_name_is_an_edge_to_the_package(tmp_path):

@@ -10,7 +10,7 @@ The operands name the state dict's tensors: `*.base.weight`, `*.lora_A`, `*.lora
 
 from __future__ import annotations
 
-from . import quantized
+from .quantized import is_quantized, product as quantized_product
 from .steps import operand
 
 
@@ -45,8 +45,8 @@ def product(ctx, label: str, xs: list[dict], weight: str, col: int, W: str, col_
     base_w, A, B, bias = names(weight)
     b = [[ctx.w(bias, [col], f"b[{col}]")]] if ctx.has(bias) else []
     base_label = f"{x}·{W}[·,{col_name}]"
-    if quantized.is_quantized(ctx, base_w):
-        base = quantized.product(ctx, base_label, xs, base_w, col, W, col_name, [], x, i)
+    if is_quantized(ctx, base_w):
+        base = quantized_product(ctx, base_label, xs, base_w, col, W, col_name, [], x, i)
     else:
         terms = [[xk, ctx.w(base_w, [k, col], f"{W}[{k},{col_name}]")] for k, xk in enumerate(xs)]
         base = s.sum(base_label, f"Σ_{i} {x}[{i}]·{W}[{i},{col_name}] (the base term)", terms)

@@ -28,7 +28,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import torch
 
-from .. import speed
+from ..speed import install as install_speed
 from ..errors import UserError
 from ..kv_cache import KVCache
 from ..probes import active as probes_active
@@ -321,7 +321,7 @@ class Engine:
         # Decode steps at the batch sizes of BUCKETS, padded with rows that touch no real row's keys:
         # what a compiled step needs (few shapes); settable on an eager engine (tests).
         self.pad_rows = bool(compile)
-        speed.install(model)  # as a Session does: re-classed modules, the same objects and hooks (glassformer.speed)
+        install_speed(model)  # as a Session does: re-classed modules, the same objects and hooks (glassformer.speed)
 
     # ---- the public side ---------------------------------------------------------------
     @property

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from .. import probes
+from ..probes import set_recorder
 
 __all__ = ["TokenLogprob", "logprobs_of", "prompt_logprobs", "raw_logprobs", "LogitsTap"]
 
@@ -103,8 +103,8 @@ class LogitsTap:
         return x
 
     def __enter__(self) -> "LogitsTap":
-        self._before = probes.set_recorder(self)
+        self._before = set_recorder(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        probes.set_recorder(self._before)
+        set_recorder(self._before)

@@ -15,7 +15,7 @@ import torch
 from ..probes import active as probes_active
 from ..errors import UserError
 from ..kv_cache import KVCache
-from .. import speed as speed_pkg
+from ..speed import install as install_speed
 from .compiled import compile_step, step_key
 from .sampling import apply_repetition_penalty, check_drawn, check_sampling, draw, logits_to_probs, sample
 
@@ -108,7 +108,7 @@ class Session:
         # what it changes is a compiled step's one-row products
         self.speed = bool(speed)
         if self.speed:
-            speed_pkg.install(model)
+            install_speed(model)
         self._compiled, self._step_key = None, None
         self.recompiles = 0  # how many times the compiled step was traced anew (hooks, kernels, threads changed)
         if compile:  # the decode step only: one token per row, the shape that repeats

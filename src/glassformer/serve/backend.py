@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ..errors import UserError
 from ..generation.batching import Engine
 from ..text.chat_template import check_messages
-from . import schemas
+from .schemas import MAX_CHARS, MAX_PROMPTS, TokenizeRequest, error_body as schema_error_body, message_dicts
 from .schemas import ApiError, bad
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def openai_error(status: int, message: str) -> dict:
     """The app's error body (serve.http's error_body): OpenAI's error object for a status."""
-    return schemas.error_body(message, ERROR_TYPES.get(status, "invalid_request_error"))
+    return schema_error_body(message, ERROR_TYPES.get(status, "invalid_request_error"))
 
 
 class TurnTakingEngine(Engine):
@@ -124,14 +124,14 @@ def check_ids(backend: Backend, ids: list[int], param: str) -> None:
 
 
 def encode(backend: Backend, text: str, param: str) -> list[int]:
-    if len(text) > schemas.MAX_CHARS:
-        raise bad(f"{param}: at most {schemas.MAX_CHARS} characters, got {len(text)}", param)
+    if len(text) > MAX_CHARS:
+        raise bad(f"{param}: at most {MAX_CHARS} characters, got {len(text)}", param)
     return backend.tokenizer.encode(text)
 
 
 def chat_ids(backend: Backend, messages, add_generation_prompt: bool = True) -> list[int]:
     """The conversation rendered with the model's chat template, as ids."""
-    msgs = schemas.message_dicts(messages)
+    msgs = message_dicts(messages)
     tok = backend.tokenizer
     if backend.template is None and not getattr(tok, "chat_template", None):
         raise bad("this model has no chat template: use /v1/completions with a prompt", "messages")
@@ -142,7 +142,7 @@ def chat_ids(backend: Backend, messages, add_generation_prompt: bool = True) -> 
         raise bad(str(e), "messages") from None
 
 
-def tokenize(backend: Backend, req: schemas.TokenizeRequest) -> list[int]:
+def tokenize(backend: Backend, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise bad("give either prompt (a text) or messages (a conversation)", "prompt")
     if req.messages is not None:
@@ -163,8 +163,8 @@ def completion_prompts(backend: Backend, prompt) -> list[list[int]]:
         rows = [list(prompt)]
     else:
         rows = [list(p) for p in prompt]
-    if not rows or len(rows) > schemas.MAX_PROMPTS:
-        raise bad(f"prompt: give 1 to {schemas.MAX_PROMPTS} prompts", "prompt")
+    if not rows or len(rows) > MAX_PROMPTS:
+        raise bad(f"prompt: give 1 to {MAX_PROMPTS} prompts", "prompt")
     for ids in rows:
         if not ids:
             raise bad("prompt: a prompt is empty (it encodes to no tokens): give some text", "prompt")

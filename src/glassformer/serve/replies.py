@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from ..errors import UserError
 from ..generation import batching
 from ..generation.streaming import TextStream
-from . import schemas
+from .schemas import sampling_of
 from .backend import check_context
 from .results import KnownIds
 from .schemas import ApiError, bad
@@ -113,7 +113,7 @@ class Reply:
 def engine_request(backend, ids: list[int], max_tokens: int, req, logprobs=None, prompt_logprobs=None):
     check_context(backend, ids, max_tokens)
     return batching.Request(ids, max_tokens, stop_ids=backend.eos, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs, **schemas.sampling_of(req))
+                            prompt_logprobs=prompt_logprobs, **sampling_of(req))
 
 
 @contextmanager

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..files import fsync_dir
-from . import shards
+from .shards import MAX_IDS, header as shard_header, read_header, sha256 as shard_sha256, shard_name
 from .encode_worker import flat_ids
 
 IN_FLIGHT = 2  # batches queued per encoder, so none waits at a batch's end for the next
@@ -56,8 +56,8 @@ def check_workers(workers: int) -> int:
 
 def check_shard_tokens(n) -> int:
     """n if it is 0 (one token file a split) or a shard size a header can count."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= shards.MAX_IDS:
-        raise UserError(f"--shard-tokens {n} must be a whole number from 1 to {shards.MAX_IDS:,} (ids per shard; "
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_IDS:
+        raise UserError(f"--shard-tokens {n} must be a whole number from 1 to {MAX_IDS:,} (ids per shard; "
                         f"a shard's header counts them in an int32), or 0 for one train.bin and val.bin")
     return n
 
@@ -221,9 +221,9 @@ class ShardWriter:
         copy, batch, offset = where
         while len(ids):
             if self.f is None:
-                self.path = self.folder / shards.shard_name(self.split, self.index)
+                self.path = self.folder / shard_name(self.split, self.index)
                 self.f = open(self.path, "wb")
-                self.f.write(shards.header(0, self.dtype).tobytes())  # its count is set once the shard is whole
+                self.f.write(shard_header(0, self.dtype).tobytes())  # its count is set once the shard is whole
             take = min(len(ids), self.size - self.n)
             self.f.write(np.ascontiguousarray(ids[:take]).tobytes())
             self.n, self.tokens, offset, ids = self.n + take, self.tokens + take, offset + take, ids[take:]
@@ -232,11 +232,11 @@ class ShardWriter:
 
     def _finish(self, after: tuple) -> None:
         self.f.seek(0)
-        self.f.write(shards.header(self.n, self.dtype).tobytes())
+        self.f.write(shard_header(self.n, self.dtype).tobytes())
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
-        record = {"file": self.path.name, "tokens": self.n, "sha256": shards.sha256(self.path), "next": list(after)}
+        record = {"file": self.path.name, "tokens": self.n, "sha256": shard_sha256(self.path), "next": list(after)}
         self.f, self.n, self.index = None, 0, self.index + 1  # whole: no longer abandon()'s to delete
         self.progress.add_shard(self.split, record)
 
@@ -334,7 +334,7 @@ def _verified(folder: Path, records: list[dict]) -> list[dict]:
     for r in records:
         path = folder / r["file"]
         try:
-            ok = path.is_file() and shards.read_header(path)[1] == r["tokens"] and shards.sha256(path) == r["sha256"]
+            ok = path.is_file() and read_header(path)[1] == r["tokens"] and shard_sha256(path) == r["sha256"]
         except UserError:
             ok = False
         if not ok:

@@ -22,7 +22,7 @@ from ..generation.logprobs import raw_logprobs
 from ..generation.sampling_stages import sampling_stages, stage_outputs
 from ..generation.session import generate
 from ..text.labels import token_label
-from . import cancel
+from .cancel import check as check_cancelled
 from .sample_calc import probability_calcs
 
 MAX_TOKENS = 64  # new tokens per generation in the explorer: the page's trace grows with T², its data with T
@@ -52,7 +52,7 @@ def new_tokens(model, ids: list[int], max_tokens: int, settings: dict, stop: lis
     out = []
     for i in generate(model, ids, max_new_tokens=max_tokens, stop=stop, **kw):
         out.append(int(i))
-        cancel.check()  # the explorer's client left: stop at this token, not after max_tokens
+        check_cancelled()  # the explorer's client left: stop at this token, not after max_tokens
     return out
 
 

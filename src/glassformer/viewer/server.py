@@ -26,7 +26,7 @@ from ..errors import UserError
 from ..generation.sampling import NonFiniteLogits
 from ..serve.http import Limits, Server, json_bytes, make_app, plain_error
 from ..serve.json_only import is_json, not_json
-from . import cancel
+from .cancel import ClientLeft, check as check_cancelled, watching
 from .generated import MAX_TOKENS
 from .render import VIEW_SCRIPTS, _finite, build_payload, render_html, static_file, to_plain
 from .training import NotFound
@@ -85,8 +85,8 @@ class WorkQueue:
 
 def _work_of(left: threading.Event, fn, *args):
     """fn(*args) as the work of a client whose leaving sets `left` (in a worker thread)."""
-    with cancel.watching(left):
-        cancel.check()  # the client left while the work waited for a thread: it never starts
+    with watching(left):
+        check_cancelled()  # the client left while the work waited for a thread: it never starts
         return fn(*args)
 
 
@@ -141,7 +141,7 @@ class Explorer:
         """The model's turn for one request's work (the lock below). Given up at once, the work never
         started, when the request's client left while it waited (viewer/cancel.py)."""
         with self._lock:
-            cancel.check()
+            check_cancelled()
             yield
 
     def _traced(self, text: str) -> tuple[dict, dict]:
@@ -161,7 +161,7 @@ class Explorer:
 
     def _built(self, ids: list[int], tokens: list[str], text: str) -> tuple[Any, dict]:
         """(trace, payload) of these ids, `text` their sentence (the caller holds the lock)."""
-        cancel.check()  # after a generation: its client may have left meanwhile
+        check_cancelled()  # after a generation: its client may have left meanwhile
         tr = self.trace(ids, tokens)
         shown = self.as_dict(tr, self.digits) if self.as_dict else tr
         args = dict(self.payload_args)
@@ -303,7 +303,7 @@ def _error_for(e: Exception) -> Response:
     else is a bug: raised on, for the HTTP base to answer 500 and log where it happened."""
     if isinstance(e, _HTTPError):
         return _json(e.status, {"error": e.message}, e.headers)
-    if isinstance(e, cancel.ClientLeft):
+    if isinstance(e, ClientLeft):
         return Response(status_code=204)
     if isinstance(e, TooLarge):
         return _json(413, {"error": str(e)})
