@@ -25,7 +25,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from _common import write_json  # noqa: E402  (bench/ is the script's folder)
+from _common import train_step, write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig, Transformer  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
@@ -49,10 +49,7 @@ def one_run(engine: str, keep: bool, threads: int, warm: int, steps: int) -> dic
         for i in range(warm + steps):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = time.perf_counter()
-            model(x, y)[1].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            train_step(model, opt, x, y)
             if i >= warm:
                 best = min(best, time.perf_counter() - t)
                 faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before

@@ -31,7 +31,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from _common import write_json  # noqa: E402  (bench/ is the script's folder)
+from _common import train_step, write_json  # noqa: E402  (bench/ is the script's folder)
 
 from glassformer import ModelConfig, Transformer  # noqa: E402
 from glassformer.config import REFERENCE_SHAPE  # noqa: E402
@@ -91,10 +91,7 @@ def step_ms(B: int, T: int, warm: int, steps: int) -> float:
     best = float("inf")
     for i in range(warm + steps):
         t = time.perf_counter()
-        model(x, y)[1].backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, x, y)
         if i >= warm:
             best = min(best, time.perf_counter() - t)
     return 1000 * best

@@ -270,9 +270,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "prepare_throughput.json"))
     args = ap.parse_args()
     if args.only_workers:
-        return only_workers(args)
+        return only_one(args, "workers")
     if args.only_memory:
-        return only_memory(args)
+        return only_one(args, "memory")
 
     work = Path(tempfile.mkdtemp(prefix="gf-prepare-bench-"))
     try:
@@ -364,8 +364,9 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def only_workers(args) -> None:
-    """--only-workers: a tokenizer trained on the default corpus's training split, then workers_bench."""
+def only_one(args, part: str) -> None:
+    """--only-workers (workers_bench) or --only-memory (memory_bench, a given tokenizer), with a
+    tokenizer trained on the default corpus's training split, written to --out."""
     work = Path(tempfile.mkdtemp(prefix="gf-prepare-bench-"))
     try:
         corpus = default_corpus()
@@ -375,31 +376,14 @@ def only_workers(args) -> None:
         lines = [ln for t in texts for ln in t.splitlines() if ln.strip()]
         cores = len(os.sched_getaffinity(0))
         result = {"machine": {"cpu_cores": cores, "load_average_1min_at_start": os.getloadavg()[0]},
-                  "vocab_size": tok.vocab_size, "workers": workers_bench(work, work / "tokenizer.json", lines,
-                                                                         args.workers_mb, cores),
-                  "command": "python bench/prepare_throughput.py " + " ".join(sys.argv[1:])}
-        result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def only_memory(args) -> None:
-    """--only-memory: a tokenizer trained on the default corpus's training split, then memory_bench."""
-    work = Path(tempfile.mkdtemp(prefix="gf-prepare-bench-"))
-    try:
-        corpus = default_corpus()
-        texts = [read_text(d) for d in corpus.train + corpus.val]
-        tok = Tokenizer.train(iter(texts[:len(corpus.train)]), args.vocab_size)
-        tok.save(work / "tokenizer.json")
-        lines = [ln for t in texts for ln in t.splitlines() if ln.strip()]
-        sizes = [int(s) for s in args.synthetic_mb.split(",") if s.strip()]
-        result = {"machine": {"cpu_cores": len(os.sched_getaffinity(0)), "load_average_1min_at_start": os.getloadavg()[0]},
-                  "vocab_size": tok.vocab_size,
-                  "synthetic": memory_bench(work, work / "tokenizer.json", lines, sizes, args.vocab_size, train_largest=False),
-                  "command": "python bench/prepare_throughput.py " + " ".join(sys.argv[1:])}
+                  "vocab_size": tok.vocab_size}
+        if part == "workers":
+            result["workers"] = workers_bench(work, work / "tokenizer.json", lines, args.workers_mb, cores)
+        else:
+            sizes = [int(s) for s in args.synthetic_mb.split(",") if s.strip()]
+            result["synthetic"] = memory_bench(work, work / "tokenizer.json", lines, sizes, args.vocab_size,
+                                               train_largest=False)
+        result["command"] = "python bench/prepare_throughput.py " + " ".join(sys.argv[1:])
         result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -106,8 +106,7 @@ class Session:
         self.run_ahead = batch_size == 1 and self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
         # Speed from outside the model (glassformer.speed): re-classed modules, the same objects and hooks;
         # what it changes is a compiled step's one-row products
-        self.speed = bool(speed)
-        if self.speed:
+        if speed:
             install_speed(model)
         self._compiled, self._step_key = None, None
         self.recompiles = 0  # how many times the compiled step was traced anew (hooks, kernels, threads changed)
