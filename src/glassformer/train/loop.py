@@ -213,7 +213,7 @@ def log_step(run: RunState) -> None:
         run.bar.set_postfix_str(f"loss {res.loss:.4f} | {tok_s:,.0f} tok/s"
                                 + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""))
         run.t_log, run.tok_log = now, 0
-    if cfg.log_every and run.d.main and not cfg.progress and step % cfg.log_every == 0:
+    if cfg.log_every and run.d.main and run.bar.disable and step % cfg.log_every == 0:  # no bar drawn (setup.bar_shown)
         print(f"step {step}: loss {res.loss:.4f}", file=sys.stderr, flush=True)
 
 

@@ -318,5 +318,12 @@ def start_measuring(run: RunState) -> None:
            f"batch {cfg.batch_size}×{run.seq_len} tokens = {d.world_size} process(es) × {run.micro} × {run.accum} "
            f"accumulation; device {run.device}"
            + (f"; MFU peak {run.peak / 1e9:.1f} GFLOP/s ({peak_src})" if run.peak else ""))
-    run.bar = tqdm(total=run.total_steps, initial=run.step, disable=not (d.main and cfg.progress), unit="step",
-                   dynamic_ncols=True, file=sys.stderr)
+    run.bar = tqdm(total=run.total_steps, initial=run.step, disable=not bar_shown(d.main, cfg.progress, sys.stderr),
+                   unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+def bar_shown(main: bool, progress: bool, stream) -> bool:
+    """Whether the progress bar is drawn: on the main process, asked for, and onto a terminal (redirected
+    into a file its carriage-return redraws pile up; the loop prints a step line every --log-every instead)."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(main and progress and isatty is not None and isatty())
