@@ -11,9 +11,21 @@ import sys
 
 from .generate import add_sampling_arguments
 from .options import add_base_argument, add_device_argument, add_quantize_argument
+from .steer import add_steer_argument
 
 HELP = "talk with a checkpoint: each reply streams, the conversation stays in one KV cache"
 COMMANDS = "/reset forgets the conversation, /system TEXT sets the system prompt, /exit ends"
+REPLY_TOKENS = 128  # a reply's tokens at most, unless the model's context is shorter than twice that
+
+
+def reply_tokens(max_len: int, asked: int | None = None) -> int:
+    """--max-new-tokens, or by default REPLY_TOKENS capped at half the context: a reply as long as the
+    whole context leaves no room for the message it answers.
+
+    >>> reply_tokens(128), reply_tokens(2048), reply_tokens(2048, 500)
+    (64, 128, 500)
+    """
+    return asked if asked is not None else max(1, min(REPLY_TOKENS, max_len // 2))
 
 
 def add_arguments(p) -> None:
@@ -24,7 +36,11 @@ def add_arguments(p) -> None:
                        help="a Jinja chat template file (default: the checkpoint's)")
     which.add_argument("--template-name", default=None, metavar="NAME",
                        help="which of the checkpoint's named templates to use (default: 'default')")
-    add_sampling_arguments(p, max_new_tokens=128)
+    add_sampling_arguments(p, max_new_tokens=None)
+    for action in p._actions:  # the reply's room depends on the model's context, read later
+        if action.dest == "max_new_tokens":
+            action.help = (f"tokens per reply at most (default: {REPLY_TOKENS}, or half the model's context "
+                           "when that is less, leaving the other half for the conversation)")
     p.add_argument("--context-policy", choices=["drop", "error"], default="drop",
                    help="when the next turn would not fit: drop the oldest turns (with a notice), or stop with an error")
     p.add_argument("--attention", choices=["naive", "tiled", "sdpa"], default=None,
@@ -32,6 +48,7 @@ def add_arguments(p) -> None:
     add_device_argument(p)
     add_quantize_argument(p, "chat")
     add_base_argument(p)
+    add_steer_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
 
@@ -133,13 +150,15 @@ def _interactive(conversation, out) -> int:
 
 
 def run(args) -> int:
-    from ..generation.chat import ChatSession
+    from ..generation.chat import CHAT_CACHE, ChatSession
     from .generate import _check_args, _load_model
 
     args.num_samples = 1
+    asked, args.max_new_tokens = args.max_new_tokens, (REPLY_TOKENS if args.max_new_tokens is None else args.max_new_tokens)
     _check_args(args)
     given = _template_file(args)
     model, tok = _load_model(args)
+    args.max_new_tokens = reply_tokens(min(model.config.max_seq_len, CHAT_CACHE), asked)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                     repetition_penalty=args.repetition_penalty, greedy=args.greedy, seed=args.seed)
     conversation = ChatSession(model, tok, system=args.system, template=_template(args, tok, given),

@@ -257,8 +257,9 @@ def rule_rope(ctx, probe, idx):
     a, b = ctx.p(src, [t, h, ia]), ctx.p(src, [t, h, ib])
     sym = "q" if src.rsplit(".", 1)[-1].startswith("q") else "k"
     if first:
-        s.sum(ctx.lab(probe, idx), f"{sym}[{ia}]·cos θ − {sym}[{ib}]·sin θ",
-              [[a, cos], [b, sin, operand("−1", -1.0)]], wide=False)
+        # The minus belongs to sin θ: one factor −sin θ, not sin θ times a separate −1.
+        s.sum(ctx.lab(probe, idx), f"{sym}[{ia}]·cos θ + {sym}[{ib}]·(−sin θ)",
+              [[a, cos], [b, operand("−sin θ", -sin["value"])]], wide=False)
     else:
         s.sum(ctx.lab(probe, idx), f"{sym}[{ia}]·sin θ + {sym}[{ib}]·cos θ", [[a, sin], [b, cos]], wide=False)
     s.steps[th]["text"] += f" rad (cos θ = {fmt(cos['value'])}, sin θ = {fmt(sin['value'])})"
