@@ -69,10 +69,20 @@ def part_of(name: str) -> str:
         return "positions"
     if name == "lm_head.weight":
         return "lm_head"
+    if ".attn.q_norm." in name or ".attn.k_norm." in name:
+        return "qk_norms"
     if "norm" in name:
         return "norms"
+    if name.endswith(".attn.sinks"):
+        return "attn_sinks"
     if ".attn." in name:
         return "attn_bias" if name.endswith("bias") else "attn_" + name.split(".")[-2][1]  # wq -> attn_q
+    if ".ffn.router." in name:
+        return "router"
+    if ".ffn.shared." in name:
+        return "shared_experts"
+    if ".ffn.experts." in name:
+        return "experts_bias" if name.endswith("bias") else "experts"
     if ".ffn." in name:
         return "ffn_bias" if name.endswith("bias") else "ffn"
     raise AssertionError(f"unexpected parameter {name}")
@@ -123,14 +133,14 @@ def test_weights_equal_numel_for_every_preset(preset):
     w = weights(cfg)
     assert w["total"] == model.num_params() == sum(p.numel() for p in model.parameters())
     assert w["non_embedding"] == model.num_params(non_embedding=True)
-    assert {k: v for k, v in w.items() if v and k not in ("total", "non_embedding")} == real_parts(model)
+    assert {k: v for k, v in w.items() if v and k not in ("total", "non_embedding", "active")} == real_parts(model)
 
 
 @given(configs())
 def test_weights_equal_numel_for_drawn_configs(cfg):
     model = meta_model(cfg)
     assert weights(cfg)["total"] == model.num_params()
-    assert {k: v for k, v in weights(cfg).items() if v and k not in ("total", "non_embedding")} == real_parts(model)
+    assert {k: v for k, v in weights(cfg).items() if v and k not in ("total", "non_embedding", "active")} == real_parts(model)
 
 
 def test_weights_reduce_to_design_formula_for_mha():

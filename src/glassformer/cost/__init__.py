@@ -7,6 +7,7 @@ Formulas and every key of `estimate`'s dict: docs/cost.md.
 """
 
 from .flops import (
+    all_score_pairs,
     causal_pairs,
     crossover_seq,
     decode_flops,
@@ -29,10 +30,10 @@ from .memory import (
 )
 from .plot import plot_costs
 from .report import estimate, format_table
-from .params import layer_weights, num_weights, weights
+from .params import active_weights, layer_weights, num_weights, weights
 
 __all__ = [
-    "estimate", "format_table", "plot_costs", "weights", "layer_weights", "num_weights", "forward_flops", "train_step_flops",
+    "estimate", "format_table", "plot_costs", "weights", "layer_weights", "num_weights", "active_weights", "all_score_pairs", "forward_flops", "train_step_flops",
     "train_flops_per_token",
     "decode_flops", "score_pairs", "causal_pairs", "tiled_pairs", "crossover_seq", "activations",
     "activation_bytes", "train_memory", "kv_cache_bytes_per_token", "kv_cache_numbers_per_token", "kv_cache_bytes", "max_train_batch",

@@ -15,7 +15,7 @@ TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def product_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each adaptable product of one block; no w_gate without SwiGLU.
+    """(in, out) of each adaptable product of one block; no w_gate without a gated feed-forward.
 
     >>> product_shapes(ModelConfig.from_preset("tiny"))["wk"]
     (64, 32)
@@ -23,7 +23,7 @@ def product_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     D, F = cfg.dim, cfg.ffn_dim
     shapes = {"wq": (D, cfg.q_dim), "wk": (D, cfg.kv_dim), "wv": (D, cfg.kv_dim), "wo": (cfg.q_dim, D),
               "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
-    if cfg.ffn != "swiglu":
+    if not cfg.gated:
         del shapes["w_gate"]
     return shapes
 

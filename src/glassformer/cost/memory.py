@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from .flops import tiled_pairs
-from .params import num_weights, sublayers
+from .params import norms_per_block, num_weights, shared_width, sublayers
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per weight (AdamW: m and v)
@@ -56,6 +56,32 @@ def _kernel(cfg: ModelConfig, B: int, T: int, kernel: str) -> tuple[int, int, in
     raise ValueError(f"unknown attention kernel {kernel!r}; choose one of: naive, tiled, sdpa")
 
 
+# Elements of F wide a feed-forward saves per token: SwiGLU keeps up, gate, silu(gate) and the
+# product; relu² keeps relu's output (for both backwards) and the square (w_down's input). The
+# families' kinds (geglu, swiglu_clamp) are estimates: docs/cost.md#activations-a.
+FFN_SAVED = {"swiglu": 4, "geglu": 4, "swiglu_clamp": 6, "gelu": 2, "gelu_tanh": 2, "relu": 1, "relu2": 2, "none": 0}
+
+
+def _ffn_saved(cfg: ModelConfig, BT: int, recompute: bool) -> int:
+    """Elements the feed-forwards save: F wide per token on a dense layer; on a mixture layer (an
+    estimate) k expert rows of F_e per token, the shared experts' row, and the router's E logits and
+    probabilities per token. recompute: the largest one layer holds."""
+    per = FFN_SAVED[cfg.ffn]
+    dense = per * BT * cfg.ffn_dim
+    mixture = (per * (cfg.n_active_experts * cfg.expert_width + shared_width(cfg)) + 2 * cfg.n_experts) * BT
+    layers = [mixture if cfg.is_moe(i) else dense for i in range(cfg.n_layers)]
+    return (max(layers) if recompute else sum(layers)) if layers else 0
+
+
+def _qk_norm_saved(cfg: ModelConfig, BT: int) -> int:
+    """fp32 elements one layer's QK norm saves: the queries and keys it normalises and 1/rms of each
+    row it normalises (each head's row, or the whole projection's with qk_norm='proj')."""
+    if not cfg.qk_norm:
+        return 0
+    rows = 2 if cfg.qk_norm == "proj" else cfg.n_heads + cfg.n_kv_heads
+    return BT * (cfg.q_dim + cfg.kv_dim + rows)
+
+
 def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None, recompute: bool = False) -> dict[str, int]:
     """Elements autograd saves for backward in one training forward over (B, T), by part.
 
@@ -66,23 +92,22 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None, rec
     activations: the block parts count one layer, the parts outside the blocks are unchanged.
     """
     kernel = cfg.attention if kernel is None else kernel
-    D, F, V = cfg.dim, cfg.ffn_dim, cfg.vocab_size
+    D, V = cfg.dim, cfg.vocab_size
     L = 1 if recompute else cfg.n_layers  # layers whose activations are held at once
     BT = B * T
     n_act, n_32 = _norm(cfg, BT)
     k_act, k_32, k_mask = _kernel(cfg, B, T, kernel)
-    # relu² keeps relu's output (for both backwards) and the square (w_down's input)
-    ffn_saved = {"swiglu": 4, "gelu": 2, "gelu_tanh": 2, "relu": 1, "relu2": 2, "none": 0}[cfg.ffn]
-    S = sublayers(cfg)  # norms, sublayer inputs and dropout sites per block: 2, or 1 without a feed-forward
+    S = sublayers(cfg)  # sublayer inputs and dropout sites per block: 2, or 1 without a feed-forward
+    norms = norms_per_block(cfg)  # D-wide norms per block: 2 with sandwich norms on each sublayer's output
     parts_act = {  # in the training dtype
-        "norms": (S * L + 1) * n_act,
+        "norms": (norms * L + 1) * n_act,
         "linear_in": (S * L + 1) * BT * D,
         # No joined copy of W_Q, W_K and W_V: the model runs them as three products. The key stays, 0, for
         # the reports' readers (docs/cost.md#every-json-key).
         "qkv_weight": 0,
         "attn_z": L * BT * cfg.q_dim,
         "attn_kernel": L * k_act,
-        "ffn": L * ffn_saved * BT * F,
+        "ffn": _ffn_saved(cfg, BT, recompute),
         # Dropout keeps its noise per site (the embedding and both sublayers of every block):
         # a float tensor on the CPU; CUDA's fused dropout keeps a bool mask instead (1 byte).
         "dropout": (S * L + 1) * BT * D if cfg.dropout > 0 else 0,
@@ -90,8 +115,7 @@ def activations(cfg: ModelConfig, B: int, T: int, kernel: str | None = None, rec
     }
     parts_32 = {  # fp32 whatever the dtype
         # qk_norm: the queries and keys it normalises (in fp32) and 1/rms of every head's row of them
-        "norms": (S * L + 1) * n_32 + (L * BT * (cfg.q_dim + cfg.kv_dim + cfg.n_heads + cfg.n_kv_heads)
-                                       if cfg.qk_norm else 0),
+        "norms": (norms * L + 1) * n_32 + L * _qk_norm_saved(cfg, BT),
         "attn_kernel": L * k_32,
         "logits": BT * V * (2 if cfg.logit_softcap is not None else 1),  # the soft cap keeps its input and tanh's output
         "rope": BT * cfg.head_dim if cfg.pos == "rope" else 0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..config import ModelConfig
-from .flops import KERNELS, crossover_seq, decode_flops, forward_flops, score_pairs, tiled_pairs, train_step_flops
+from .flops import KERNELS, all_score_pairs, crossover_seq, decode_flops, forward_flops, tiled_pairs, train_step_flops
 from .hardware import Hardware, get_hardware, parse_bytes
 from .memory import (
     activations,
@@ -46,21 +46,24 @@ def _train_length(P: int, B: int, T: int, tokens: int | None, steps: int | None)
 
 def _weight_keys(cfg: ModelConfig) -> dict:
     w = weights(cfg)
-    return {"params": w["total"], "params_non_embedding": w["non_embedding"],
-            "params_by_part": {k: v for k, v in w.items() if k not in ("total", "non_embedding")}}
+    # A mixture of experts holds every expert (params) and runs k of them per token (params_active).
+    return {"params": w["total"], "params_non_embedding": w["non_embedding"], "params_active": w["active"],
+            "params_by_part": {k: v for k, v in w.items() if k not in ("total", "non_embedding", "active")}}
 
 
 def _flop_keys(cfg: ModelConfig, B: int, T: int) -> dict:
     fwd = forward_flops(cfg, B, T, "naive")
     no_scores = fwd["total"] - fwd["attn_scores"] - fwd["attn_values"]
     tiles = tiled_pairs(T, cfg.attention_tile, cfg.sliding_window)
-    scores = {k: 4 * cfg.n_layers * B * cfg.q_dim * score_pairs(cfg, T, k) for k in ("naive", "tiled", "causal")}
+    every = forward_flops(cfg, B, T, "naive", all_experts=True)["total"]  # the dense equivalent of a mixture
+    scores = {k: 4 * B * cfg.q_dim * all_score_pairs(cfg, T, k) for k in ("naive", "tiled", "causal")}
     return {
         "flops_forward": fwd["total"],
         "flops_forward_by_part": {k: v for k, v in fwd.items() if k != "total"},
         "flops_forward_no_scores": no_scores,
         "flops_per_token": fwd["total"] / (B * T),
         "flops_per_token_no_scores": no_scores / (B * T),
+        "flops_per_token_all_experts": every / (B * T),
         "flops_scores": scores,
         "tiled_tiles": {"tile": cfg.attention_tile, "computed": tiles["tiles"], "skipped": tiles["tiles_skipped"],
                         "flops_skipped": scores["naive"] - scores["tiled"]},
@@ -87,7 +90,8 @@ def _memory_keys(cfg: ModelConfig, B: int, T: int, dtype: str, kernel: str, opti
 
 
 def _decode_keys(cfg: ModelConfig, P: int, T: int, dtype: str, hw: Hardware) -> dict:
-    # Each decoded token reads every weight and the whole cache once.
+    # Each decoded token reads every weight it runs through (P: a mixture's active weights, as one row
+    # at a time routes to k experts) and the whole cache once.
     decode_bytes = P * dtype_bytes(dtype) + kv_cache_bytes_per_token(cfg, dtype) * T
     return {"context": T, "flops_per_token": decode_flops(cfg, T), "bytes_per_token": decode_bytes,
             "tokens_per_second_bound": hw.bandwidth / decode_bytes, "bandwidth": hw.bandwidth}
@@ -140,7 +144,7 @@ def estimate(
         "train_time_seconds": r["flops_train_step"] * steps / (mfu * peak),
         "max_batch": max_train_batch(cfg, T, mem_bytes, dtype, kernel, optimizer, master_weights, activation_checkpointing),
         "max_batch_inference": max_inference_batch(cfg, T, mem_bytes, dtype),
-        "decode": _decode_keys(cfg, r["params"], T, dtype, hw),
+        "decode": _decode_keys(cfg, r["params_active"], T, dtype, hw),
         "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "memory_bytes": hw.memory_bytes,
                      "bandwidth": hw.bandwidth, "source": hw.source},
     })
@@ -181,18 +185,25 @@ def format_table(r: dict) -> str:
         rows.append((name, value))
 
     add("weights", f"{r['params']:,} ({human(r['params'])}; {r['params_non_embedding']:,} non-embedding)")
+    if r["params_active"] != r["params"]:
+        add("  active per token", f"{r['params_active']:,} ({human(r['params_active'])}: the router, "
+            f"{r['config']['n_active_experts']} of {r['config']['n_experts']} experts, the shared ones)")
     for k, v in r["params_by_part"].items():
         if v:
             add(f"  {k}", f"{v:,}")
     add(f"forward FLOPs, B={B} T={T}", f"{human(r['flops_forward'], 'FLOP')} (full T×T score grid, matrix products)")
     for k, v in r["flops_forward_by_part"].items():
-        add(f"  {k}", f"{human(v, 'FLOP')} ({v / r['flops_forward']:.1%})")
+        if v:
+            add(f"  {k}", f"{human(v, 'FLOP')} ({v / r['flops_forward']:.1%})")
     add("  without scores", f"{human(r['flops_forward_no_scores'], 'FLOP')}")
     s = r["flops_scores"]
     add("  score FLOPs by kernel", f"naive {human(s['naive'])} · tiled {human(s['tiled'])} · causal pairs only {human(s['causal'])}")
     t = r["tiled_tiles"]
     add("  tiled kernel skips", f"{t['skipped']:,} of {t['skipped'] + t['computed']:,} tiles of {t['tile']} ({human(t['flops_skipped'], 'FLOP')})")
     add("forward FLOPs per token", f"{human(r['flops_per_token'], 'FLOP')} ({human(r['flops_per_token_no_scores'])} without scores)")
+    if r["flops_per_token_all_experts"] != r["flops_per_token"]:
+        add("  with every expert", f"{human(r['flops_per_token_all_experts'], 'FLOP')} (all experts on every token; "
+            f"the router runs {r['config']['n_active_experts']})")
     add("training step FLOPs", f"{human(r['flops_train_step'], 'FLOP')} (3 × forward)")
     cs, cc = r["crossover_seq"], r["crossover_seq_causal"]
     if cs is None:
