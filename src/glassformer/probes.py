@@ -62,6 +62,9 @@ def set_recorder(r: Recorder | None) -> Recorder | None:
 # Pre-norm never normalises the stream, so it is the sum itself (resid_mid, resid_out);
 # post-norm normalises the stream right after each addition, so the stream proper is the
 # norm's output (attn_norm, ffn_norm) and the sums resid_mid/resid_out are what those norms read.
+# Sandwich (Gemma 2/3) is pre-norm with a second norm on each sublayer's output, before the
+# addition; post_branch (OLMo 2) has that second norm only: the sublayer reads the stream itself
+# and its output is normalised (by attn_norm / ffn_norm) before it is added.
 # Keys (leaf names inside block i; "in" is the stream entering block i):
 #   mid               the stream after the attention addition
 #   out               the stream leaving the block (what block i+1, or the final norm, reads)
@@ -69,11 +72,20 @@ def set_recorder(r: Recorder | None) -> Recorder | None:
 #   ffn_reads         what the feed-forward reads
 #   attn_norm_reads   what the attention-side norm normalises
 #   ffn_norm_reads    what the feed-forward-side norm normalises
+#   attn_adds         what the attention addition adds to the stream (its branch's last probe)
+#   ffn_adds          what the feed-forward addition adds to the stream
+# and, with sandwich norms only, attn_post_norm_reads / ffn_post_norm_reads (the sublayer's output).
 STREAM_WIRING = {
     "pre": {"mid": "resid_mid", "out": "resid_out", "attn_reads": "attn_norm", "ffn_reads": "ffn_norm",
-            "attn_norm_reads": "in", "ffn_norm_reads": "resid_mid"},
+            "attn_norm_reads": "in", "ffn_norm_reads": "resid_mid", "attn_adds": "attn.out", "ffn_adds": "ffn.down"},
     "post": {"mid": "attn_norm", "out": "ffn_norm", "attn_reads": "in", "ffn_reads": "attn_norm",
-             "attn_norm_reads": "resid_mid", "ffn_norm_reads": "resid_out"},
+             "attn_norm_reads": "resid_mid", "ffn_norm_reads": "resid_out", "attn_adds": "attn.out", "ffn_adds": "ffn.down"},
+    "sandwich": {"mid": "resid_mid", "out": "resid_out", "attn_reads": "attn_norm", "ffn_reads": "ffn_norm",
+                 "attn_norm_reads": "in", "ffn_norm_reads": "resid_mid", "attn_adds": "attn_post_norm",
+                 "ffn_adds": "ffn_post_norm", "attn_post_norm_reads": "attn.out", "ffn_post_norm_reads": "ffn.down"},
+    "post_branch": {"mid": "resid_mid", "out": "resid_out", "attn_reads": "in", "ffn_reads": "resid_mid",
+                    "attn_norm_reads": "attn.out", "ffn_norm_reads": "ffn.down", "attn_adds": "attn_norm",
+                    "ffn_adds": "ffn_norm"},
 }
 
 

@@ -29,8 +29,9 @@ def _module_inputs(model) -> dict[str, torch.Tensor]:
 
     for i, b in enumerate(model.blocks):
         for part, mod in (("block", b), ("attn_norm", b.attn_norm), ("attn", b.attn), ("ffn_norm", b.ffn_norm),
-                          ("ffn", b.ffn)):
-            hooks.append(mod.register_forward_pre_hook(keep(f"{i}.{part}")))
+                          ("ffn", b.ffn), ("attn_post_norm", b.attn_post_norm), ("ffn_post_norm", b.ffn_post_norm)):
+            if mod is not None:  # the post norms exist with sandwich norms only
+                hooks.append(mod.register_forward_pre_hook(keep(f"{i}.{part}")))
     hooks.append(model.final_norm.register_forward_pre_hook(keep("final_norm")))
     hooks.append(model.blocks[-1].register_forward_hook(lambda m, a, out: seen.__setitem__("last_out", out.detach()[0].float())))
     try:
@@ -42,31 +43,46 @@ def _module_inputs(model) -> dict[str, torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("placement", ["pre", "post"])
+@pytest.mark.parametrize("placement", ["pre", "post", "sandwich", "post_branch"])
 def test_the_tables_probes_hold_the_stream_the_modules_read(placement):
     model = tiny_model(n_layers=3, norm_placement=placement)
     tr = trace(model, IDS)
     got = _module_inputs(model)
     L = model.config.n_layers
+    reads = [("attn_reads", "attn"), ("ffn_reads", "ffn"), ("attn_norm_reads", "attn_norm"), ("ffn_norm_reads", "ffn_norm")]
+    if placement == "sandwich":
+        reads += [("attn_post_norm_reads", "attn_post_norm"), ("ffn_post_norm_reads", "ffn_post_norm")]
     for i in range(L):
         w = stream_probes(i, placement)
         # The stream entering block i is what block i reads, and what block i-1 leaves.
         assert torch.allclose(tr[w["in"]], got[f"{i}.block"], atol=1e-6), (i, w["in"])
         if i > 0:
             assert w["in"] == stream_probes(i - 1, placement)["out"]
-        for key, module in (("attn_reads", "attn"), ("ffn_reads", "ffn"), ("attn_norm_reads", "attn_norm"),
-                            ("ffn_norm_reads", "ffn_norm")):
+        for key, module in reads:
             assert torch.allclose(tr[w[key]], got[f"{i}.{module}"], atol=1e-6), (i, key, w[key])
-        # The stream after the attention addition: the sum itself (pre) or its norm (post).
-        mid_sum = tr[w["in"]] + tr[f"blocks.{i}.attn.out"]
+        # The stream after the attention addition: the sum itself (pre, sandwich, post_branch) or its norm (post);
+        # what each addition adds is the branch's last probe (attn_adds, ffn_adds).
+        mid_sum = tr[w["in"]] + tr[w["attn_adds"]]
         assert torch.allclose(tr[f"blocks.{i}.resid_mid"], mid_sum, atol=1e-5)
-        assert (w["mid"] == f"blocks.{i}.resid_mid") == (placement == "pre")
-        assert torch.allclose(tr[f"blocks.{i}.resid_out"], tr[w["mid"]] + tr[f"blocks.{i}.ffn.down"], atol=1e-5)
+        assert (w["mid"] == f"blocks.{i}.resid_mid") == (placement != "post")
+        assert torch.allclose(tr[f"blocks.{i}.resid_out"], tr[w["mid"]] + tr[w["ffn_adds"]], atol=1e-5)
+        if placement in ("pre", "post"):
+            assert (w["attn_adds"], w["ffn_adds"]) == (f"blocks.{i}.attn.out", f"blocks.{i}.ffn.down")
     # The stream leaving the last block is what the final norm reads.
     assert final_norm_reads(L, placement) == stream_probes(L - 1, placement)["out"]
     assert torch.allclose(tr[final_norm_reads(L, placement)], got["final_norm"], atol=1e-6)
     assert torch.allclose(tr[final_norm_reads(L, placement)], got["last_out"], atol=1e-6)
     assert stream_points(L, placement) == ["embed"] + [p for w in stream_wiring(L, placement) for p in (w["mid"], w["out"])]
+
+
+@pytest.mark.parametrize("placement", ["sandwich", "post_branch"])
+def test_attention_only_blocks_of_the_families_placements(placement):
+    model = tiny_model(n_layers=2, norm_placement=placement, ffn="none")
+    tr = trace(model, IDS)
+    for i in range(2):
+        w = stream_probes(i, placement, "none")
+        assert w["out"] == w["mid"] == f"blocks.{i}.resid_mid" and not any(k.startswith("ffn") for k in w)
+        assert torch.allclose(tr[w["mid"]], tr[w["in"]] + tr[w["attn_adds"]], atol=1e-5)
 
 
 def test_post_norm_streams_have_rms_one_and_the_twins_share_weights():
@@ -96,7 +112,7 @@ def test_the_stream_wiring_is_defined_once_and_imported_elsewhere():
     files = _sources()
     defs = [f for f, text in files.items() if re.search(r"^STREAM_WIRING\s*=", text, re.M)]
     assert defs == ["probes.py"]
-    assert set(STREAM_WIRING) == {"pre", "post"}
+    assert set(STREAM_WIRING) == {"pre", "post", "sandwich", "post_branch"}
     # Nowhere else does a line choose a stream probe by the norm placement (as
     # `"resid_out" if pre else "ffn_norm"` did in five modules and glass.js).
     leaves = r"(resid_mid|resid_out|attn_norm|ffn_norm)"

@@ -38,7 +38,8 @@ def norm_rms(tr: Trace) -> dict:
     ffn = tr.config.get("ffn", "swiglu")
     points = [p for p in stream_points(L, placement, ffn) if p == "embed" or probe_layer(p) in tr.layers]
     before = [w[k] for w in stream_wiring(L, placement, ffn) if probe_layer(w["mid"]) in tr.layers
-              for k in ("attn_norm_reads", "ffn_norm_reads") if k in w and w[k] not in points and w[k] != w["in"]]
+              for k in ("attn_norm_reads", "ffn_norm_reads") if k in w and w[k] not in points and w[k] != w["in"]
+              and w[k].rsplit(".", 1)[-1].startswith("resid")]  # a sum the norm reads (not a branch's output)
     parts = ("attention",) if ffn == "none" else ("attention", "FFN")  # ffn='none': one addition a block
     labels = ["embed"] + [f"{i}: + {part}" for i in tr.layers for part in parts]
     out = {"placement": placement, "tokens": tr.tokens, "points": points, "labels": labels,
