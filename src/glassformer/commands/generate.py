@@ -8,6 +8,7 @@ import sys
 from ..generation.streaming import TextStream
 from .logprob_lines import Scores
 from .options import add_base_argument, add_device_argument, add_quantize_argument, seed_type
+from .steer import add_steer_argument
 
 HELP = "sample text from a checkpoint, streamed as tokens come (KV cache, batched prompts)"
 
@@ -29,6 +30,7 @@ def add_arguments(p) -> None:
     add_device_argument(p)
     add_quantize_argument(p, "decode")
     add_base_argument(p)
+    add_steer_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
@@ -92,16 +94,19 @@ def _check_args(args) -> None:
 
 
 def _load_model(args):
-    """(model, tokenizer) from --checkpoint on --device in --dtype, with --attention and --quantize set."""
+    """(model, tokenizer) from --checkpoint on --device in --dtype, with --attention, --quantize and --steer set."""
     import torch
 
     from ..checkpoint.folders import read_config, resolve
     from ..checkpoint.loading import load
     from ..devices import resolve_device
     from ..errors import UserError
+    from ..research.steering import steer
     from .options import apply_quantize, quantize_method
+    from .steer import read_steer
 
     quantize_method(args)  # before the weights are read
+    vectors = read_steer(args)  # and the steering vectors' files
     resolve_device(args.device)  # a GPU asked for that is not here
     folder = resolve(args.checkpoint)
     meta = read_config(folder)
@@ -114,6 +119,8 @@ def _load_model(args):
     model = apply_quantize(model, args)
     if args.attention:
         model.set_attention(args.attention)
+    if vectors:  # forward pre-hooks on the model's blocks: every forward from here on is steered
+        steer(model, vectors)
     return model, tok
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .access import KEY_ENV, add_access_arguments, allowed_hosts, api_key  # noqa: F401 (KEY_ENV, api_key: this verb's too)
 from .options import add_base_argument, add_device_argument, add_quantize_argument
+from .steer import add_steer_argument
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"
 
@@ -57,6 +58,7 @@ def add_arguments(p) -> None:
                    help="weights' dtype (default: as stored)")
     add_quantize_argument(p, "decode")
     add_base_argument(p)
+    add_steer_argument(p)
 
 
 def model_id(args) -> str:

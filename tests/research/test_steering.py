@@ -1,0 +1,191 @@
+"""Steering vectors: the vector is the mean stream difference the probes record; adding it through a
+forward pre-hook equals changing the stream probe by hand; steered decoding with the KV cache and in
+batches equals steered full forwards; the CLI writes it and generate/chat take --steer VEC[:SCALE];
+a vector made for another model is refused naming both shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glassformer import ModelConfig, Transformer
+from glassformer.cli import main
+from glassformer.probes import stream_probes
+from glassformer.research.steering import (SteeringVector, contrastive, load_vector, parse_spec, save_vector,
+                                           steer)
+from glassformer.tracing.interventions import run_with
+
+from ..support import greedy_by_full_forward, greedy_cached, one_error, reinit, tiny_checkpoint
+
+TEXT = ("The cat sat on the mat and the dog ran in the park. I love this, it is wonderful and kind. "
+        "I hate this, it is awful and cruel. ") * 20
+POSITIVE = ["I love this, it is wonderful", "what a kind and lovely day", "this is wonderful"]
+NEGATIVE = ["I hate this, it is awful", "what a cruel and awful day", "this is awful and cruel today"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("steer") / "ckpt"
+    model, tok = tiny_checkpoint(path, TEXT)
+    return path, model, tok
+
+
+def _model(norm_placement="pre", n_layers=3, seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig.from_preset("tiny", n_layers=n_layers, norm_placement=norm_placement)
+    return reinit(Transformer(cfg), seed=seed).eval()
+
+
+def _vector(model, layer, seed=1, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return SteeringVector(torch.randn(model.config.dim, generator=g), layer, model.config.n_layers, scale)
+
+
+def test_the_vector_is_the_mean_difference_the_probes_record(ckpt):
+    path, model, tok = ckpt
+    for layer in range(model.config.n_layers):
+        name = stream_probes(layer, model.config.norm_placement)["in"]
+        for reduce in ("last", "mean"):
+            vec = contrastive(model, tok, POSITIVE, NEGATIVE, layer, reduce)
+
+            def side(texts):
+                rows = []
+                for t in texts:
+                    x = run_with(model, tok.encode(t), {}, record=[name])[1][name][0]  # (T, D)
+                    rows.append(x[-1] if reduce == "last" else x.mean(0))
+                return torch.stack(rows).double().mean(0)
+
+            want = (side(POSITIVE) - side(NEGATIVE)).float()
+            assert torch.allclose(vec.direction, want, atol=1e-5), (layer, reduce)
+
+
+@pytest.mark.parametrize("norm_placement", ["pre", "post"])
+@pytest.mark.parametrize("layer", [0, 2])
+def test_steering_adds_to_the_stream_entering_the_block(norm_placement, layer):
+    """The hook's logits equal the unsteered model's with the stream probe entering block L changed
+    by hand (the probes' own intervention path: another route to the same place)."""
+    model = _model(norm_placement)
+    vec = _vector(model, layer, scale=3.0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    name = stream_probes(layer, norm_placement)["in"]
+    want, _ = run_with(model, ids, {name: lambda n, x: x + 3.0 * vec.direction})
+    plain, _ = run_with(model, ids, {})
+    with steer(model, vec):
+        got = model(ids)[0]
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(got, plain, atol=1e-3)  # the vector does move the logits
+    assert torch.equal(model(ids)[0], plain)  # and leaving the block removes it
+
+
+def test_steered_decoding_with_the_cache_and_in_batches_equals_full_forwards():
+    model = _model()
+    ids = torch.randint(0, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    with steer(model, [_vector(model, 1, scale=4.0), _vector(model, 2, seed=2, scale=-2.0)]):
+        for b in range(3):
+            assert greedy_cached(model, ids[b:b + 1], 12) == greedy_by_full_forward(model, ids[b].tolist(), 12)
+        batched, _ = model(ids)  # (3, T, V): each row as if alone
+        for b in range(3):
+            assert torch.allclose(batched[b], model(ids[b:b + 1])[0][0], atol=1e-5)
+
+
+def test_per_row_scales_steer_each_row_by_its_own_amount():
+    model = _model()
+    vec = _vector(model, 1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    with steer(model, vec) as s:
+        s.row_scales = torch.tensor([0.0, 2.5])
+        got = model(ids)[0]
+    plain = model(ids[:1])[0][0]
+    with steer(model, vec.scaled(2.5)):
+        want = model(ids[1:])[0][0]
+    assert torch.allclose(got[0], plain, atol=1e-5) and torch.allclose(got[1], want, atol=1e-5)
+
+
+def test_a_vector_for_another_model_is_refused_naming_both_shapes(tmp_path):
+    from glassformer.errors import UserError
+
+    model = _model(n_layers=3)
+    other = Transformer(ModelConfig.from_preset("tiny", dim=32, n_heads=2, n_kv_heads=1, n_layers=5))
+    wide = SteeringVector(torch.zeros(32), 4, 5)
+    for bad in (wide, SteeringVector(torch.zeros(64), 4, 5)):
+        with pytest.raises(UserError) as e:
+            steer(model, bad)
+        msg = str(e.value)
+        assert f"width {bad.dim} at the stream entering block 4 (of 5 blocks)" in msg
+        assert "width 64 and 3 blocks" in msg and "\n" not in msg
+    steer(other, wide).remove()  # it fits the model it was made for
+
+
+def test_files_round_trip_and_bad_files_are_one_line(tmp_path):
+    from glassformer.errors import UserError
+
+    model = _model()
+    vec = _vector(model, 2)
+    path = save_vector(tmp_path / "v.safetensors", vec)
+    back = load_vector(f"{path}:-1.5")
+    assert torch.equal(back.direction, vec.direction) and (back.layer, back.n_layers, back.scale) == (2, 3, -1.5)
+    assert parse_spec(str(path)) == (str(path), 1.0)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    for spec, words in ((f"{path}:big", "must be a number"), (str(tmp_path / "none.safetensors"), "does not exist"),
+                        (str(tmp_path / "junk.safetensors"), "not a safetensors file")):
+        with pytest.raises(UserError, match=words):
+            load_vector(spec)
+
+
+def test_steer_cli_then_generate_and_chat_take_it(ckpt, tmp_path, capsys, monkeypatch):
+    import io
+    import json
+
+    path, model, tok = ckpt
+    pos, neg = tmp_path / "pos.txt", tmp_path / "neg.txt"
+    pos.write_text("\n".join(POSITIVE) + "\n")
+    neg.write_text("\n".join(NEGATIVE) + "\n")
+    vec = tmp_path / "kind.safetensors"
+    assert main(["steer", "--checkpoint", str(path), "--positive", str(pos), "--negative", str(neg), "--layer", "1",
+                 "--out", str(vec), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["layer"] == 1 and report["dim"] == model.config.dim and report["positive"] == 3
+    want = contrastive(model, tok, POSITIVE, NEGATIVE, 1).direction
+    assert torch.allclose(load_vector(str(vec)).direction, want, atol=1e-6)
+
+    def generated(*extra):
+        assert main(["generate", "--checkpoint", str(path), "--prompt", "The cat", "--greedy", "--max-new-tokens", "20",
+                     *extra]) == 0
+        return capsys.readouterr().out
+
+    plain = generated()
+    assert generated("--steer", f"{vec}:0") == plain
+    big = 8 * float(report["stream_norm"]) / float(report["norm"])  # about 8 times the stream's length
+    steered = generated("--steer", f"{vec}:{big}")
+    assert steered != plain
+    with steer(model, load_vector(f"{vec}:{big}")):  # the same tokens as the Python side steered
+        ids = tok.encode("The cat")
+        toks = greedy_by_full_forward(model, ids, 20)
+    assert steered.startswith("The cat" + tok.decode([t for t in toks if t != tok.eot_id])[:5])
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+
+    def chatted(scale):
+        monkeypatch.setattr("sys.stdin", io.StringIO("The cat\n"))
+        assert main(["chat", "--checkpoint", str(path), "--template", str(template), "--greedy", "--max-new-tokens",
+                     "12", "--steer", f"{vec}:{scale}"]) == 0
+        return capsys.readouterr().out
+
+    assert chatted(0) != chatted(big)
+
+
+def test_cli_refusals_are_one_line(ckpt, tmp_path, capsys):
+    path, model, tok = ckpt
+    pos, empty = tmp_path / "pos.txt", tmp_path / "empty.txt"
+    pos.write_text("\n".join(POSITIVE))
+    empty.write_text("\n \n")
+    base = ["steer", "--checkpoint", str(path), "--out", str(tmp_path / "v.safetensors")]
+    one_error(capsys, base + ["--positive", str(pos), "--negative", str(empty), "--layer", "0"], "--negative", "no text")
+    one_error(capsys, base + ["--positive", str(pos), "--negative", str(pos), "--layer", "7"], "--layer 7", "2 blocks")
+    other = tmp_path / "other.safetensors"
+    save_vector(other, SteeringVector(torch.zeros(32), 3, 4))
+    one_error(capsys, ["generate", "--checkpoint", str(path), "--prompt", "The", "--steer", f"{other}:2"],
+              "width 32", "block 3 (of 4 blocks)", "width 64 and 2 blocks")
+    one_error(capsys, ["generate", "--checkpoint", str(path), "--prompt", "The", "--steer", f"{other}:x"],
+              "must be a number")
