@@ -11,6 +11,7 @@ import sys
 
 from .generate import add_sampling_arguments
 from .options import add_base_argument, add_device_argument, add_quantize_argument
+from .steer import add_steer_argument
 
 HELP = "talk with a checkpoint: each reply streams, the conversation stays in one KV cache"
 COMMANDS = "/reset forgets the conversation, /system TEXT sets the system prompt, /exit ends"
@@ -47,6 +48,7 @@ def add_arguments(p) -> None:
     add_device_argument(p)
     add_quantize_argument(p, "chat")
     add_base_argument(p)
+    add_steer_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
 
