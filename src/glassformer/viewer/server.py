@@ -252,9 +252,10 @@ class Explorer:
                 raise UserError(f"position must be a token index in 0..{len(ids) - 1}, got {position}")
             return self.sampler(ids[:position + 1], settings)
 
-    def generation(self, text: str, max_tokens: int, settings: dict, checkpoint: str | None = None) -> dict:
+    def generation(self, text: str, max_tokens: int | None, settings: dict, checkpoint: str | None = None) -> dict:
         """The page's payload for `text` continued by `generate` (up to max_tokens new tokens with
-        these settings), its `generated` part the generated-text view's data."""
+        these settings; None: GENERATE_TOKENS, or the room left in the context), its `generated` part
+        the generated-text view's data."""
         if checkpoint is not None:
             return self.at(checkpoint).generation(text, max_tokens, settings)
         if self.generator is None:
@@ -408,17 +409,17 @@ def _settings_of(req: dict) -> dict:
 
 
 GENERATE_FIELDS = ("text", "max_tokens", *SAMPLE_NUMBERS, "top_k", "seed", "checkpoint")
-GENERATE_TOKENS = 20  # new tokens when a request names no max_tokens
+GENERATE_TOKENS = 20  # new tokens when a request names no max_tokens (fewer where the context has less room)
 
 
-def _generate_of(req: dict) -> tuple[int, dict]:
+def _generate_of(req: dict) -> tuple[int | None, dict]:
     """(max_tokens, sampling settings) of a /api/generate request: known fields only, each of the
     right type, max_tokens within 1..MAX_TOKENS (the ranges of the rest: the sampler's check)."""
     unknown = sorted(set(req) - set(GENERATE_FIELDS))
     if unknown:
         raise UserError(f"generate takes {', '.join(GENERATE_FIELDS)}; unknown field {unknown[0]!r}")
-    n = req.get("max_tokens", GENERATE_TOKENS)
-    if not _integer(n) or not 1 <= n <= MAX_TOKENS:
+    n = req.get("max_tokens")  # None: the generator fits GENERATE_TOKENS into the context's room
+    if n is not None and (not _integer(n) or not 1 <= n <= MAX_TOKENS):
         raise UserError(f"max_tokens must be an integer in 1..{MAX_TOKENS}, got {n!r}")
     return n, _settings_of(req)
 

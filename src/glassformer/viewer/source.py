@@ -38,7 +38,7 @@ from .cost_calc import cost_calcs
 from .generated import EXPLAIN_LIMIT, check_max_tokens, full_logits, generated_part, new_tokens
 from .render import cost_rows, flash_key, to_plain, write_html
 from .sample_calc import probability_calcs, stage_calcs
-from .server import Explorer
+from .server import GENERATE_TOKENS, Explorer
 from .training import RunCheckpoints, run_name
 
 TOP_K = 10  # logits kept per token in a trace for the page (the page shows 5)
@@ -327,12 +327,14 @@ def write_page(path, model, tokenizer, text: str, *, model_name: str, **kw):
     return write_html(path, tr, **args)
 
 
-def generation(model, tokenizer, prompt: str, ids: list[int], tokens: list[str], max_tokens: int,
+def generation(model, tokenizer, prompt: str, ids: list[int], tokens: list[str], max_tokens: int | None,
                settings: dict) -> tuple[list[int], list[str], dict, str]:
     """(ids, tokens, generated part, text): the prompt (its ids and tokens) continued by
     glassformer.generate with these settings (up to max_tokens, stopping at the end-of-text token as
     `glassformer generate` does), and the generated-text view's data (viewer/generated.py) from
-    one full forward over the whole text."""
+    one full forward over the whole text. max_tokens None: default_tokens."""
+    if max_tokens is None:
+        max_tokens = default_tokens(len(ids), model.config.max_seq_len)
     check_max_tokens(max_tokens, len(ids), model.config.max_seq_len)
     check_sampling(**{k: v for k, v in settings.items() if k != "seed"})
     eot = getattr(tokenizer, "eot_id", None)
@@ -348,6 +350,16 @@ def generation(model, tokenizer, prompt: str, ids: list[int], tokens: list[str],
     part = generated_part(full_logits(model, every), ids, new, settings, functools.partial(_piece, tokenizer),
                           text=text, roundtrip=roundtrip, max_tokens=max_tokens)
     return every, tokens + tokens_of(tokenizer, new), part, text
+
+
+def default_tokens(prompt_len: int, context: int) -> int:
+    """New tokens when none are asked for: the server's GENERATE_TOKENS, or the room the prompt leaves
+    in the context where that is less (the toy model's 16 tokens of context hold 12 after 'I like cats too').
+
+    >>> default_tokens(4, 16), default_tokens(4, 1024)
+    (12, 20)
+    """
+    return max(1, min(GENERATE_TOKENS, context - prompt_len))
 
 
 GENERATED_NORM_ROWS = 16  # tokens whose RMS calculations a generated page stores (~35 kB a token)

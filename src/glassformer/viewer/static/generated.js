@@ -37,6 +37,17 @@
     $('sentence-form').after(form);
     return form;
   }
+  // The new tokens asked for fit the context: at most the room the sentence leaves (the toy model's
+  // context of 16 holds 12 after its 4 tokens), and the default 20 comes down to it until the user types one.
+  function fitMax() {
+    const input = $('gen-max'), room = (CFG().max_seq_len || 64) - TR().tokens.length;
+    const most = Math.max(1, Math.min(64, room));
+    input.max = String(most);
+    if (!input.dataset.typed) input.value = String(Math.min(20, most));
+    input.oninput = () => { input.dataset.typed = '1'; };
+    $('generate').disabled = room < 1;
+    $('generate').title = room < 1 ? `the sentence fills the model's context of ${CFG().max_seq_len} tokens` : '';
+  }
   function request() {
     const v = (id) => Number($(id).value);
     const k = Math.floor(v('gen-top-k')) || 0, p = v('gen-top-p');
@@ -276,6 +287,7 @@
     const sec = $('view-generated'), g = gen(), live = P().mode === 'server';
     const form = live ? buildForm() : $('generate-form');
     if (form) form.hidden = !live;
+    if (live) fitMax();
     if (view.payload !== P()) { view.payload = P(); view.selected = null; }
     clear(sec);
     if (!g) { sec.hidden = true; return; }
