@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -308,10 +309,33 @@ def page_args(model, tokenizer, text: str, *, model_name: str, mode: str = "stat
         flash=flash_walks(tr, flash_tile(len(ids)), tr.query),
     )
     if mode == "static":
-        args["explain"] = lambda probe, index: explain(tr, probe, index, model=model)
+        args["explain"] = lambda probe, index: named(explain(tr, probe, index, model=model), tokenizer)
         args["sampling"] = sample_grid(Sampler(model, tokenizer), ids, tr.query)
     args["tokenizer"] = tokenizer_view(tokenizer, text)
     return tr, args
+
+
+VOCAB_REF = re.compile(r"\[#(\d+)\]")  # explaining.rules.Context.vocab's name of an id not in the text
+
+
+def named(e, tokenizer):
+    """The explanation `e` with every vocabulary entry named as the page draws it (token_label of its
+    piece: ↵, ␣cat) where the trace alone could only say #id: a softmax's inputs read as its title does."""
+    if tokenizer is None:
+        return e
+    d = to_plain(e)
+
+    def fix(text):
+        return VOCAB_REF.sub(lambda m: f"[{token_label(_piece(tokenizer, int(m.group(1))))}]", text)
+
+    def walk(x):
+        if isinstance(x, dict):
+            return {k: (fix(v) if k in ("label", "text", "title") and isinstance(v, str) else walk(v)) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(d)
 
 
 def _piece(tokenizer, i: int) -> str:
@@ -414,7 +438,7 @@ def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict
     def calculation(tr, probe, index):
         if probe in LiveParts.PARTS:
             return live.part(tr, probe, index)
-        return explain(tr, probe, index, model=model)
+        return named(explain(tr, probe, index, model=model), tokenizer)
 
     return Explorer(encode=enc, trace=trace_fn, default_text=default_text, as_dict=page_dict,
                     explain=calculation, extras=extras, sampler=Sampler(model, tokenizer),
@@ -731,7 +755,7 @@ def write_trace_page(trace, path, model=None, tokenizer=None, sentence: str | No
             extra["tokenizer"] = tokenizer_view(tokenizer, sentence)
     return write_html(
         path, d, sentence=sentence, model_name=cfg.to_dict().get("name") or "traced model", pieces=pieces,
-        explain=lambda probe, index: explain(tr, probe, index, model=model), norm=norm,
+        explain=lambda probe, index: named(explain(tr, probe, index, model=model), tokenizer), norm=norm,
         costs=costs_view(cfg, len(tr.ids)), focus_token=tr.query,
         flash_tile=tiles[0].get("tile_size") if tiles else None,
         flash=flash_walks(tr, tile, len(tr.ids) - 1 if tr.query is None else tr.query) if complete else None,
