@@ -4,6 +4,8 @@ token ids and the library's, with a space drawn ␣ and a newline ↵, in a save
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from glassformer.viewer import source
@@ -44,10 +46,18 @@ def test_a_tokenizer_that_is_not_byte_level_bpe_is_said_so():
 
     word_piece = HFTokenizer(WordLevel({"I": 0, "like": 1, "[UNK]": 2}, unk_token="[UNK]"))
     word_piece.pre_tokenizer = Whitespace()
-    for tok, words in ((worked.TOKENIZER, "has no BPE merges"), (word_piece, "this is a WordLevel tokenizer")):
-        view = source.tokenizer_view(tok, "I like cats")
-        assert set(view) == {"text", "error"} and "byte-level BPE" in view["error"] and words in view["error"]
-        assert "--steps" not in view["error"]
+    view = source.tokenizer_view(word_piece, "I like cats")
+    assert set(view) == {"text", "error"} and "byte-level BPE" in view["error"]
+    assert "this is a WordLevel tokenizer" in view["error"] and "--steps" not in view["error"]
+
+
+def test_the_worked_models_word_tokenizer_shows_its_words_and_ids():
+    # Not an error: the toy tokenizer looks each word up whole, and the view says so.
+    view = source.tokenizer_view(worked.TOKENIZER, "I like cats too")
+    assert view["kind"] == "words" and "error" not in view
+    assert view["ids"] == worked.TOKENIZER.encode("I like cats too") == [w["id"] for w in view["words"]]
+    assert [w["text"] for w in view["words"]] == ["I", "like", "cats", "too"] and view["vocab_size"] == 6
+    assert "unknown word 'mice'" in source.tokenizer_view(worked.TOKENIZER, "I like mice")["error"]
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +112,10 @@ def test_live_page_follows_the_sentence(browser, parts):  # noqa: F811
 
 
 @pytest.mark.browser
-def test_word_level_tokenizer_shows_why(browser, tmp_path):  # noqa: F811
+def test_word_level_tokenizer_shows_its_words(browser, tmp_path):  # noqa: F811
     page = open_page(browser, source.write_worked_page(tmp_path / "worked.html").as_uri())
-    assert "byte-level BPE" in page.locator("#view-tokenizer #tokenizer-error").text_content()
+    assert page.locator("#view-tokenizer #tokenizer-error").count() == 0 and page.locator("#view-tokenizer .bad").count() == 0
+    assert json.loads(page.locator("#tokenizer-ids").get_attribute("data-ids")) == worked.TOKENIZER.encode(worked.SENTENCE)
+    assert "word-level" in page.locator("#view-tokenizer .lede").text_content()
     assert page.locator("#view-tokenizer").is_visible() and page.events["errors"] == []
     page.close()

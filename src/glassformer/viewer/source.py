@@ -611,10 +611,29 @@ def tokenizer_view(tokenizer, text: str) -> dict:
         return {"text": text, "error": str(e).replace("--steps shows", "the tokenizer view shows")
                 .replace("; drop --steps to see its tokens", "")}
     except (AttributeError, TypeError, ValueError, KeyError):  # no tokenizer.json behind it (a word vocabulary)
+        words = word_view(tokenizer, text)
+        if words is not None:
+            return words
         return {"text": text, "error": f"the tokenizer view shows byte-level BPE tokenizers only: this one "
                                        f"({type(tokenizer).__name__}) has no BPE merges to show"}
     return {"text": text, "label": token_label(text), "ids": steps.ids, "bytes": list(text.encode("utf-8")),
             "chunks": [_chunk_view(tokenizer, c) for c in steps.chunks]}
+
+
+def word_view(tokenizer, text: str) -> dict | None:
+    """A word-level tokenizer's steps (the walkthrough's toy one): the text split on whitespace, each
+    word looked up whole in the vocabulary, one id each. None when its ids are not one per word."""
+    words = text.split()
+    try:
+        ids = tokenizer.encode(text)
+    except UserError as e:  # a word it does not know: the view says which
+        return {"text": text, "kind": "words", "label": token_label(text), "error": str(e).splitlines()[0]}
+    except Exception:  # noqa: BLE001 (any other tokenizer: not this view's)
+        return None
+    if not isinstance(ids, list) or len(ids) != len(words) or not all(isinstance(i, int) for i in ids):
+        return None
+    return {"text": text, "kind": "words", "label": token_label(text), "ids": ids, "vocab_size": int(tokenizer.vocab_size),
+            "words": [{"text": w, "id": i, "piece": token_label(_piece(tokenizer, i))} for w, i in zip(words, ids)]}
 
 
 def _chunk_view(tokenizer, chunk) -> dict:

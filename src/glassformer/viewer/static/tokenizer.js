@@ -44,7 +44,8 @@
     if (!data) return;
     sec.append(el('h2', {}, [el('span', { class: 'n', text: '10' }), ' Tokenizer: from text to ids']));
     sec.append(el('p', { class: 'lede', text: LEDE }));
-    if (data.error) { sec.append(el('p', { class: 'bad', id: 'tokenizer-error', text: data.error })); return; }
+    if (data.kind === 'words') { drawWords(sec, data); return; }
+    if (data.error) { sec.append(el('p', { class: 'note', id: 'tokenizer-error', text: data.error })); return; }
     const ids = el('div', { id: 'tokenizer-ids', class: 'tz-pieces' });
     ids.dataset.ids = JSON.stringify(data.ids);
     data.chunks.forEach((c, k) => c.ids.forEach((id, j) => ids.append(el('span', { class: 'tz-id', dataset: { chunk: String(k) } }, [el('span', { class: 'tz-piece', text: c.pieces[j] }), el('code', { text: String(id) })]))));
@@ -58,10 +59,36 @@
     onToken();
   }
 
-  // The selected token's chunk and id are marked.
+  // A word-level tokenizer (the walkthrough's toy one): no bytes and no merges, each word is looked
+  // up whole in the vocabulary (viewer/source.py word_view).
+  function drawWords(sec, data) {
+    sec.querySelector('.lede').textContent = 'How the sentence became the ids the model reads. This model ' +
+      'has a word-level tokenizer, as the walkthrough\'s toy model does: the text is split at each space, ' +
+      'and each word is looked up whole in a fixed vocabulary (no bytes, no merges); a word outside it ' +
+      'cannot be read. A real model\'s byte-level BPE tokenizer builds its pieces from bytes instead.';
+    if (data.error) { sec.append(el('p', { class: 'note', id: 'tokenizer-error', text: data.error })); return; }
+    const ids = el('div', { id: 'tokenizer-ids', class: 'tz-pieces' });
+    ids.dataset.ids = JSON.stringify(data.ids);
+    data.words.forEach((w, k) => ids.append(el('span', { class: 'tz-id', dataset: { chunk: String(k) } }, [el('span', { class: 'tz-piece', text: w.piece }), el('code', { text: String(w.id) })])));
+    sec.append(el('div', { id: 'tokenizer', class: 'tz' }, [
+      stage('text', el('span', { class: 'tz-piece tz-text', text: data.label })),
+      stage(`split at spaces: ${data.words.length} ${data.words.length === 1 ? 'word' : 'words'}`,
+        el('div', { class: 'tz-chunks' }, data.words.map((w, k) => el('div', { class: 'tz-chunk', dataset: { chunk: String(k) } },
+          [el('b', { class: 'tz-piece', text: w.text }), el('span', { class: 'muted', text: ` → vocabulary entry ${w.id} of ${data.vocab_size}` })])))),
+      stage(`ids: ${data.ids.length} tokens`, ids),
+    ]));
+    onToken();
+  }
+
+  // The selected token's chunk (its word) and id are marked.
   function onToken() {
     const data = P().tokenizer;
     if (!data || data.error) return;
+    if (data.kind === 'words') {
+      document.querySelectorAll('#tokenizer .sel').forEach((e) => e.classList.remove('sel'));
+      document.querySelectorAll(`#tokenizer [data-chunk="${G.state.token}"]`).forEach((e) => e.classList.add('sel'));
+      return;
+    }
     let t = G.state.token, k = 0;
     for (; k < data.chunks.length && t >= data.chunks[k].ids.length; k++) t -= data.chunks[k].ids.length;
     document.querySelectorAll('#tokenizer .sel').forEach((e) => e.classList.remove('sel'));
