@@ -189,3 +189,32 @@ def test_cli_refusals_are_one_line(ckpt, tmp_path, capsys):
               "width 32", "block 3 (of 4 blocks)", "width 64 and 2 blocks")
     one_error(capsys, ["generate", "--checkpoint", str(path), "--prompt", "The", "--steer", f"{other}:x"],
               "must be a number")
+
+
+def test_convert_writes_llama_cpps_control_vector_file(tmp_path, capsys):
+    """direction.{L-1} (llama.cpp adds direction.il to layer il's output, the stream entering block il+1),
+    the scale baked in, F32, arch 'controlvector' with the model's graph as hint; L < 2 has no place."""
+    import gguf
+
+    from glassformer.convert.control_vector import read_control_vector
+
+    model = _model(n_layers=4)
+    vec = SteeringVector(torch.randn(64, generator=torch.Generator().manual_seed(3)), 2, 4,
+                         meta={"config": __import__("json").dumps(model.config.to_dict())})
+    save_vector(tmp_path / "v.safetensors", vec)
+    out = tmp_path / "cv.gguf"
+    assert main(["convert", "--control-vector", f"{tmp_path / 'v.safetensors'}:-2", "--out", str(out)]) == 0
+    r = gguf.GGUFReader(str(out))
+    fields = {k: f.contents() for k, f in r.fields.items()}
+    assert fields["general.architecture"] == "controlvector"
+    assert fields["controlvector.model_hint"] == "llama" and fields["controlvector.layer_count"] == 1
+    assert [(t.name, t.tensor_type.name) for t in r.tensors] == [("direction.1", "F32")]
+    buf = read_control_vector(out, 64, 4)  # layer 1 at [0:64], as llama.cpp's loader places it
+    assert torch.allclose(torch.from_numpy(buf[:64]), -2 * vec.direction) and not buf[64:].any()
+    save_vector(tmp_path / "early.safetensors", SteeringVector(torch.zeros(64), 1, 4))
+    one_error(capsys, ["convert", "--control-vector", str(tmp_path / "early.safetensors"), "--out",
+                       str(tmp_path / "e.gguf")], "entering block 1", "--layer 2 or later")
+    one_error(capsys, ["convert", "--control-vector", str(tmp_path / "v.safetensors"), "--out", str(out)],
+              "already exists")
+    one_error(capsys, ["convert", "--control-vector", str(tmp_path / "v.safetensors"), "--out", str(tmp_path / "x"),
+                       "--dtype", "f16"], "--dtype")

@@ -25,6 +25,9 @@ def add_arguments(p) -> None:
                            "(docs/lora.md)")
     mode.add_argument("--quantize", metavar="TYPE",
                       help="store the weights of --checkpoint as TYPE (int8: per output channel; docs/quantize.md)")
+    mode.add_argument("--control-vector", metavar="VEC[:SCALE]",
+                      help="steering vector (from `glassformer steer`) to write, times SCALE, as llama.cpp's "
+                           "control-vector GGUF (--out F.gguf; llama-cli --control-vector F.gguf): docs/research.md#steering-vectors")
     p.add_argument("--peft", action="store_true",
                    help="with --to-hf on a LoRA adapter run: write DIR/base/ and the adapter in PEFT's layout (docs/lora.md#peft)")
     p.add_argument("--base", metavar="CKPT",
@@ -150,6 +153,26 @@ def _gguf(args) -> int:
     return export_with_modelfile(args.to_gguf, args.out, args.dtype)
 
 
+def _control_vector(args) -> int:
+    """--control-vector VEC[:SCALE] --out F.gguf: the vector as llama.cpp's control-vector file."""
+    from ..convert.control_vector import direction_index, model_hint, write_control_vector
+    from ..errors import UserError
+    from ..research.steering import load_vector
+
+    extra = [flag for flag, on in (("--checkpoint", args.checkpoint), ("--base", args.base), ("--peft", args.peft),
+                                   ("--dtype", args.dtype), ("--allow-pickle", args.allow_pickle)) if on]
+    if extra:
+        raise UserError(f"--control-vector takes no {', '.join(extra)}: the file holds one float32 vector")
+    if not str(args.out).endswith(".gguf"):
+        raise UserError(f"--control-vector writes one GGUF file: give --out a name ending in .gguf, got {args.out}")
+    vec = load_vector(args.control_vector)
+    out = write_control_vector(vec, args.out)
+    print(f"wrote {out}: llama.cpp control vector direction.{direction_index(vec.layer, vec.n_layers)} (the stream "
+          f"entering block {vec.layer}), width {vec.dim}, scale {vec.scale:g}, for a {model_hint(vec)} model; "
+          f"run it with llama-cli --control-vector {out}")
+    return 0
+
+
 def run(args) -> int:
     import torch
 
@@ -161,6 +184,8 @@ def run(args) -> int:
     from ..convert.peft import save_peft
     from ..errors import UserError
 
+    if args.control_vector is not None:
+        return _control_vector(args)
     if args.to_gguf is not None or args.from_gguf is not None:
         return _gguf(args)
     if args.base is not None and args.merge_lora is None and args.to_hf is None:
