@@ -1,0 +1,97 @@
+"""`glassformer patch`: an activation patching sweep over every layer × position (or layer × head)."""
+
+from __future__ import annotations
+
+from .options import add_base_argument, add_device_argument
+
+HELP = "activation patching sweep: clean activations patched into the corrupted run, layer by position (or head)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", metavar="CKPT", required=True,
+                   help="checkpoint, training run or Hugging Face folder, or a Hub name org/name[@revision]")
+    p.add_argument("--clean", required=True, metavar="TEXT", help="the clean text (its activations are patched in)")
+    p.add_argument("--corrupt", required=True, metavar="TEXT",
+                   help="the corrupted text (the run patched), as many tokens as --clean")
+    p.add_argument("--answer", required=True, metavar="TOK", help="the right next token (one token, or #ID)")
+    p.add_argument("--wrong", required=True, metavar="TOK", help="the wrong next token (one token, or #ID)")
+    p.add_argument("--site", default="resid_pre", metavar="SITE",
+                   help="resid_pre (the stream entering each block), attn_out, mlp_out, or z (each head, all positions)")
+    p.add_argument("--method", default="exact", metavar="METHOD",
+                   help="exact (one patched run per cell, batched), attribution (gradient estimate: one forward and "
+                        "backward), or both (and their correlation)")
+    p.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="patches per forward (default: as many as fit in about 128 MB of activations)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line (the last line)")
+    p.add_argument("--html", metavar="FILE.html", help="also write the grid as a self-contained page")
+    add_device_argument(p)
+    add_base_argument(p)
+
+
+def load_checked(args, texts: list[tuple[str, str]]):
+    """(model, tokenizer, {flag: ids}, answer id, wrong id): the model loaded, the texts and tokens
+    checked (one line each) before any sweep runs."""
+    from ..checkpoint.loading import load
+    from ..devices import resolve_device
+    from ..research.tokens import encode, token_id
+
+    model, tok = load(args.checkpoint, device=resolve_device(args.device), base=args.base)
+    model.eval()
+    cfg = model.config
+    ids = {flag: encode(tok, text, flag, cfg.max_seq_len) for flag, text in texts}
+    answer = token_id(tok, args.answer, "--answer", cfg.vocab_size)
+    wrong = token_id(tok, args.wrong, "--wrong", cfg.vocab_size)
+    return model, tok, ids, answer, wrong
+
+
+def run(args) -> int:
+    import json
+
+    from ..errors import UserError
+    from ..research.patching import METHODS, SITES, check_site, patch_sweep
+    from ..research.tokens import pieces, same_length
+    from .options import check_output_file
+
+    if args.site not in SITES:  # before the model is read; a site this model lacks is checked once it is
+        raise UserError(f"unknown site {args.site!r}: the sites are {', '.join(SITES)}")
+    if args.method not in METHODS:
+        raise UserError(f"unknown method {args.method!r}: the methods are {', '.join(METHODS)}")
+    if args.batch is not None and args.batch < 1:
+        raise UserError(f"--batch must be at least 1, got {args.batch}")
+    if args.html:
+        check_output_file("--html", args.html)
+    model, tok, ids, answer, wrong = load_checked(args, [("--clean", args.clean), ("--corrupt", args.corrupt)])
+    check_site(model.config, args.site)
+    same_length(tok, ids["--clean"], ids["--corrupt"])
+    res = patch_sweep(model, ids["--clean"], ids["--corrupt"], answer, wrong, args.site, args.method, args.batch)
+    out = res.to_dict()
+    out.update(clean_tokens=pieces(tok, ids["--clean"]), corrupt_tokens=pieces(tok, ids["--corrupt"]),
+               answer={"id": answer, "token": pieces(tok, [answer])[0]}, wrong={"id": wrong, "token": pieces(tok, [wrong])[0]},
+               checkpoint=str(args.checkpoint))
+    if args.html:
+        from ..research.page import write_page
+
+        write_page(args.html, {"patch": out})
+        if not args.json:
+            print(f"wrote {args.html}")
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print("\n".join(table(out)))
+    return 0
+
+
+def table(out: dict) -> list[str]:
+    """The grid as text: one row per layer, each cell the patched metric."""
+    cols = out["axes"][1]
+    labels = ([f"h{j}" for j in range(len(out["grid"][0]))] if cols == "head"
+              else [f"{j}:{t}"[:9] for j, t in enumerate(out["clean_tokens"])])
+    lines = [f"site {out['site']} ({out['transformer_lens']}), method {out['method']}; metric "
+             f"logit({out['answer']['token']!r}) - logit({out['wrong']['token']!r}) at the last position",
+             f"clean {out['clean']:.4f}   corrupt {out['corrupt']:.4f}"]
+    if out.get("correlation") is not None:
+        lines.append(f"attribution vs exact: Pearson r = {out['correlation']:.4f}")
+    lines.append("layer " + " ".join(f"{c:>9}" for c in labels))
+    for i, row in enumerate(out["grid"]):
+        lines.append(f"{i:>5} " + " ".join(f"{v:>9.4f}" for v in row))
+    return lines
