@@ -9,6 +9,7 @@ each probe's rule in rules.py; this module is the entry point.
 from __future__ import annotations
 
 import math
+import re
 from typing import Sequence
 
 from ..errors import UserError
@@ -36,7 +37,9 @@ def explain(trace, probe: str, index: Sequence[int] | int, model=None, *, max_te
     leaf = probe.split(".")[-1]
     if probe.startswith("blocks."):
         parts = probe.split(".")
-        leaf = ".".join(parts[2:])
+        # an expert's (ffn.experts.3.up) and the shared experts' (ffn.shared.up) probes follow the
+        # feed-forward's own rules, which read the module from the probe's name
+        leaf = re.sub(r"^ffn\.(experts\.\d+|shared)\.", "ffn.", ".".join(parts[2:]))
     rule = RULES.get(leaf)
     if rule is None:
         raise UserError(f"explain does not know probe {probe!r}; it explains: " + ", ".join(sorted(RULES)))

@@ -60,7 +60,13 @@ def step_value(step: dict) -> float | None:
     if op == "sum":
         total = sum(math.prod(o["value"] ** o.get("power", 1) for o in t) for t in step["terms"])
         total += rest.get("value", 0.0)
+        if step.get("post") == "clamp":  # min(max(total, lo), hi); a bound of None is open
+            lo, hi = step["bounds"]
+            return min(max(total, -math.inf if lo is None else lo), math.inf if hi is None else hi)
         return POST[step.get("post")](total)
+    if op == "argmax":  # which entry is the largest: its id (a router's top-k pick)
+        vals = [o["value"] for o in step["over"]]
+        return float(step["ids"][vals.index(max(vals))])
     if op == "max":
         vals = [o["value"] for o in step["over"]] + ([rest["value"]] if rest else [])
         return max(vals)
@@ -88,6 +94,7 @@ POST = {
     "gelu": _gelu,
     "gelu_tanh": _gelu_tanh,
     "silu": lambda x: x / (1.0 + math.exp(-x)) if x > -700 else 0.0,
+    "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0,
     "exp": math.exp,
 }
 
@@ -155,6 +162,24 @@ class Steps:
             inner = fmt(terms[0][0]["value"]) if len(terms) == 1 and len(terms[0]) == 1 and not rest else body
             body = f"{post}({inner})"
         step["text"] = f"{label} = {formula} = {body} = {fmt(step['value'])}"
+        return self._add(step)
+
+    def clamp(self, label: str, x: dict, lo: float | None, hi: float | None) -> int:
+        """min(max(x, lo), hi): a value held inside [lo, hi] (gpt-oss's clamped SwiGLU); None: no bound."""
+        bounds = ", ".join("−∞" if b is None and k == 0 else "∞" if b is None else fmt(b) for k, b in enumerate((lo, hi)))
+        step = {"label": label, "op": "sum", "post": "clamp", "bounds": [lo, hi], "formula": f"clamp(x, {bounds})",
+                "terms": [[x]], "rest": None}
+        step["value"] = step_value(step)
+        step["text"] = f"{label} = clamp({fmt(x['value'])}, {bounds}) = {fmt(step['value'])}"
+        return self._add(step)
+
+    def argmax(self, label: str, over: list[dict], ids: list[int], formula: str) -> int:
+        """The id of the largest of `over` (ids[i] names over[i]): which expert a router picks."""
+        step = {"label": label, "op": "argmax", "formula": formula, "over": list(over), "ids": [int(i) for i in ids]}
+        step["value"] = step_value(step)
+        best = step["ids"].index(int(step["value"]))
+        shown = ", ".join(f"{i}: {fmt(o['value'])}" for i, o in zip(step["ids"], over))
+        step["text"] = f"{label} = {formula} = argmax({shown}) = {int(step['value'])} ({fmt(over[best]['value'])})"
         return self._add(step)
 
     def max(self, label: str, over: list[dict]) -> int:

@@ -76,6 +76,7 @@ class Trace:
     query: int | None = None
     analysis: dict[str, Any] = field(default_factory=dict)
     lora: dict[str, Any] | None = None  # an adapted model's LoraConfig.to_dict() (docs/lora.md), else None
+    rope_local_inv_freq: list[float] | None = None  # the sliding layers' RoPE table (rope_local_theta), else None
 
     # ---- reading --------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -124,6 +125,8 @@ class Trace:
             "rope_inv_freq": self.rope_inv_freq, "layers": self.layers, "heads": self.heads,
             "top_k": self.top_k, "query": self.query,
         }
+        if self.rope_local_inv_freq is not None:  # written only where there is one: other files stay as they were
+            head["rope_local_inv_freq"] = self.rope_local_inv_freq
         parts.append(",\n".join(f"{json.dumps(k)}: {_strict_dumps(v)}" for k, v in head.items()))
         parts.append(',\n"probes": {')
         entries = [f"\n{json.dumps(n)}: {_entry_text(p, digits)}" for n, p in self.probes.items()]
@@ -173,7 +176,7 @@ class Trace:
             config=cfg, layers=list(d.get("layers", range(cfg["n_layers"]))),
             heads=list(d.get("heads", range(cfg["n_heads"]))), probes=probes, tiles=tiles, weights=weights,
             rope_inv_freq=d.get("rope_inv_freq"), top_k=d.get("top_k"), query=d.get("query"),
-            analysis=d.get("analysis", {}), lora=d.get("lora"),
+            analysis=d.get("analysis", {}), lora=d.get("lora"), rope_local_inv_freq=d.get("rope_local_inv_freq"),
         )
 
     @classmethod

@@ -35,6 +35,12 @@ _AXES = {
     "uncapped": ["token", "vocab"],
     "scores": ["token", "head", "key"],
     "weights": ["token", "head", "key"],
+    "sink_weight": ["token", "head"],
+    "router_logits": ["token", "expert"],
+    "router_probs": ["token", "expert"],
+    "expert_ids": ["token", "slot"],
+    "expert_weights": ["token", "slot"],
+    "expert_out": ["token", "slot", "feature"],
     "logits": ["token", "vocab"],
     "probs": ["token", "vocab"],
 }
@@ -43,6 +49,32 @@ _AXES = {
 def probe_axes(name: str) -> list[str]:
     """Axis names of probe `name`, e.g. 'blocks.0.attn.k' -> ['token', 'kv_head', 'feature']."""
     return list(_AXES.get(name.rsplit(".", 1)[-1], ["token", "feature"]))
+
+
+def expert_of(name: str) -> tuple[int, int] | None:
+    """(layer, expert) of a probe fired by one expert of a mixture ('blocks.1.ffn.experts.3.up' -> (1, 3)),
+    else None. Those probes hold the expert's own tokens only (docs/trace-format.md#mixtures-of-experts)."""
+    parts = name.split(".")
+    if len(parts) >= 6 and parts[0] == "blocks" and parts[2:4] == ["ffn", "experts"] and parts[4].isdigit():
+        return int(parts[1]), int(parts[4])
+    return None
+
+
+def routed_tokens(expert_ids: torch.Tensor, expert: int) -> list[int]:
+    """The tokens (in order) that chose `expert` in one of their slots: expert_ids (T, k) as traced.
+    The mixture calls each expert on exactly these rows, in this order (moe.MoE.forward)."""
+    return [t for t in range(expert_ids.shape[0]) if bool((expert_ids[t] == expert).any())]
+
+
+def score_inputs(cfg, layer: int) -> tuple[str, str]:
+    """The probes whose product is layer `layer`'s scores: the rotated q and k where the layer turns
+    them (RoPE), else the normalised ones (qk_norm), else the projections themselves."""
+    n = f"blocks.{layer}.attn."
+    if cfg.rope_kind(layer) is not None:
+        return n + "q_rot", n + "k_rot"
+    if cfg.qk_norm:
+        return n + "q_norm", n + "k_norm"
+    return n + "q", n + "k"
 
 
 def probe_layer(name: str) -> int | None:
@@ -202,6 +234,7 @@ def trace(
     tiles = {i: row_walk(log, query, heads, cfg.n_heads, pos + query, tile) for i, log in (tile_logs or {}).items()}
     weights = _weights(model, layers, ids, list(range(pos, pos + T)), found, top_k, heads) if with_weights else {}
     rope = model.rope_inv_freq.float().cpu().tolist() if cfg.pos == "rope" else None
+    local = getattr(model, "rope_local_inv_freq", None)  # Gemma 3's sliding layers turn by their own table
     return Trace(
         tokens=list(tokens) if tokens is not None else [f"#{i}" for i in ids],
         ids=ids, positions=list(range(pos, pos + T)), config=config, layers=layers, heads=heads,
@@ -209,6 +242,7 @@ def trace(
         query=query if tile_logs is not None else None,
         probes=found, tiles=tiles, weights=weights, rope_inv_freq=rope,
         lora=model.lora_config.to_dict() if getattr(model, "lora_config", None) is not None else None,
+        rope_local_inv_freq=None if local is None else local.float().cpu().tolist(),
     )
 
 
@@ -261,12 +295,16 @@ def _probes_of(seen: dict[str, torch.Tensor], cfg, heads: list[int], pos: int, T
         axes = probe_axes(name)
         p = Probe(x, axes)
         if name.rsplit(".", 1)[-1] == "weights":
-            ok = allowed(q_pos, torch.arange(x.shape[-1]), None, cfg.sliding_window)[0]  # (T, Tk)
+            window = cfg.window_at(probe_layer(name))  # a sliding layer's window, or None (a full layer)
+            ok = allowed(q_pos, torch.arange(x.shape[-1]), None, window)[0]  # (T, Tk)
             p.data = x.masked_fill(~ok[:, None, :], float("nan"))  # masked cells are null in the file
         if "head" in axes and len(heads) < cfg.n_heads:
             p.data, p.index["head"] = p.data[:, heads], list(heads)
         if "kv_head" in axes and len(kv_heads) < cfg.n_kv_heads:
             p.data, p.index["kv_head"] = p.data[:, kv_heads], list(kv_heads)
+        at = expert_of(name)
+        if at is not None:  # an expert ran on its own tokens: its rows are those tokens, named in index
+            p.index["token"] = routed_tokens(seen[f"blocks.{at[0]}.ffn.expert_ids"][0], at[1])
         found[name] = p
     return found
 
@@ -302,11 +340,16 @@ def _weights(model, layers, ids, positions, found, top_k, heads) -> dict[str, Pr
         sub = {"wq.weight": (1, q_cols), "wq.bias": (0, q_cols), "wk.weight": (1, kv_cols), "wk.bias": (0, kv_cols),
                "wv.weight": (1, kv_cols), "wv.bias": (0, kv_cols), "wo.weight": (0, q_cols)}
         sub.update({f"{w}.weight_scale": sub[f"{w}.bias"] for w in ("wq", "wk", "wv")})  # int8: a scale per column
+        sub["sinks"] = (0, list(heads))  # one logit per query head
+        if cfg.qk_norm == "proj":  # a gain per feature of the whole projection
+            sub.update({f"{w}_norm.{x}": (0, cols) for w, cols in (("q", q_cols), ("k", kv_cols)) for x in ("weight", "bias")})
+
+    def axes_of(name, w):
+        per_out = name.endswith((".bias", ".weight_scale")) and "norm" not in name
+        return ["in", "out"] if w.dim() == 2 else (["out"] if per_out else ["feature"])
 
     def put(name, w, index=None):
-        per_out = name.endswith((".bias", ".weight_scale")) and "norm" not in name
-        axes = ["in", "out"] if w.dim() == 2 else (["out"] if per_out else ["feature"])
-        out[name] = Probe(w, axes, dict(index or {}))
+        out[name] = Probe(w, axes_of(name, w), dict(index or {}))
 
     for i in layers:
         for name in layer_weight_names(model, i):
@@ -316,7 +359,7 @@ def _weights(model, layers, ids, positions, found, top_k, heads) -> dict[str, Pr
                 put(name, w)
             else:
                 dim, keep = cut
-                axis = ("in", "out")[dim] if w.dim() == 2 else "out"
+                axis = axes_of(name, w)[dim]
                 put(name, w.index_select(dim, torch.tensor(keep)), {axis: keep})
     for name in ("final_norm.weight", "final_norm.bias"):
         if name in model.state_dict():
