@@ -51,11 +51,12 @@ def norm_weights(cfg: ModelConfig) -> int:
 
 def qk_norm_weights(cfg: ModelConfig) -> int:
     """Weights of one layer's QK norms: none for the weightless one (True), H each for 'head'
-    (one gain shared by every head), N·H and K·H for 'proj' (over the whole projection)."""
+    (one gain shared by every head), N·H and K·H for 'proj' (over the whole projection); doubled with bias."""
+    per = 2 if cfg.bias else 1  # each a gain γ, and a bias β with bias (made by the same make_norm)
     if cfg.qk_norm == "head":
-        return 2 * cfg.head_dim
+        return 2 * cfg.head_dim * per
     if cfg.qk_norm == "proj":
-        return cfg.q_dim + cfg.kv_dim
+        return (cfg.q_dim + cfg.kv_dim) * per
     return 0
 
 
