@@ -16,7 +16,7 @@ from .errors import UserError
 
 # The order `glassformer --help` lists them in.
 VERBS = ["prepare", "tokenize", "train", "eval", "generate", "chat", "serve", "convert", "trace", "explain", "worked", "view", "cost",
-         "demo", "steer", "probe", "patch", "attribute"]
+         "demo", "steer", "probe", "patch", "attribute", "sae"]
 
 
 def _verb_modules():

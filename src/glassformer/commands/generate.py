@@ -8,6 +8,7 @@ import sys
 from ..generation.streaming import TextStream
 from .logprob_lines import Scores
 from .options import add_base_argument, add_device_argument, add_quantize_argument, seed_type
+from .sae import add_generate_arguments as add_sae_arguments
 from .steer import add_steer_argument
 
 HELP = "sample text from a checkpoint, streamed as tokens come (KV cache, batched prompts)"
@@ -31,6 +32,7 @@ def add_arguments(p) -> None:
     add_quantize_argument(p, "decode")
     add_base_argument(p)
     add_steer_argument(p)
+    add_sae_arguments(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: as stored)")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
@@ -103,10 +105,12 @@ def _load_model(args):
     from ..errors import UserError
     from ..research.steering import steer
     from .options import apply_quantize, quantize_method
+    from .sae import check_sae_flags, sae_edit
     from .steer import read_steer
 
     quantize_method(args)  # before the weights are read
     vectors = read_steer(args)  # and the steering vectors' files
+    check_sae_flags(args)  # and the SAE's (--sae)
     resolve_device(args.device)  # a GPU asked for that is not here
     folder = resolve(args.checkpoint)
     meta = read_config(folder)
@@ -121,6 +125,7 @@ def _load_model(args):
         model.set_attention(args.attention)
     if vectors:  # forward pre-hooks on the model's blocks: every forward from here on is steered
         steer(model, vectors)
+    sae_edit(args, model)  # --sae-ablate / --sae-steer: forward hooks at the SAE's site
     return model, tok
 
 
