@@ -106,14 +106,15 @@ def assert_greedy_match(hf: torch.nn.Module, ours: torch.nn.Module, ids: torch.T
 
 @torch.no_grad()
 def assert_back_to_hf(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, tmp_path: Path,
-                      rel: float = 1e-5, name: str = "back") -> torch.nn.Module:
-    """ours written by save_hf and loaded by transformers itself gives hf's own logits within rel,
-    as the same architecture; returns the reloaded transformers model."""
+                      rel: float = 1e-5, name: str = "back", family: str | None = None) -> torch.nn.Module:
+    """ours written by save_hf (as the family export picks, or the one named) and loaded by
+    transformers itself gives hf's own logits within rel, as the same architecture; returns the
+    reloaded transformers model."""
     import transformers
 
     from glassformer.convert import save_hf
 
-    folder = save_hf(ours, Path(tmp_path) / name)
+    folder = save_hf(ours, Path(tmp_path) / name, family=family)
     back = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
                                                              dtype=torch.float32).eval()
     assert type(back) is type(hf), f"exported as {type(back).__name__}, read from {type(hf).__name__}"
@@ -123,14 +124,15 @@ def assert_back_to_hf(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Ten
 
 
 def check_family(hc, tmp_path: Path, seq: int = 48, steps: int = 20, prompt: int = 8, seed: int = 0,
-                 rel: float = 1e-4, back_rel: float = 1e-5) -> tuple[torch.nn.Module, torch.nn.Module]:
+                 rel: float = 1e-4, back_rel: float = 1e-5, family: str | None = None) -> tuple[torch.nn.Module, torch.nn.Module]:
     """All four checks on config hc: random ids of length seq (make it longer than any sliding
-    window), a prompt of `prompt` tokens continued for `steps`. Returns (hf, ours)."""
+    window), a prompt of `prompt` tokens continued for `steps`, the way back written as the family
+    export picks (or `family`). Returns (hf, ours)."""
     hf = hf_random(hc, seed=seed)
     ours = ours_from_hf(hf, tmp_path)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, hc.vocab_size, (2, seq), generator=g)
     assert_logits_match(hf, ours, ids, rel)
     assert_greedy_match(hf, ours, ids[:, :prompt], steps)
-    assert_back_to_hf(ours, hf, ids, tmp_path, back_rel)
+    assert_back_to_hf(ours, hf, ids, tmp_path, back_rel, family=family)
     return hf, ours

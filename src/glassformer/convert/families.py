@@ -4,77 +4,28 @@ A family is a `model_type` of Hugging Face `transformers`: how its config.json m
 ModelConfig (both ways) and a declarative list of rules, one per Hugging Face tensor, each
 naming the tensor on both sides and the transform between them (transforms.py). Run on meta
 tensors the rules also give every tensor's shape: docs/convert.md#the-key-map-and-its-transforms.
+
+Dense families: llama, mistral, qwen2, gpt2, and those of issue 45 (qwen3, gemma2, gemma3_text,
+olmo2, phi3, smollm3), each with what it adds to the block (docs/convert.md#families).
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..config import ModelConfig
 from ..errors import UserError
+from .family_base import (  # noqa: F401  (Family and hf_rope are imported from here by other modules)
+    ANY, Family, build, check_rope_scaling, hf_rope, layer_types_out, layer_windows, need, partial_rotary,
+    refuse_switches, rope_fields,
+)
 from .transforms import R, Rule
 
-# ----------------------------------------------------------------------------- families
+_need, _check_rope_scaling, _rope_fields = need, check_rope_scaling, rope_fields
 
+# ----------------------------------------------------------------------------- rules
 
-@dataclass(frozen=True)
-class Family:
-    name: str  # the config.json model_type
-    architecture: str  # the config.json architectures entry
-    prefix: str  # the base model's prefix, absent from checkpoints saved without the LM head
-    embed_key: str  # the Hugging Face token embedding (what a tied lm_head.weight must equal)
-    global_rules: Callable[[ModelConfig], list[Rule]]
-    layer_rules: Callable[[ModelConfig], list[Rule]]
-    config_from_hf: Callable[[dict], ModelConfig]
-    config_to_hf: Callable[[ModelConfig], dict]
-    ignore: tuple[str, ...] = ()  # regexes of buffers that are recomputed, never weights
-    defaults: dict[str, Any] = field(default_factory=dict)
-
-    def rules(self, cfg: ModelConfig) -> list[Rule]:
-        """Every rule with its layer index filled in, in checkpoint order."""
-        out = [r for r in self.global_rules(cfg) if not r.hf.startswith("lm_head")]
-        for i in range(cfg.n_layers):
-            out += [r.at(i) for r in self.layer_rules(cfg)]
-        out += [r for r in self.global_rules(cfg) if r.hf.startswith("lm_head")]
-        return out
-
-    def ignored(self, key: str) -> bool:
-        return any(re.search(p, key) for p in self.ignore)
-
-
-def _need(hf: dict, key: str, family: str) -> Any:
-    if hf.get(key) is None:
-        raise UserError(f"config.json of a {family} model has no {key!r}: the folder's config is incomplete")
-    return hf[key]
-
-
-def hf_rope(hf: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from a config.json of either era: transformers < 5 writes
-    `rope_theta` and `rope_scaling`, transformers >= 5 one `rope_parameters` dict.
-    A scaling whose type is 'default' is plain RoPE and comes back as None."""
-    params = dict(hf.get("rope_parameters") or {})
-    theta = float(hf.get("rope_theta") or params.pop("rope_theta", None) or 10000.0)
-    params.pop("rope_theta", None)
-    scaling = dict(hf.get("rope_scaling") or params)
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        return theta, None
-    return theta, scaling
-
-
-def _check_rope_scaling(scaling: dict | None) -> None:
-    if scaling is None:
-        return
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind not in ("llama3", "linear"):
-        raise UserError(
-            f"config.json asks for RoPE scaling {kind!r}, which glassformer does not implement "
-            "(supported: llama3, linear, or none)"
-        )
-
-
-# ---- Llama, Mistral, Qwen2: one shape of block, three config dialects
+P, O = "model.layers.{i}.", "blocks.{i}."  # a llama-like layer's prefix in Hugging Face's names, and ours
 
 
 def _llama_global(cfg: ModelConfig) -> list[Rule]:
@@ -84,27 +35,91 @@ def _llama_global(cfg: ModelConfig) -> list[Rule]:
     return rules
 
 
-def _llama_layer(cfg: ModelConfig) -> list[Rule]:
-    p, o = "model.layers.{i}.", "blocks.{i}."
-    rules = [
-        R(p + "input_layernorm.weight", o + "attn_norm.weight"),
-        R(p + "self_attn.q_proj.weight", o + "attn.wq.weight", transform="rope_q"),
-        R(p + "self_attn.k_proj.weight", o + "attn.wk.weight", transform="rope_k"),
-        R(p + "self_attn.v_proj.weight", o + "attn.wv.weight"),
-    ]
-    if cfg.qkv_bias:
-        rules += [
-            R(p + "self_attn.q_proj.bias", o + "attn.wq.bias", transform="rope_q"),
-            R(p + "self_attn.k_proj.bias", o + "attn.wk.bias", transform="rope_k"),
-            R(p + "self_attn.v_proj.bias", o + "attn.wv.bias"),
+def _attn_rules(cfg: ModelConfig, fused: bool = False) -> list[Rule]:
+    """One llama-like attention: q/k/v (or Phi-3's fused qkv_proj), their biases (Qwen2's qkv_bias,
+    attention_bias's), the q/k norms (a head's: Qwen3, Gemma 3; the projection's: OLMo 2), o_proj."""
+    a, o = P + "self_attn.", O + "attn."
+    if fused:
+        rules = [R(a + "qkv_proj.weight", o + "wq.weight", o + "wk.weight", o + "wv.weight", transform="qkv_fused")]
+    else:
+        rules = [
+            R(a + "q_proj.weight", o + "wq.weight", transform="rope_q"),
+            R(a + "k_proj.weight", o + "wk.weight", transform="rope_k"),
+            R(a + "v_proj.weight", o + "wv.weight"),
         ]
-    return rules + [
-        R(p + "self_attn.o_proj.weight", o + "attn.wo.weight"),
-        R(p + "post_attention_layernorm.weight", o + "ffn_norm.weight"),
-        R(p + "mlp.gate_proj.weight", o + "ffn.w_gate.weight"),
-        R(p + "mlp.up_proj.weight", o + "ffn.w_up.weight"),
-        R(p + "mlp.down_proj.weight", o + "ffn.w_down.weight"),
+    if cfg.qkv_bias or cfg.attn_bias:
+        rules += [
+            R(a + "q_proj.bias", o + "wq.bias", transform="rope_q"),
+            R(a + "k_proj.bias", o + "wk.bias", transform="rope_k"),
+            R(a + "v_proj.bias", o + "wv.bias"),
+        ]
+    if cfg.qk_norm in ("head", "proj"):  # the norm's weight follows the rows it scales
+        head = cfg.qk_norm == "head"
+        rules += [
+            R(a + "q_norm.weight", o + "q_norm.weight", transform="rope_head" if head else "rope_q"),
+            R(a + "k_norm.weight", o + "k_norm.weight", transform="rope_head" if head else "rope_k"),
+        ]
+    rules.append(R(a + "o_proj.weight", o + "wo.weight"))
+    if cfg.attn_bias:
+        rules.append(R(a + "o_proj.bias", o + "wo.bias"))
+    return rules
+
+
+def _mlp_rules(cfg: ModelConfig, fused: bool = False) -> list[Rule]:
+    m, f = P + "mlp.", O + "ffn."
+    if fused:  # Phi-3
+        rules = [R(m + "gate_up_proj.weight", f + "w_gate.weight", f + "w_up.weight", transform="gate_up_fused")]
+    else:
+        rules = [R(m + "gate_proj.weight", f + "w_gate.weight"), R(m + "up_proj.weight", f + "w_up.weight")]
+    return rules + [R(m + "down_proj.weight", f + "w_down.weight")]
+
+
+def _llama_layer(cfg: ModelConfig) -> list[Rule]:
+    """Llama, Mistral, Qwen2, Qwen3, SmolLM3: pre-norms around a llama attention and SwiGLU."""
+    return [R(P + "input_layernorm.weight", O + "attn_norm.weight"), *_attn_rules(cfg),
+            R(P + "post_attention_layernorm.weight", O + "ffn_norm.weight"), *_mlp_rules(cfg)]
+
+
+def _phi3_layer(cfg: ModelConfig) -> list[Rule]:
+    return [R(P + "input_layernorm.weight", O + "attn_norm.weight"), *_attn_rules(cfg, fused=True),
+            R(P + "post_attention_layernorm.weight", O + "ffn_norm.weight"), *_mlp_rules(cfg, fused=True)]
+
+
+def _gemma_layer(cfg: ModelConfig) -> list[Rule]:
+    """Gemma 2/3: a norm before and after each sublayer ("sandwich")."""
+    return [
+        R(P + "input_layernorm.weight", O + "attn_norm.weight"), *_attn_rules(cfg),
+        R(P + "post_attention_layernorm.weight", O + "attn_post_norm.weight"),
+        R(P + "pre_feedforward_layernorm.weight", O + "ffn_norm.weight"), *_mlp_rules(cfg),
+        R(P + "post_feedforward_layernorm.weight", O + "ffn_post_norm.weight"),
     ]
+
+
+def _olmo2_layer(cfg: ModelConfig) -> list[Rule]:
+    """OLMo 2: the norms sit on each sublayer's output, before the addition; the names keep their 'post'."""
+    return [*_attn_rules(cfg), R(P + "post_attention_layernorm.weight", O + "attn_norm.weight"),
+            *_mlp_rules(cfg), R(P + "post_feedforward_layernorm.weight", O + "ffn_norm.weight")]
+
+
+# ----------------------------------------------------------------------------- config.json -> ModelConfig
+
+
+def _sizes(hf: dict, family: str, defaults: dict) -> dict:
+    """The sizes every llama-like config.json spells the same way."""
+    n_heads = need(hf, "num_attention_heads", family)
+    dim = need(hf, "hidden_size", family)
+    return dict(
+        vocab_size=need(hf, "vocab_size", family),
+        dim=dim,
+        n_layers=need(hf, "num_hidden_layers", family),
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or (dim // n_heads if isinstance(dim, int) and isinstance(n_heads, int) and n_heads else None),
+        ffn_dim=need(hf, "intermediate_size", family),
+        max_seq_len=hf.get("max_position_embeddings") or defaults["max_position_embeddings"],
+        norm_eps=hf.get("rms_norm_eps") or defaults["rms_norm_eps"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
+    )
 
 
 def _llama_like_config(hf: dict, family: str, defaults: dict, **extra) -> ModelConfig:
@@ -114,27 +129,9 @@ def _llama_like_config(hf: dict, family: str, defaults: dict, **extra) -> ModelC
     if hf.get("mlp_bias"):
         raise UserError(f"config.json: mlp_bias=true in a {family} model is not supported (no MLP biases in glassformer's SwiGLU)")
     theta, scaling = hf_rope(hf)
-    _check_rope_scaling(scaling)
-    n_heads = _need(hf, "num_attention_heads", family)
-    dim = _need(hf, "hidden_size", family)
-    try:
-        return ModelConfig(
-            vocab_size=_need(hf, "vocab_size", family),
-            dim=dim,
-            n_layers=_need(hf, "num_hidden_layers", family),
-            n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=hf.get("head_dim") or dim // n_heads,
-            ffn_dim=_need(hf, "intermediate_size", family),
-            max_seq_len=hf.get("max_position_embeddings") or defaults["max_position_embeddings"],
-            rope_theta=theta,
-            rope_scaling=scaling,
-            norm_eps=hf.get("rms_norm_eps") or defaults["rms_norm_eps"],
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            norm="rms", ffn="swiglu", pos="rope", rope_pairs="half", **extra,
-        )
-    except ValueError as e:
-        raise UserError(f"config.json describes a {family} model that glassformer cannot build: {e}") from None
+    check_rope_scaling(scaling)
+    return build(family, **_sizes(hf, family, defaults), rope_theta=theta, rope_scaling=scaling,
+                 norm="rms", ffn="swiglu", pos="rope", rope_pairs="half", **extra)
 
 
 def _llama_from_hf(hf: dict) -> ModelConfig:
@@ -155,7 +152,7 @@ def qwen2_window(hf: dict) -> int | None:
     i >= max_window_layers (transformers writes this out as `layer_types`). glassformer
     applies one window to every layer, so a config that mixes the two is refused.
     """
-    n = _need(hf, "num_hidden_layers", "qwen2")
+    n = need(hf, "num_hidden_layers", "qwen2")
     types = hf.get("layer_types")
     if types is None:
         if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
@@ -167,7 +164,7 @@ def qwen2_window(hf: dict) -> int | None:
     if kinds == {"full_attention"}:
         return None
     if kinds == {"sliding_attention"}:
-        return _need(hf, "sliding_window", "qwen2")
+        return need(hf, "sliding_window", "qwen2")
     raise UserError(
         "config.json: this qwen2 model slides its attention window on some layers only "
         f"({sum(t == 'sliding_attention' for t in types)} of {n}); glassformer uses one window for every layer"
@@ -178,15 +175,151 @@ def _qwen2_from_hf(hf: dict) -> ModelConfig:
     return _llama_like_config(hf, "qwen2", QWEN2.defaults, qkv_bias=True, sliding_window=qwen2_window(hf))
 
 
-def _rope_fields(cfg: ModelConfig) -> dict:
-    """Both spellings: transformers < 5 reads rope_theta/rope_scaling, >= 5 reads rope_parameters
-    (and converts the old spelling too); an older reader ignores the newer key."""
-    scaling = None
-    if cfg.rope_scaling is not None:
-        scaling = {k: v for k, v in cfg.rope_scaling.items() if k != "type"}
-        scaling["rope_type"] = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))  # old configs say "type"
-    params = {"rope_type": "default", **(scaling or {}), "rope_theta": float(cfg.rope_theta)}
-    return {"rope_theta": float(cfg.rope_theta), "rope_scaling": scaling, "rope_parameters": params}
+# What any new family refuses by name wherever the field appears with another value: each changes the
+# computation (clip_qkv clamps Q/K/V: OLMo 1; mlp_bias adds MLP biases; bidirectional attention drops
+# the causal mask: EmbeddingGemma).
+_NEVER = {"clip_qkv": None, "mlp_bias": False, "use_bidirectional_attention": False, "qk_layernorm": False,
+          "use_qk_norm": False, "residual_multiplier": 1.0, "embedding_multiplier": 1.0, "logits_scaling": 1.0}
+_ROPES = ("llama3", "linear", "yarn")  # the scalings glassformer computes (rope_scaling.py)
+
+
+def _rope(hf: dict, family: str) -> dict:
+    """rope_theta and rope_scaling for a new family, refusing partial rotation and unknown scalings by name;
+    YaRN without its original context takes max_position_embeddings, as transformers does."""
+    partial_rotary(hf, family)
+    theta, scaling = hf_rope(hf)
+    scaling = _checked_scaling(scaling, hf, family)
+    return dict(rope_theta=theta, rope_scaling=scaling)
+
+
+def _checked_scaling(scaling: dict | None, hf: dict, family: str) -> dict | None:
+    if scaling is None:
+        return None
+    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("longrope", "su"):
+        raise UserError(f"config.json asks for RoPE scaling {kind!r} (LongRoPE: Phi-3's 128k models) in a {family} "
+                        f"model, which glassformer does not implement (supported: {', '.join(_ROPES)}, or none)")
+    check_rope_scaling(scaling, _ROPES)
+    if kind == "yarn" and scaling.get("original_max_position_embeddings") is None:
+        scaling["original_max_position_embeddings"] = need(hf, "max_position_embeddings", family)
+    return scaling
+
+
+def _act(hf: dict, family: str, key: str, allowed: str) -> None:
+    act = hf.get(key) or allowed
+    if act != allowed:
+        raise UserError(f"config.json: {key} {act!r} in a {family} model is not supported (glassformer computes {allowed})")
+
+
+def _qwen3_from_hf(hf: dict) -> ModelConfig:
+    refuse_switches(hf, "qwen3", _NEVER)
+    _act(hf, "qwen3", "hidden_act", "silu")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    n = need(hf, "num_hidden_layers", "qwen3")
+    types = hf.get("layer_types")
+    if types is None and window is not None:
+        first = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    window, types = layer_windows(types, window, n, "qwen3")
+    return build("qwen3", **_sizes(hf, "qwen3", QWEN3.defaults), **_rope(hf, "qwen3"), norm="rms", ffn="swiglu",
+                 pos="rope", qk_norm="head", attn_bias=bool(hf.get("attention_bias")), sliding_window=window,
+                 layer_types=types)
+
+
+def _smollm3_from_hf(hf: dict) -> ModelConfig:
+    refuse_switches(hf, "smollm3", _NEVER)
+    _act(hf, "smollm3", "hidden_act", "silu")
+    n = need(hf, "num_hidden_layers", "smollm3")
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        every = hf.get("no_rope_layer_interval", 4)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise UserError(f"config.json: no_rope_layer_interval={every!r} in a smollm3 model is not a positive whole number")
+        flags = [int((i + 1) % every != 0) for i in range(n)]
+    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
+        raise UserError(f"config.json: no_rope_layers of a smollm3 model must list {n} entries, each 0 (no RoPE) or 1; "
+                        f"got {str(flags)[:80]}")
+    types = hf.get("layer_types")
+    if types is None:
+        slide = hf.get("use_sliding_window") and hf.get("sliding_window") is not None
+        types = ["sliding_attention" if slide and not flags[i] else "full_attention" for i in range(n)]
+    window, types = layer_windows(types, hf.get("sliding_window"), n, "smollm3")
+    nope = [i for i, f in enumerate(flags) if f == 0]
+    return build("smollm3", **_sizes(hf, "smollm3", SMOLLM3.defaults), **_rope(hf, "smollm3"), norm="rms",
+                 ffn="swiglu", pos="rope", nope_layers=nope or None, attn_bias=bool(hf.get("attention_bias")),
+                 sliding_window=window, layer_types=types)
+
+
+def _olmo2_from_hf(hf: dict) -> ModelConfig:
+    refuse_switches(hf, "olmo2", _NEVER)
+    _act(hf, "olmo2", "hidden_act", "silu")
+    return build("olmo2", **_sizes(hf, "olmo2", OLMO2.defaults), **_rope(hf, "olmo2"), norm="rms", ffn="swiglu",
+                 pos="rope", norm_placement="post_branch", qk_norm="proj", attn_bias=bool(hf.get("attention_bias")))
+
+
+def _phi3_from_hf(hf: dict) -> ModelConfig:
+    refuse_switches(hf, "phi3", _NEVER)
+    _act(hf, "phi3", "hidden_act", "silu")
+    return build("phi3", **_sizes(hf, "phi3", PHI3.defaults), **_rope(hf, "phi3"), norm="rms", ffn="swiglu",
+                 pos="rope", sliding_window=hf.get("sliding_window"))
+
+
+def _gemma_from_hf(hf: dict, family: str, defaults: dict, **extra) -> ModelConfig:
+    """What Gemma 2 and Gemma 3 share: (1 + w) norms before and after each sublayer, GeGLU, embeddings
+    times √D, query_pre_attn_scalar, soft caps, and sliding layers by layer_types."""
+    refuse_switches(hf, family, _NEVER)
+    _act(hf, family, "hidden_activation" if hf.get("hidden_activation") else "hidden_act", "gelu_pytorch_tanh")
+    n = need(hf, "num_hidden_layers", family)
+    types = hf.get("layer_types")
+    if types is None:  # older config.json files: every `pattern`-th layer is global (Gemma 2: every other)
+        every = hf.get("sliding_window_pattern", defaults["sliding_window_pattern"])
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    window, types = layer_windows(types, hf.get("sliding_window"), n, family)
+    scalar = hf.get("query_pre_attn_scalar", defaults["query_pre_attn_scalar"])
+    return build(family, **_sizes(hf, family, defaults), norm="rms", norm_offset=True, norm_placement="sandwich",
+                 ffn="geglu", pos="rope", embed_scale=True, attn_bias=bool(hf.get("attention_bias")),
+                 query_pre_attn_scalar=None if scalar is None else float(scalar),
+                 attn_softcap=hf.get("attn_logit_softcapping"), logit_softcap=hf.get("final_logit_softcapping"),
+                 sliding_window=window, layer_types=types, **extra)
+
+
+def _gemma2_from_hf(hf: dict) -> ModelConfig:
+    return _gemma_from_hf(hf, "gemma2", GEMMA2.defaults, **_rope(hf, "gemma2"))
+
+
+def _gemma3_rope(hf: dict) -> dict:
+    """Gemma 3's two RoPE tables: the global layers' (rope_theta, with any scaling) and the sliding
+    layers' (rope_local_base_freq, never scaled). transformers >= 5 writes rope_parameters keyed by
+    layer type; older files write rope_theta, rope_scaling and rope_local_base_freq."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+        partial_rotary({"rope_parameters": full}, "gemma3_text")
+        partial_rotary({"rope_parameters": local}, "gemma3_text")
+        if local.get("rope_type", "default") != "default":
+            raise UserError(f"config.json: RoPE scaling {local['rope_type']!r} on the sliding layers of a gemma3_text "
+                            "model is not supported (glassformer scales the global layers' RoPE only)")
+        theta, scaling = hf_rope({"rope_parameters": full, "rope_theta": full.get("rope_theta", 1_000_000.0)})
+        local_theta = float(local.get("rope_theta", 10_000.0))
+    else:
+        partial_rotary(hf, "gemma3_text")
+        theta, scaling = hf_rope({**hf, "rope_theta": hf.get("rope_theta") or 1_000_000.0})
+        local_theta = float(hf.get("rope_local_base_freq") or 10_000.0)
+    return dict(rope_theta=theta, rope_scaling=_checked_scaling(scaling, hf, "gemma3_text"), rope_local_theta=local_theta)
+
+
+def _gemma3_from_hf(hf: dict) -> ModelConfig:
+    return _gemma_from_hf(hf, "gemma3_text", GEMMA3.defaults, qk_norm="head", **_gemma3_rope(hf))
+
+
+def _gemma3_multimodal(hf: dict) -> ModelConfig:
+    raise UserError("config.json: model_type 'gemma3' is Gemma 3 with its vision tower (Gemma3ForConditionalGeneration), "
+                    "which glassformer does not read; use a text-only Gemma 3 folder (model_type 'gemma3_text', "
+                    "Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b)")
+
+
+# ----------------------------------------------------------------------------- ModelConfig -> config.json
 
 
 def _llama_like_to_hf(cfg: ModelConfig, model_type: str, arch: str) -> dict:
@@ -203,7 +336,7 @@ def _llama_like_to_hf(cfg: ModelConfig, model_type: str, arch: str) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        **_rope_fields(cfg),
+        **rope_fields(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": 0.0,
     }
@@ -228,24 +361,131 @@ def _qwen2_to_hf(cfg: ModelConfig) -> dict:
     }
 
 
+def _windows_to_hf(cfg: ModelConfig) -> dict:
+    """Sliding windows as Qwen3 and SmolLM3 read them: the window, and which layers take it."""
+    return {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window,
+            "max_window_layers": 0, "layer_types": layer_types_out(cfg)}
+
+
+def _qwen3_to_hf(cfg: ModelConfig) -> dict:
+    return {**_llama_like_to_hf(cfg, "qwen3", "Qwen3ForCausalLM"), "attention_bias": cfg.attn_bias, **_windows_to_hf(cfg)}
+
+
+def _smollm3_to_hf(cfg: ModelConfig) -> dict:
+    nope = set(cfg.nope_layers or ())
+    return {**_llama_like_to_hf(cfg, "smollm3", "SmolLM3ForCausalLM"), "attention_bias": cfg.attn_bias,
+            "mlp_bias": False, "no_rope_layers": [0 if i in nope else 1 for i in range(cfg.n_layers)],
+            **_windows_to_hf(cfg)}
+
+
+def _olmo2_to_hf(cfg: ModelConfig) -> dict:
+    return {**_llama_like_to_hf(cfg, "olmo2", "Olmo2ForCausalLM"), "attention_bias": cfg.attn_bias}
+
+
+def _phi3_to_hf(cfg: ModelConfig) -> dict:
+    return {**_llama_like_to_hf(cfg, "phi3", "Phi3ForCausalLM"), "sliding_window": cfg.sliding_window,
+            "original_max_position_embeddings": cfg.max_seq_len, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+
+
+def _gemma_to_hf(cfg: ModelConfig, model_type: str, arch: str) -> dict:
+    hf = _llama_like_to_hf(cfg, model_type, arch)
+    del hf["hidden_act"]
+    return {
+        **hf,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": cfg.attn_bias,
+        # None means the usual 1/√H: Gemma always reads a scalar, so write H (transformers wants a whole number).
+        "query_pre_attn_scalar": _number(cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.head_dim),
+        "attn_logit_softcapping": cfg.attn_softcap,
+        "final_logit_softcapping": cfg.logit_softcap,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": layer_types_out(cfg),
+        "use_bidirectional_attention": False,
+    }
+
+
+def _number(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def _gemma2_to_hf(cfg: ModelConfig) -> dict:
+    return _gemma_to_hf(cfg, "gemma2", "Gemma2ForCausalLM")
+
+
+def _gemma3_to_hf(cfg: ModelConfig) -> dict:
+    hf = _gemma_to_hf(cfg, "gemma3_text", "Gemma3ForCausalLM")
+    local = float(cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta)
+    hf["rope_parameters"] = {"full_attention": hf["rope_parameters"],
+                             "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    hf["rope_local_base_freq"] = local  # transformers < 5's name
+    return hf
+
+
+def _gemma3_rope_check(cfg: ModelConfig) -> list[str]:
+    """Gemma 3's sliding layers never scale RoPE: a model that scales on every layer does not fit."""
+    if cfg.rope_scaling is not None and cfg.rope_local_theta is None and any(
+            cfg.window_at(i) is not None for i in range(cfg.n_layers)):
+        return ["rope_scaling on sliding layers (Gemma 3 scales only its global layers' RoPE: set rope_local_theta)"]
+    return []
+
+
+# ----------------------------------------------------------------------------- the families
+
+
+def _plain(**allow: Any) -> dict[str, Any]:
+    """What export needs of a llama-like model, every switch off unless `allow` says otherwise."""
+    wants = dict(
+        norm="rms", norm_placement="pre", ffn="swiglu", pos="rope", bias=False, qkv_bias=False, sliding_window=None,
+        layer_types=None, qk_norm=False, logit_softcap=None, value_embeddings=False, norm_offset=False,
+        embed_scale=False, query_pre_attn_scalar=None, attn_softcap=None, rope_local_theta=None, nope_layers=None,
+        attn_bias=False, attn_sinks=False, n_experts=0, ffn_bias=False,
+        rope_scaling=lambda s: s is None or s.get("rope_type", s.get("type")) in ("llama3", "linear"),
+    )
+    return {**wants, **allow}
+
+
+_ANY_ROPE = lambda s: s is None or s.get("rope_type", s.get("type")) in _ROPES  # noqa: E731
 _LLAMA_IGNORE = (r"rotary_emb\.inv_freq$",)
+_GEMMA_IGNORE = (r"rotary_emb\.inv_freq$", r"rotary_emb_local\.inv_freq$", r"embed_tokens\.embed_scale$")
+_GEMMA = dict(norm_offset=True, norm_placement="sandwich", ffn="geglu", embed_scale=True, query_pre_attn_scalar=ANY,
+              attn_softcap=ANY, logit_softcap=ANY, sliding_window=ANY, layer_types=ANY, attn_bias=ANY)
 
-LLAMA = Family(
-    "llama", "LlamaForCausalLM", "model.", "model.embed_tokens.weight", _llama_global, _llama_layer,
-    _llama_from_hf, _llama_to_hf, _LLAMA_IGNORE,
-    defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
-)
-MISTRAL = Family(
-    "mistral", "MistralForCausalLM", "model.", "model.embed_tokens.weight", _llama_global, _llama_layer,
-    _mistral_from_hf, _mistral_to_hf, _LLAMA_IGNORE,
-    defaults={"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6},
-)
-QWEN2 = Family(
-    "qwen2", "Qwen2ForCausalLM", "model.", "model.embed_tokens.weight", _llama_global, _llama_layer,
-    _qwen2_from_hf, _qwen2_to_hf, _LLAMA_IGNORE,
-    defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
-)
 
+def _family(name, arch, layer, from_hf, to_hf, defaults, wants, ignore=_LLAMA_IGNORE, extra_check=None) -> Family:
+    return Family(name, arch, "model.", "model.embed_tokens.weight", _llama_global, layer, from_hf, to_hf, ignore,
+                  defaults=defaults, wants=wants, extra_check=extra_check)
+
+
+LLAMA = _family("llama", "LlamaForCausalLM", _llama_layer, _llama_from_hf, _llama_to_hf,
+                {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6}, _plain())
+MISTRAL = _family("mistral", "MistralForCausalLM", _llama_layer, _mistral_from_hf, _mistral_to_hf,
+                  {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6}, _plain(sliding_window=ANY))
+QWEN2 = _family("qwen2", "Qwen2ForCausalLM", _llama_layer, _qwen2_from_hf, _qwen2_to_hf,
+                {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6}, _plain(qkv_bias=ANY, sliding_window=ANY))
+QWEN3 = _family("qwen3", "Qwen3ForCausalLM", _llama_layer, _qwen3_from_hf, _qwen3_to_hf,
+                {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+                _plain(qk_norm="head", attn_bias=ANY, sliding_window=ANY, layer_types=ANY, rope_scaling=_ANY_ROPE))
+SMOLLM3 = _family("smollm3", "SmolLM3ForCausalLM", _llama_layer, _smollm3_from_hf, _smollm3_to_hf,
+                  {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+                  _plain(nope_layers=ANY, attn_bias=ANY, sliding_window=ANY, layer_types=ANY, rope_scaling=_ANY_ROPE))
+OLMO2 = _family("olmo2", "Olmo2ForCausalLM", _olmo2_layer, _olmo2_from_hf, _olmo2_to_hf,
+                {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+                _plain(norm_placement="post_branch", qk_norm="proj", attn_bias=ANY, rope_scaling=_ANY_ROPE))
+# Phi-3 holds what Llama and Mistral hold, so export picks it only by name (save_hf(family="phi3")).
+PHI3 = _family("phi3", "Phi3ForCausalLM", _phi3_layer, _phi3_from_hf, _phi3_to_hf,
+               {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5}, _plain(sliding_window=ANY, rope_scaling=_ANY_ROPE))
+GEMMA2 = _family("gemma2", "Gemma2ForCausalLM", _gemma_layer, _gemma2_from_hf, _gemma2_to_hf,
+                 {"max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                  "query_pre_attn_scalar": 256, "sliding_window_pattern": 2},
+                 _plain(**_GEMMA), ignore=_GEMMA_IGNORE)
+GEMMA3 = _family("gemma3_text", "Gemma3ForCausalLM", _gemma_layer, _gemma3_from_hf, _gemma3_to_hf,
+                 {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                  "query_pre_attn_scalar": 256, "sliding_window_pattern": 6},
+                 _plain(**_GEMMA, qk_norm="head", rope_local_theta=ANY, rope_scaling=_ANY_ROPE),
+                 ignore=_GEMMA_IGNORE, extra_check=_gemma3_rope_check)
+# Read only to refuse it by name (its vision tower).
+GEMMA3_MULTIMODAL = Family("gemma3", "Gemma3ForConditionalGeneration", "model.", "model.embed_tokens.weight",
+                           _llama_global, _gemma_layer, _gemma3_multimodal, _gemma3_to_hf)
 # ---- GPT-2
 
 
@@ -333,16 +573,24 @@ GPT2 = Family(
     _gpt2_from_hf, _gpt2_to_hf,
     # The causal-mask buffers that older GPT-2 checkpoints (the hub's gpt2 among them) carry.
     ignore=(r"(^|\.)attn\.(masked_)?bias$",),
+    wants=_plain(norm="layer", ffn=lambda f: f in _GPT2_ACT_OUT, pos="learned", bias=True, rope_scaling=ANY),
+    extra_check=lambda cfg: [f"{k}={getattr(cfg, k)!r}" for k, v in
+                             (("n_kv_heads", cfg.n_heads), ("head_dim", cfg.dim // cfg.n_heads)) if getattr(cfg, k) != v],
 )
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, GPT2)}
+# Export tries them in this order and takes the first that holds the model: the older, plainer families
+# first, so a model that Llama holds is written as Llama, as before these families came.
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    LLAMA, MISTRAL, QWEN2, GPT2, QWEN3, SMOLLM3, OLMO2, GEMMA2, GEMMA3, PHI3, GEMMA3_MULTIMODAL)}
+# The mixture-of-experts families (families_moe.py, which imports family_base.py, never this module) join here:
 
 
 def family_named(model_type: Any, where: str = "config.json") -> Family:
     if model_type not in FAMILIES:
         raise UserError(
             f"{where}: model_type {model_type!r} is not supported; glassformer converts "
-            f"{', '.join(FAMILIES)} (SmolLM, TinyLlama and Llama 2/3 are 'llama')"
+            f"{', '.join(f for f in FAMILIES if FAMILIES[f].wants is not None)} "
+            "(SmolLM, TinyLlama and Llama 2/3 are 'llama')"
         )
     return FAMILIES[model_type]
 
@@ -350,53 +598,55 @@ def family_named(model_type: Any, where: str = "config.json") -> Family:
 # ----------------------------------------------------------------------------- export
 
 
-def _mismatches(cfg: ModelConfig, wants: dict[str, Any]) -> list[str]:
-    out = []
-    for name, ok in wants.items():
-        value = getattr(cfg, name)
-        good = ok(value) if callable(ok) else value == ok
-        if not good:
-            out.append(f"{name}={value!r}")
-    return out
-
-
 def _speedrun_off(cfg: ModelConfig) -> list[str]:
     """The speedrun switches (docs/model.md#speedrun-switches) that no family glassformer writes holds, by name."""
     off = []
-    if cfg.qk_norm:
-        off.append("qk_norm (llama, mistral, qwen2 and gpt2 normalise no query or key; Qwen3's q_norm/k_norm has "
-                   "a weight, and glassformer writes no qwen3 family)")
-    if cfg.logit_softcap is not None:
-        off.append(f"logit_softcap={cfg.logit_softcap} (no soft cap on the logits in llama, mistral, qwen2 or gpt2)")
+    if cfg.qk_norm is True:
+        off.append("qk_norm=True (a weightless RMS of each head: Qwen3's and Gemma 3's q_norm/k_norm have a weight, "
+                   "qk_norm='head'; OLMo 2's, qk_norm='proj')")
     if cfg.value_embeddings:
         off.append("value_embeddings (no family adds a token table to the values)")
     if cfg.ffn == "relu2":
-        off.append("ffn='relu2' (squared ReLU: llama-like families have SwiGLU, gpt2 GELU or ReLU)")
+        off.append("ffn='relu2' (squared ReLU: llama-like families have SwiGLU, Gemma GeGLU, gpt2 GELU or ReLU)")
     return off
 
 
-def family_for(cfg: ModelConfig) -> Family:
-    """The Hugging Face family that can hold this model exactly, or a UserError saying why none can."""
+def _mismatches_of(wants: dict[str, Any], cfg: ModelConfig) -> list[str]:
+    return [f"{k}={getattr(cfg, k)!r}" for k, ok in wants.items()
+            if not (ok(getattr(cfg, k)) if callable(ok) else getattr(cfg, k) == ok)]
+
+
+def family_for(cfg: ModelConfig, name: str | None = None) -> Family:
+    """The Hugging Face family that can hold this model exactly (the first in FAMILIES' order, or the
+    one named), or a UserError saying why none can."""
     speedrun = _speedrun_off(cfg)
     if speedrun:
         raise UserError(f"{'; '.join(speedrun)}: no Hugging Face family glassformer writes can hold it; "
                         "train without it to export to Hugging Face")
     if not cfg.has_ffn:
         raise UserError("ffn='none' (attention-only blocks): every Hugging Face family that glassformer writes "
-                        "(llama, mistral, qwen2, gpt2) has a feed-forward in each block: export refused")
-    llama_wants = dict(norm="rms", norm_placement="pre", ffn="swiglu", pos="rope", bias=False)
-    gpt2_wants = dict(
-        norm="layer", norm_placement="pre", ffn=lambda f: f in _GPT2_ACT_OUT, pos="learned", bias=True,
-        n_kv_heads=cfg.n_heads, sliding_window=None, head_dim=cfg.dim // cfg.n_heads,
-    )
-    llama_off, gpt2_off = _mismatches(cfg, llama_wants), _mismatches(cfg, gpt2_wants)
-    if not llama_off:
-        if cfg.qkv_bias:
-            return QWEN2
-        return MISTRAL if cfg.sliding_window is not None else LLAMA
-    if not gpt2_off:
-        return GPT2
+                        f"({', '.join(f.name for f in FAMILIES.values() if f.wants)}) has a feed-forward in each block: "
+                        "export refused")
+    if name is not None:
+        family = family_named(name, "export")
+        off = family.mismatches(cfg)
+        if off:
+            raise UserError(f"the Hugging Face family {name!r} cannot hold this model: it has {', '.join(off)}")
+        return family
+    offs = {}
+    for family in FAMILIES.values():
+        if family.wants is None:
+            continue
+        offs[family.name] = family.mismatches(cfg)
+        if not offs[family.name]:
+            return family
+    # Name the closest family, and those that hold one of the model's own switches (qk_norm='proj' -> olmo2),
+    # with what each lacks: the switch a user changes to export.
+    switched = {w.split("=")[0] for w in _mismatches_of(_plain(), cfg)}  # what the model sets beyond plain Llama
+    own = [f for f in offs if any(k in switched and f"{k}={getattr(cfg, k)!r}" not in offs[f] for k in FAMILIES[f].wants)]
+    ranked = sorted(offs, key=lambda f: len(offs[f]))
+    closest = list(dict.fromkeys(ranked[:1] + sorted(own, key=lambda f: len(offs[f]))))[:3]
     raise UserError(
-        "no Hugging Face family that glassformer writes (llama, mistral, qwen2, gpt2) can hold this model: "
-        f"for llama/mistral/qwen2 it has {', '.join(llama_off)}; for gpt2 it has {', '.join(gpt2_off)}"
+        f"no Hugging Face family that glassformer writes ({', '.join(offs)}) can hold this model: "
+        + "; ".join(f"for {f} it has {', '.join(offs[f])}" for f in closest)
     )

@@ -291,16 +291,18 @@ def hf_config(model: torch.nn.Module, family: Family, dtype: torch.dtype, eot_id
 
 
 def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: Any = None, dtype: str | torch.dtype | None = None,
-            eot_id: int | None = None) -> Path:
+            eot_id: int | None = None, family: str | None = None) -> Path:
     """Write `model` as a Hugging Face folder of the family that can hold it (atomically).
 
+    family: a model_type to write instead of the first family that holds the model (e.g. 'phi3',
+    whose fused projections hold what Llama's separate ones do); refused by name if it cannot.
     tokenizer: None, a tokenizer.json path (copied as is, with tokenizer_config.json, chat_template.jinja
     and generation_config.json beside it), or a Tokenizer (written by save_folder).
     eot_id: the end-of-text id for config.json (default: tokenizer.eot_id when it has one).
     """
     from safetensors.torch import save_file
 
-    family = family_for(model.config)
+    family = family_for(model.config, family)
     dtype = parse_dtype(dtype) or next(model.parameters()).dtype
     state = hf_state_from_model(model, family, dtype)
     eot = eot_id if eot_id is not None else getattr(tokenizer, "eot_id", None)

@@ -19,7 +19,8 @@ from .families import LLAMA, family_named
 
 def _every_llama_rule() -> list:
     """The rules of a Llama with every optional tensor (Q/K/V biases, an untied head), '{i}' unfilled."""
-    full = SimpleNamespace(qkv_bias=True, tie_embeddings=False)  # the two fields the rule lists read
+    # the fields the rule lists read: Llama's optional tensors on, the later families' switches off
+    full = SimpleNamespace(qkv_bias=True, tie_embeddings=False, attn_bias=False, qk_norm=False)
     return LLAMA.global_rules(full) + LLAMA.layer_rules(full)
 
 

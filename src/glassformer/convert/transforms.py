@@ -1,6 +1,7 @@
 """Named transforms between a Hugging Face tensor and ours, and the Rule that applies one.
 
-copy, conv1d, qkv_conv1d, qkv_bias, rope_q and rope_k (what each does, and why:
+copy, conv1d, qkv_conv1d, qkv_bias, rope_q, rope_k, rope_head, qkv_fused and gate_up_fused
+(what each does, and why:
 docs/convert.md#the-key-map-and-its-transforms). Each transform is a pair of pure
 functions (to_ours, to_hf); applied to meta tensors, to_hf also gives the shape a Hugging
 Face tensor must have.
@@ -55,6 +56,20 @@ def _qkv_sizes(cfg: ModelConfig) -> list[int]:
     return [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]
 
 
+_ROPE_Q, _ROPE_K = _rope(lambda cfg: cfg.n_heads), _rope(lambda cfg: cfg.n_kv_heads)
+
+
+def _qkv_fused_to_ours(t, cfg):
+    """Phi-3's qkv_proj: the rows of Q, K and V stacked in one matrix; Q and K rows reordered
+    like rope_q/rope_k when our pairs are interleaved."""
+    q, k, v = t.split(_qkv_sizes(cfg), dim=0)
+    return _ROPE_Q[0](q, cfg) + _ROPE_K[0](k, cfg) + (v,)
+
+
+def _qkv_fused_to_hf(ts, cfg):
+    return torch.cat([_ROPE_Q[1](ts[:1], cfg), _ROPE_K[1](ts[1:2], cfg), ts[2]], dim=0)
+
+
 # name -> (to_ours(hf_tensor, cfg) -> tuple of our tensors, to_hf(our tensors, cfg) -> hf tensor)
 TRANSFORMS: dict[str, tuple[Callable, Callable]] = {
     "copy": (lambda t, cfg: (t,), lambda ts, cfg: ts[0]),
@@ -67,8 +82,13 @@ TRANSFORMS: dict[str, tuple[Callable, Callable]] = {
         lambda t, cfg: tuple(t.split(_qkv_sizes(cfg), dim=0)),  # (3D,) -> 3 × (D,)
         lambda ts, cfg: torch.cat(ts, dim=0),
     ),
-    "rope_q": _rope(lambda cfg: cfg.n_heads),
-    "rope_k": _rope(lambda cfg: cfg.n_kv_heads),
+    "rope_q": _ROPE_Q,
+    "rope_k": _ROPE_K,
+    # A per-head norm weight (H,) (Qwen3's, Gemma 3's q_norm/k_norm): one head's features, so one head's order.
+    "rope_head": _rope(lambda cfg: 1),
+    "qkv_fused": (_qkv_fused_to_ours, _qkv_fused_to_hf),
+    # Phi-3's gate_up_proj: the gate's rows, then the up projection's (transformers' chunk(2)).
+    "gate_up_fused": (lambda t, cfg: tuple(t.chunk(2, dim=0)), lambda ts, cfg: torch.cat(ts, dim=0)),
 }
 
 
