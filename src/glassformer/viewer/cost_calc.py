@@ -19,14 +19,31 @@ SYMBOLS = {  # symbol -> what it stands for
     "F": "feed-forward width", "V": "vocabulary", "S": "context (max_seq_len)", "B": "rows in the batch",
     "T": "tokens per row", "m": "feed-forward matrices (3 SwiGLU, 2 otherwise)", "b": "bytes per number",
     "g": "weights per norm (γ, and β with biases)", "E": "layers with a value embedding (value_embeddings)",
+    "Ld": "layers with a dense feed-forward", "Lm": "layers with a mixture of experts", "Ex": "experts per mixture layer",
+    "k": "experts each token is routed to", "Fe": "feed-forward width of one expert",
+    "Fs": "feed-forward width of the shared experts together",
 }
 
 
-def _formulas(cfg: ModelConfig, r: dict) -> dict[str, tuple[str, str]]:
-    """key -> (what it is, formula in the symbols above or in other keys' names)."""
-    qkv_bias = cfg.bias or cfg.qkv_bias
-    attn_bias = " + ".join(([("N·H + 2·K·H")] if qkv_bias else []) + (["D"] if cfg.bias else [])) or "0"
+def _formulas(cfg: ModelConfig, r: dict) -> dict[str, str]:
+    """key -> formula in the symbols above or in other keys' names (the terms a config lacks left out)."""
+    from ..cost.params import ffn_bias, norms_per_block
+
+    qkv_bias = cfg.bias or cfg.qkv_bias or cfg.attn_bias
+    attn_bias = " + ".join(([("N·H + 2·K·H")] if qkv_bias else []) + (["D"] if cfg.bias or cfg.attn_bias else [])) or "0"
+    two = "2·" if cfg.bias else ""  # a norm with biases holds β beside γ
+    qk = {"head": f"L·{two}2·H", "proj": f"L·{two}(N·H + K·H)"}.get(cfg.qk_norm, "0")
+    moe, fb = cfg.n_experts > 0, ffn_bias(cfg)
+    dense = "Ld" if moe else "L"  # the layers a dense feed-forward is on
     parts = list(r["params_by_part"])
+    ffn_flops = [f"2·{dense}·m·B·T·D·F"] if not moe or r["params_by_part"]["ffn"] else []
+    if moe:
+        ffn_flops += ["2·Lm·B·T·D·Ex", "2·Lm·k·m·B·T·D·Fe"] + (["2·Lm·m·B·T·D·Fs"] if cfg.n_shared_experts else [])
+    per_token = [f"{dense}·m·D·F"] if not moe or r["params_by_part"]["ffn"] else []
+    if moe:
+        per_token.append("Lm·(D·Ex + k·m·D·Fe" + (" + m·D·Fs)" if cfg.n_shared_experts else ")"))
+    crossover = ("ceil(m·D·F / (2·N·H))" if not moe
+                 else f"ceil(({' + '.join(per_token)}) / (2·L·N·H))")
     f = {
         "params_by_part.embedding": "V·D",
         "params_by_part.positions": "S·D" if cfg.pos == "learned" else "0",
@@ -36,17 +53,24 @@ def _formulas(cfg: ModelConfig, r: dict) -> dict[str, tuple[str, str]]:
         "params_by_part.attn_v": "L·D·K·H",
         "params_by_part.attn_o": "L·N·H·D",
         "params_by_part.attn_bias": f"L·({attn_bias})" if attn_bias != "0" else "0",
-        "params_by_part.ffn": "L·m·D·F",
-        "params_by_part.ffn_bias": "L·((m - 1)·F + D)" if cfg.bias else "0",
-        "params_by_part.norms": "(2·L + 1)·g" if cfg.has_ffn else "(L + 1)·g",
+        "params_by_part.attn_sinks": "L·N" if cfg.attn_sinks else "0",
+        "params_by_part.qk_norms": qk,
+        "params_by_part.ffn": f"{dense}·m·D·F",
+        "params_by_part.ffn_bias": f"{dense}·((m - 1)·F + D)" if fb else "0",
+        "params_by_part.router": ("Lm·(Ex·D + Ex)" if cfg.ffn_bias else "Lm·Ex·D") if moe else "0",
+        "params_by_part.experts": "Lm·Ex·m·D·Fe" if moe else "0",
+        "params_by_part.experts_bias": "Lm·Ex·((m - 1)·Fe + D)" if moe and fb else "0",
+        "params_by_part.shared_experts": (("Lm·(m·D·Fs + (m - 1)·Fs + D)" if fb else "Lm·m·D·Fs")
+                                          if moe and cfg.n_shared_experts else "0"),
+        "params_by_part.norms": "(L + 1)·g" if norms_per_block(cfg) == 1 else f"({norms_per_block(cfg)}·L + 1)·g",
         "params_by_part.lm_head": "0" if cfg.tie_embeddings else "V·D",
         "params": " + ".join(parts),
         "params_non_embedding": "params - embedding - positions",
-        "flops_forward": ("2·L·B·T·D·(N·H + 2·K·H) + 2·L·B·T·N·H·D + 2·(2·L·B·T·T·N·H) + 2·L·m·B·T·D·F "
-                          "+ 2·B·T·D·V"),
+        "flops_forward": " + ".join(["2·L·B·T·D·(N·H + 2·K·H)", "2·L·B·T·N·H·D", "2·(2·L·B·T·T·N·H)"] + ffn_flops
+                                    + ["2·B·T·D·V"]),
         "flops_per_token": "flops_forward / (B·T)",
         "flops_train_step": "3·flops_forward",
-        "crossover_seq": "ceil(m·D·F / (2·N·H))",
+        "crossover_seq": crossover,
         "activations": " + ".join(k for k in r["activations_by_part"] if k not in ("fp32", "mask_bytes")),
         "train_memory_bytes": " + ".join(r["train_memory_by_part"]),
         "kv_cache_bytes_per_token": "2·L·K·H·b",
@@ -59,7 +83,7 @@ def _formulas(cfg: ModelConfig, r: dict) -> dict[str, tuple[str, str]]:
 def _values(cfg: ModelConfig, r: dict) -> dict[str, Any]:
     """Every name a formula may use, with its number."""
     from ..cost.memory import dtype_bytes
-    from ..cost.params import ffn_matrices, norm_weights
+    from ..cost.params import ffn_matrices, moe_layers, norm_weights, shared_width
 
     inp = r["inputs"]
     v: dict[str, Any] = {
@@ -67,6 +91,8 @@ def _values(cfg: ModelConfig, r: dict) -> dict[str, Any]:
         "F": cfg.ffn_dim, "V": cfg.vocab_size, "S": cfg.max_seq_len, "B": inp["batch"], "T": inp["seq"],
         "m": ffn_matrices(cfg), "b": dtype_bytes(inp["dtype"]), "g": norm_weights(cfg), "E": len(cfg.value_embed_layers),
         "params": r["params"], "flops_forward": r["flops_forward"],
+        "Lm": len(moe_layers(cfg)), "Ld": cfg.n_layers - len(moe_layers(cfg)), "Ex": cfg.n_experts,
+        "k": cfg.n_active_experts, "Fe": cfg.expert_width, "Fs": shared_width(cfg),
     }
     return v
 

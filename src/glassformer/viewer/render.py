@@ -25,11 +25,12 @@ from ..probes import stream_wiring
 from ..text.labels import token_label
 from ..tracing.stream import stream_rms
 from ..tracing.tiles import head_walk
+from .families import families_part
 
 STATIC = Path(__file__).parent / "static"
 # The page's scripts in the order they run: glass.js first (its helpers, as window.Glass), then
 # each view that lives in a file of its own and registers with Glass.view.
-VIEW_SCRIPTS = ("glass.js", "tokenizer.js", "generated.js", "training.js")
+VIEW_SCRIPTS = ("glass.js", "tokenizer.js", "generated.js", "training.js", "families.js")
 FEATURE_CAP = 8  # numbers shown per vector (per head); glass.js uses the same cap
 TOP_K = 5  # next-token candidates shown per position
 EXPLAIN_LIMIT = 1200  # calculations stored in a saved page at most
@@ -146,8 +147,9 @@ def _vector_indices(data, prefix: list[int]) -> Iterator[list[int]]:
             yield prefix + [f]
 
 
-_BLOCK = ["attn_norm", "attn.q", "attn.k", "attn.v", "attn.q_rot", "attn.k_rot", "attn.z", "attn.out", "resid_mid",
-          "ffn_norm", "ffn.up", "ffn.gate", "ffn.act", "ffn.down", "resid_out"]
+_BLOCK = ["attn_norm", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.q_rot", "attn.k_rot",
+          "attn.sink_weight", "attn.z", "attn.out", "attn_post_norm", "resid_mid", "ffn_norm", "ffn.router_probs",
+          "ffn.expert_weights", "ffn.up", "ffn.gate", "ffn.act", "ffn.down", "ffn_post_norm", "resid_out"]
 
 
 def _model_index(entry: dict, idx: list[int]) -> list[int]:
@@ -281,6 +283,7 @@ def build_payload(
         "rms": lane_rms(trace),
         "flash": _with_traced_tiles(trace, flash), "sampling": sampling, "tokenizer": tokenizer,
         "generated": generated,
+        "families": families_part(trace),  # routes through the experts, sinks, the families' norms (families.js)
     })}
 
 
