@@ -14,12 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 NORMS = ("rms", "layer")
-PLACEMENTS = ("pre", "post")
-FFNS = ("swiglu", "relu", "relu2", "gelu", "gelu_tanh", "none")
+PLACEMENTS = ("pre", "post", "sandwich", "post_branch")
+FFNS = ("swiglu", "geglu", "swiglu_clamp", "relu", "relu2", "gelu", "gelu_tanh", "none")
+GATED_FFNS = ("swiglu", "geglu", "swiglu_clamp")  # a gate and an up projection, multiplied
+QK_NORMS = (False, True, "head", "proj")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROUTERS = ("softmax", "sigmoid")
 POSITIONS = ("rope", "learned", "none")
 ATTENTIONS = ("sdpa", "naive", "tiled")
 ROPE_PAIRS = ("half", "interleaved")
-ROPE_SCALINGS = ("llama3", "linear")
+ROPE_SCALINGS = ("llama3", "linear", "yarn")
 
 
 # The kind of each ModelConfig field that __post_init__ does not check otherwise: (kind, may be None).
@@ -28,8 +32,17 @@ FIELD_KINDS = {
     "rope_theta": (float, False), "norm_eps": (float, False), "dropout": (float, False), "init_std": (float, False),
     "tie_embeddings": (bool, False), "bias": (bool, False), "qkv_bias": (bool, False),
     "rope_scaling": (dict, True), "quantization": (dict, True),
+    "norm_offset": (bool, False), "embed_scale": (bool, False), "query_pre_attn_scalar": (float, True),
+    "attn_softcap": (float, True), "swiglu_limit": (float, False), "layer_types": (list, True),
+    "rope_local_theta": (float, True), "nope_layers": (list, True), "attn_bias": (bool, False),
+    "attn_sinks": (bool, False), "n_experts": (int, False), "n_active_experts": (int, False),
+    "n_shared_experts": (int, False), "expert_dim": (int, True), "router_renorm": (bool, False),
+    "moe_layers": (list, True), "ffn_bias": (bool, False), "router_aux_loss_coef": (float, False),
 }
-KIND_WORDS = {int: "a whole number", float: "a number", bool: "true or false", dict: "an object"}
+KIND_WORDS = {int: "a whole number", float: "a number", bool: "true or false", dict: "an object", list: "a list"}
+# The largest value each count may take: a hand-edited or hostile config.json is refused before any
+# weight is allocated (the same guard as checkpoint/checks.py's size checks).
+MOST_EXPERTS = 4096
 
 
 def _swiglu_width(dim: int) -> int:
@@ -41,7 +54,7 @@ def _default_ffn_width(ffn: str, dim: int) -> int:
     """F when none is given: SwiGLU's width, 4·dim for the others, 0 without a feed-forward."""
     if ffn == "none":
         return 0
-    return _swiglu_width(dim) if ffn == "swiglu" else 4 * dim
+    return _swiglu_width(dim) if ffn in GATED_FFNS else 4 * dim
 
 
 @dataclass
@@ -96,10 +109,11 @@ class ModelConfig:
     """Tile size (queries and keys) for the 'tiled' kernel."""
     init_std: float = 0.02
     """Standard deviation of the initial weights (residual projections get std/sqrt(2L))."""
-    qk_norm: bool = False
-    """RMS-normalise each head's query and key, with no weight as nanochat and modded-nanogpt do (Qwen3 and
-    OLMo 2 give it one); after the projection, before RoPE (Qwen3's place; nanochat's, after it, gives the same
-    numbers up to rounding, the rotation keeping the norm); docs/model.md#speedrun-switches."""
+    qk_norm: bool | str = False
+    """RMS-normalise queries and keys after the projection, before RoPE. True: each head's, with no weight
+    (nanochat, modded-nanogpt; nanochat's place after RoPE gives the same numbers up to rounding, the rotation
+    keeping the norm); 'head': each head's with a weight of H (Qwen3, Gemma 3); 'proj': the whole projection's
+    with a weight of N·H (K·H for keys), before it is split into heads (OLMo 2, OLMoE); docs/model.md#speedrun-switches."""
     logit_softcap: float | None = None
     """None, or C: the head's logits become C·tanh(logits/C) (Gemma 2, modded-nanogpt), in training and generation alike."""
     value_embeddings: bool = False
@@ -108,6 +122,47 @@ class ModelConfig:
     quantization: dict | None = None
     """None (float weights), or how the weights are stored, e.g. {'method': 'int8_weight_only',
     'granularity': 'per_channel'} (convert/quantize.py, docs/quantize.md)."""
+    # ---- the families' switches (docs/model.md#families; each off by default)
+    norm_offset: bool = False
+    """RMSNorm scales by (1 + w), w stored and initialised at 0 (Gemma)."""
+    embed_scale: bool = False
+    """Embeddings multiplied by √D before the first block (Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """None, or s: scores scaled by s^-1/2 instead of H^-1/2 (Gemma)."""
+    attn_softcap: float | None = None
+    """None, or C: the scaled scores become C·tanh(s/C) before the mask (Gemma 2)."""
+    swiglu_limit: float = 7.0
+    """ffn='swiglu_clamp' (gpt-oss): the gate clamped to at most L, the up projection to [-L, L]."""
+    layer_types: list | None = None
+    """None (sliding_window, if set, on every layer), or per layer 'full_attention' or 'sliding_attention':
+    the window applies to the sliding layers only (Gemma 2/3, gpt-oss)."""
+    rope_local_theta: float | None = None
+    """None, or the RoPE base of the sliding layers, which then take no rope_scaling (Gemma 3)."""
+    nope_layers: list | None = None
+    """None, or the layers whose attention uses no RoPE at all (SmolLM3's NoPE layers)."""
+    attn_bias: bool = False
+    """Biases on the Q, K, V and output projections (gpt-oss; Llama's attention_bias)."""
+    attn_sinks: bool = False
+    """A learned logit per query head that joins each softmax's denominator and takes weight from the keys
+    (gpt-oss; "attention sinks", Xiao et al., 2023)."""
+    n_experts: int = 0
+    """E: 0 for a dense feed-forward; otherwise a mixture of E experts on the moe_layers (moe.py)."""
+    n_active_experts: int = 0
+    """k: how many experts each token is routed to (top-k of the router)."""
+    n_shared_experts: int = 0
+    """Experts every token passes through, unweighted, beside the routed ones (one FeedForward of that many widths)."""
+    expert_dim: int | None = None
+    """F of one expert (None = ffn_dim); dense layers of a mixture model keep ffn_dim."""
+    router: str = "softmax"
+    """The router's scores: 'softmax' over the experts, or 'sigmoid' of each logit."""
+    router_renorm: bool = True
+    """Rescale the k chosen scores to sum to 1 (Mixtral, gpt-oss; Qwen3-MoE's norm_topk_prob; not OLMoE)."""
+    moe_layers: list | None = None
+    """None (every layer), or the layers whose feed-forward is a mixture when n_experts > 0."""
+    ffn_bias: bool = False
+    """Biases on the feed-forward's (and each expert's) matrices and on the router (gpt-oss)."""
+    router_aux_loss_coef: float = 0.0
+    """Training adds this times the load-balancing loss E·Σ f_e·P_e (Switch Transformer; Mixtral)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "attention_tile"):
@@ -157,17 +212,23 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         self._check_speedrun_switches()
+        self._check_families()
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be None or a positive integer, got {self.sliding_window}")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ROPE_SCALINGS:
-                raise ValueError(
-                    f"rope_scaling type {kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)} "
-                    "(or None for plain RoPE)"
-                )
-            if "factor" not in self.rope_scaling:
-                raise ValueError("rope_scaling needs a 'factor'")
+            self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+        if kind not in ROPE_SCALINGS:
+            raise ValueError(
+                f"rope_scaling type {kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)} "
+                "(or None for plain RoPE)"
+            )
+        if "factor" not in self.rope_scaling:
+            raise ValueError("rope_scaling needs a 'factor'")
+        if kind == "yarn" and "original_max_position_embeddings" not in self.rope_scaling:
+            raise ValueError("rope_scaling of type 'yarn' needs 'original_max_position_embeddings'")
 
     def _check_types(self) -> None:
         """Each remaining field of the kind it holds (FIELD_KINDS), so a hand-edited config.json
@@ -185,16 +246,87 @@ class ModelConfig:
                 raise ValueError(f"{name} must be {KIND_WORDS[kind]}{' or null' if optional else ''}, got {value!r}")
 
     def _check_speedrun_switches(self) -> None:
-        """qk_norm and value_embeddings are booleans; logit_softcap is None or a positive number (made a float)."""
+        """value_embeddings is a boolean; logit_softcap is None or a positive number (made a float)."""
         if self.logit_softcap is not None:
             if isinstance(self.logit_softcap, bool) or not isinstance(self.logit_softcap, (int, float)) or not self.logit_softcap > 0:
                 raise ValueError(f"logit_softcap must be None (off) or a positive number such as 15.0, got {self.logit_softcap!r}")
             self.logit_softcap = float(self.logit_softcap)
-        for name in ("qk_norm", "value_embeddings"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.value_embeddings, bool):
+            raise ValueError(f"value_embeddings must be true or false, got {self.value_embeddings!r}")
+
+    def _check_families(self) -> None:
+        """The families' switches: known values, lists as long as the model, counts in range."""
+        if self.qk_norm not in QK_NORMS or (isinstance(self.qk_norm, int) and not isinstance(self.qk_norm, bool)):
+            raise ValueError(f"qk_norm must be false, true, 'head' or 'proj', got {self.qk_norm!r}")
+        for name in ("query_pre_attn_scalar", "attn_softcap", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be None or a positive number, got {value!r}")
+        if not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be positive, got {self.swiglu_limit!r}")
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if len(self.layer_types) != self.n_layers or bad:
+                raise ValueError(f"layer_types must list {self.n_layers} entries, each one of {', '.join(LAYER_TYPES)}; "
+                                 f"got {len(self.layer_types)}{' with ' + repr(bad[0]) if bad else ''}")
+        for name in ("nope_layers", "moe_layers"):
+            value = getattr(self, name)
+            if value is not None:
+                if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in value):
+                    raise ValueError(f"{name} must list layer indices in 0..{self.n_layers - 1}, got {value!r}")
+                setattr(self, name, sorted(set(value)))
+        for name in ("n_experts", "n_active_experts", "n_shared_experts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.n_experts > MOST_EXPERTS:
+            raise ValueError(f"n_experts={self.n_experts} is more than {MOST_EXPERTS}: the config is damaged")
+        if self.n_experts and not 1 <= self.n_active_experts <= self.n_experts:
+            raise ValueError(f"n_active_experts must be in 1..n_experts ({self.n_experts}), got {self.n_active_experts}")
+        if not self.n_experts and (self.n_active_experts or self.n_shared_experts or self.moe_layers):
+            raise ValueError("n_active_experts, n_shared_experts and moe_layers need n_experts > 0")
+        if self.n_experts and self.ffn == "none":
+            raise ValueError("a mixture of experts needs a feed-forward kind (ffn is 'none')")
+        if self.expert_dim is not None and self.expert_dim < 1:
+            raise ValueError(f"expert_dim must be a positive integer, got {self.expert_dim}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be 0 or more, got {self.router_aux_loss_coef}")
+        if self.norm_offset and self.norm != "rms":
+            raise ValueError("norm_offset (Gemma's (1 + w)) applies to norm='rms' only")
+
+    # ---- per layer -----------------------------------------------------------------
+    def window_at(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it reads every earlier position)."""
+        if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
+
+    def rope_kind(self, layer: int) -> str | None:
+        """Which RoPE table layer `layer` turns its queries and keys by: 'global', 'local'
+        (rope_local_theta, on sliding layers) or None (no RoPE there)."""
+        if self.pos != "rope" or (self.nope_layers is not None and layer in self.nope_layers):
+            return None
+        if self.rope_local_theta is not None and self.window_at(layer) is not None:
+            return "local"
+        return "global"
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward is a mixture of experts."""
+        return self.n_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
 
     # ---- derived sizes -------------------------------------------------------------
+    @property
+    def gated(self) -> bool:
+        """Whether the feed-forward multiplies a gate by an up projection (SwiGLU, GeGLU)."""
+        return self.ffn in GATED_FFNS
+
+    @property
+    def expert_width(self) -> int:
+        """F of one expert: expert_dim, or ffn_dim when none is given."""
+        return self.ffn_dim if self.expert_dim is None else self.expert_dim
+
     @property
     def n_rep(self) -> int:
         """How many query heads share one key/value head (1 for MHA)."""

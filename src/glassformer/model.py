@@ -13,9 +13,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import get_kernel
-from .attention.mask import allowed
+from .attention.show import show_scores
 from .config import ModelConfig
+from .moe import MoE
+from .norms import OffsetRMSNorm
 from .probes import tap, wants
+from .rope_scaling import attention_factor, scale_inv_freq
 
 # ----------------------------------------------------------------------------- norms
 
@@ -39,7 +42,7 @@ class RMSNorm(nn.Module):
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     dim = cfg.dim if dim is None else dim
     if cfg.norm == "rms":
-        return RMSNorm(dim, cfg.norm_eps, bias=cfg.bias)
+        return (OffsetRMSNorm if cfg.norm_offset else RMSNorm)(dim, cfg.norm_eps, bias=cfg.bias)
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
@@ -60,31 +63,15 @@ def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------- RoPE
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Radians per position for each of the H/2 pairs: theta^(-2i/H), pair 0 turning 1 rad.
-
-    With Llama 3.1's 'llama3' scaling, slow (long-wavelength) pairs are slowed down by
-    `factor`, fast ones kept, and the band between blended (Meta's llama3 reference code).
-    """
-    H = cfg.head_dim
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Radians per position for each of the H/2 pairs: theta^(-2i/H), pair 0 turning 1 rad; rescaled
+    for long contexts by cfg.rope_scaling (rope_scaling.py). local: the sliding layers' table, with
+    base rope_local_theta and no scaling (Gemma 3)."""
+    H, theta = cfg.head_dim, cfg.rope_local_theta if local else cfg.rope_theta
     # fp32 throughout, as Meta and Hugging Face compute it, so the angles agree bit for bit.
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, H, 2, dtype=torch.int64).float() / H))  # (H/2,)
-    sc = cfg.rope_scaling
-    if sc is None:
-        return inv
-    kind = sc.get("rope_type", sc.get("type"))
-    factor = float(sc["factor"])
-    if kind == "linear":
-        return inv / factor
-    low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
-    old_ctx = float(sc.get("original_max_position_embeddings", 8192))
-    wavelen = 2 * math.pi / inv
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(mid, blended, scaled)
+    inv = 1.0 / (theta ** (torch.arange(0, H, 2, dtype=torch.int64).float() / H))  # (H/2,)
+    sc = None if local else cfg.rope_scaling
+    return inv if sc is None else scale_inv_freq(inv, sc, theta, H)
 
 
 def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,16 +119,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str
 class Attention(nn.Module):
     name = "attn"  # its path in the model (probe prefix), set by Transformer from the module tree
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.cfg = cfg
-        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.cfg, self.window = cfg, cfg.window_at(layer)  # this layer's sliding window, or None
+        qkv_bias = cfg.bias or cfg.qkv_bias or cfg.attn_bias
         self.wq = nn.Linear(cfg.dim, cfg.q_dim, bias=qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
-        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=cfg.bias or cfg.attn_bias)
         self.kernel = get_kernel(cfg.attention, cfg.attention_tile)
         self.ve: nn.Embedding | None = None  # value embeddings (V, K·H): set by Transformer on value_embed_layers
+        # qk_norm with weights: 'head' H of them (Qwen3, Gemma 3), 'proj' N·H and K·H (OLMo 2)
+        widths = {"head": (cfg.head_dim, cfg.head_dim), "proj": (cfg.q_dim, cfg.kv_dim)}.get(cfg.qk_norm)
+        self.q_norm, self.k_norm = (make_norm(cfg, widths[0]), make_norm(cfg, widths[1])) if widths else (None, None)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None  # (N,): a logit per head
+        self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5  # Gemma's
 
     def set_kernel(self, name: str) -> None:
         self.kernel = get_kernel(name, self.cfg.attention_tile)
@@ -156,38 +148,38 @@ class Attention(nn.Module):
             v = v + tap(n + ".ve", self.ve(idx).view(B, T, cfg.n_kv_heads, cfg.head_dim)).view(B, T, -1)  # (B, T, K·H)
         v = tap(n + ".v", v.view(B, T, cfg.n_kv_heads, cfg.head_dim))  # (B, T, K, H)
         if cfg.qk_norm:  # before RoPE (Qwen3's order; a weightless norm commutes with the rotation anyway)
-            q = tap(n + ".q_norm", head_rms_norm(q, cfg.norm_eps))
-            k = tap(n + ".k_norm", head_rms_norm(k, cfg.norm_eps))
+            q = tap(n + ".q_norm", self.qk_normed(self.q_norm, q))
+            k = tap(n + ".k_norm", self.qk_normed(self.k_norm, k))
         if rope is not None:  # rope: rope_tables' cos and signed sin, (B, T, 1, H) each
             q = tap(n + ".q_rot", rotate(q, *rope, cfg.rope_pairs))
             k = tap(n + ".k_rot", rotate(k, *rope, cfg.rope_pairs))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, H)
         if cache is not None:
             k, v = cache.update(q_pos, k, v)  # (B, K, Tk, H): every position so far
-        if wants(n + ".scores") or wants(n + ".weights"):
-            self._show_scores(q, k, q_pos, key_mask)
-        z = self.kernel(q, k, v, q_pos=q_pos, key_mask=key_mask, window=cfg.sliding_window, start=start)  # (B, N, T, H)
+        extras = dict(window=self.window, scale=self.scale, softcap=cfg.attn_softcap, sinks=self.sinks)
+        if wants(n + ".scores") or wants(n + ".weights"):  # the grid for a recorder (kernels may never form it)
+            show_scores(n, q, k, q_pos, key_mask, **extras)
+        z = self.kernel(q, k, v, q_pos=q_pos, key_mask=key_mask, start=start, **extras)  # (B, N, T, H)
         z = tap(n + ".z", z.transpose(1, 2))  # (B, T, N, H)
         return tap(n + ".out", self.wo(z.reshape(B, T, cfg.q_dim)))  # (B, T, D)
 
-    def _show_scores(self, q, k, q_pos, key_mask):
-        """Form the score grid for a recorder (the kernels may never materialise it)."""
-        cfg, n = self.cfg, self.name
-        B, N, T, H = q.shape
-        kr = k.repeat_interleave(cfg.n_rep, dim=1)  # (B, N, Tk, H)
-        scores = (q @ kr.transpose(-1, -2)) / math.sqrt(H)  # (B, N, T, Tk)
-        tap(n + ".scores", scores.transpose(1, 2))  # (B, T, N, Tk)
-        ok = allowed(q_pos, torch.arange(k.shape[2], device=q.device), key_mask, cfg.sliding_window)
-        masked = scores.masked_fill(~ok[:, None], float("-inf"))
-        any_ok = ok.any(-1, keepdim=True)[:, None]  # (B, 1, T, 1)
-        weights = torch.softmax(masked.masked_fill(~any_ok, 0.0), -1) * any_ok  # (B, N, T, Tk)
-        tap(n + ".weights", weights.transpose(1, 2))  # (B, T, N, Tk)
+    def qk_normed(self, norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, heads, H) normalised: per head without a weight (True), per head with one ('head'),
+        or over every head's features together ('proj', OLMo 2's norm of the whole projection)."""
+        if norm is None:
+            return head_rms_norm(x, self.cfg.norm_eps)
+        return norm(x.flatten(-2)).view_as(x) if self.cfg.qk_norm == "proj" else norm(x)
 
 
-def ffn_activation(kind: str, up: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """The feed-forward's nonlinearity: silu(gate)·up for SwiGLU, else relu/relu²/gelu of up."""
+def ffn_activation(kind: str, up: torch.Tensor, gate: torch.Tensor | None = None, limit: float = 7.0) -> torch.Tensor:
+    """The feed-forward's nonlinearity: silu(gate)·up for SwiGLU, gelu(gate)·up for GeGLU, else relu/relu²/gelu of up."""
     if kind == "swiglu":
         return F.silu(gate) * up
+    if kind == "geglu":  # GELU's tanh form as the gate (Shazeer, 2020; Gemma)
+        return F.gelu(gate, approximate="tanh") * up
+    if kind == "swiglu_clamp":  # gpt-oss: both clamped, gate·σ(1.702·gate), and the up projection shifted by 1
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(1.702 * gate))
     if kind == "relu":
         return F.relu(up)
     if kind == "relu2":  # squared ReLU (So et al., 2021, Primer; nanochat's MLP)
@@ -198,50 +190,51 @@ def ffn_activation(kind: str, up: torch.Tensor, gate: torch.Tensor | None = None
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: down(silu(gate(x)) · up(x)) (Shazeer, 2020); or down(act(up(x)))."""
+    """SwiGLU: down(silu(gate(x)) · up(x)) (Shazeer, 2020); or down(act(up(x))). width: F (an expert's)."""
 
     name = "ffn"  # its path in the model (probe prefix), set by Transformer from the module tree
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        self.cfg = cfg
-        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
-        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.ffn == "swiglu" else None
-        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+        self.cfg, F_, bias = cfg, cfg.ffn_dim if width is None else width, cfg.bias or cfg.ffn_bias
+        self.w_up = nn.Linear(cfg.dim, F_, bias=bias)
+        self.w_gate = nn.Linear(cfg.dim, F_, bias=bias) if cfg.gated else None
+        self.w_down = nn.Linear(F_, cfg.dim, bias=bias)
 
     def forward(self, x):
         n, kind = self.name, self.cfg.ffn
-        if kind == "swiglu":
-            up, gate = tap(n + ".up", self.w_up(x)), tap(n + ".gate", self.w_gate(x))  # (B, T, F) each
-        else:
-            up, gate = tap(n + ".up", self.w_up(x)), None  # (B, T, F)
-        act = tap(n + ".act", ffn_activation(kind, up, gate))
+        up = tap(n + ".up", self.w_up(x))  # (B, T, F)
+        gate = tap(n + ".gate", self.w_gate(x)) if self.w_gate is not None else None  # (B, T, F)
+        act = tap(n + ".act", ffn_activation(kind, up, gate, self.cfg.swiglu_limit))
         return tap(n + ".down", self.w_down(act))  # (B, T, D)
 
 
 class Block(nn.Module):
     name = "block"  # its path in the model (probe prefix), set by Transformer from the module tree
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.cfg = cfg
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         # ffn='none': an attention-only block (Elhage et al., 2021, "A Mathematical Framework for
         # Transformer Circuits"): no feed-forward norm or weights; the stream leaves after attention.
         self.ffn_norm = make_norm(cfg) if cfg.has_ffn else None
-        self.ffn = FeedForward(cfg) if cfg.has_ffn else None
+        self.ffn = (MoE(cfg, FeedForward) if cfg.is_moe(layer) else FeedForward(cfg)) if cfg.has_ffn else None
+        sandwich = cfg.norm_placement == "sandwich"  # Gemma 2/3: a second norm on each sublayer's output
+        self.attn_post_norm = make_norm(cfg) if sandwich else None
+        self.ffn_post_norm = make_norm(cfg) if sandwich and cfg.has_ffn else None
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None, idx=None):
         n = self.name
-        if self.cfg.norm_placement == "pre":
-            # Pre-norm: each sublayer reads a normalised copy; the stream itself is never normalised.
-            a = self.attn(tap(n + ".attn_norm", self.attn_norm(x)), rope, q_pos, cache, key_mask, start, idx)
+        if self.cfg.norm_placement != "post":
+            # The stream itself is never normalised: each sublayer's branch is (branch), then added.
+            a = self.branch("attn", x, lambda h: self.attn(h, rope, q_pos, cache, key_mask, start, idx))
             h = tap(n + ".resid_mid", x + self.drop(a))
             if self.ffn is None:
                 return h
-            f = self.ffn(tap(n + ".ffn_norm", self.ffn_norm(h)))
+            f = self.branch("ffn", h, self.ffn)
             return tap(n + ".resid_out", h + self.drop(f))
         # Post-norm (Vaswani et al., 2017): normalise the stream after each addition.
         h = tap(n + ".resid_mid", x + self.drop(self.attn(x, rope, q_pos, cache, key_mask, start, idx)))
@@ -250,6 +243,15 @@ class Block(nn.Module):
             return h
         y = tap(n + ".resid_out", h + self.drop(self.ffn(h)))
         return tap(n + ".ffn_norm", self.ffn_norm(y))
+
+    def branch(self, part: str, x, sublayer):
+        """One sublayer's branch: pre-norm sublayer(norm(x)); sandwich post_norm(sublayer(norm(x)))
+        (Gemma 2); post_branch norm(sublayer(x)) (OLMo 2: the norm moved onto the branch's output)."""
+        n, norm, post = self.name, getattr(self, part + "_norm"), getattr(self, part + "_post_norm")
+        if self.cfg.norm_placement == "post_branch":
+            return tap(f"{n}.{part}_norm", norm(sublayer(x)))
+        y = sublayer(tap(f"{n}.{part}_norm", norm(x)))
+        return y if post is None else tap(f"{n}.{part}_post_norm", post(y))
 
 
 # ----------------------------------------------------------------------------- model
@@ -267,16 +269,18 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.pos == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.final_norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         for i in cfg.value_embed_layers:  # state_dict key blocks.{i}.attn.ve.weight
             self.blocks[i].attn.ve = nn.Embedding(cfg.vocab_size, cfg.kv_dim)
         for path, m in self.named_modules():  # probe prefixes are module paths, as TransformerLens names its hooks
-            if isinstance(m, (Block, Attention, FeedForward)):
+            if isinstance(m, (Block, Attention, FeedForward, MoE)):
                 m.name = path
         if cfg.pos == "rope":
             self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
+        if cfg.pos == "rope" and cfg.rope_local_theta is not None:
+            self.register_buffer("rope_local_inv_freq", rope_inv_freq(cfg, local=True), persistent=False)
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -293,22 +297,25 @@ class Transformer(nn.Module):
                 continue
             if name.endswith("bias"):
                 p.zero_()
-            elif p.dim() == 1:
-                p.fill_(1.0)
+            elif p.dim() == 1:  # norm weights (w of (1 + w) under norm_offset) and attention sinks
+                p.fill_(0.0 if self.config.norm_offset or name.endswith("sinks") else 1.0)
             elif name.endswith(("wo.weight", "w_down.weight")):
                 p.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
             else:
                 p.normal_(0.0, std)
-        if self.config.pos == "rope" and self.rope_inv_freq.device.type != "meta":
-            self.rope_inv_freq.copy_(rope_inv_freq(self.config))
+        for local in (False, True):
+            f = getattr(self, "rope_local_inv_freq" if local else "rope_inv_freq", None)
+            if f is not None and f.device.type != "meta":
+                f.copy_(rope_inv_freq(self.config, local))
 
     def _apply(self, fn, recurse=True):
         # RoPE's frequencies never drop below fp32 whatever .to() makes of the weights (Hugging Face
         # does the same): in bf16 they keep 3 digits, and late positions would turn by wrong angles.
         super()._apply(fn, recurse)
-        f = getattr(self, "rope_inv_freq", None)
-        if f is not None and f.element_size() < 4 and f.device.type != "meta":
-            self.rope_inv_freq = rope_inv_freq(self.config).to(f.device)
+        for local, name in ((False, "rope_inv_freq"), (True, "rope_local_inv_freq")):
+            f = getattr(self, name, None)
+            if f is not None and f.element_size() < 4 and f.device.type != "meta":
+                setattr(self, name, rope_inv_freq(self.config, local).to(f.device))
         return self
 
     def num_params(self, non_embedding: bool = False) -> int:
@@ -343,12 +350,15 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.prepare(pos, T)
         x = self.embed(idx)  # (B, T, D)
+        if cfg.embed_scale:  # Gemma: times √D, rounded to the weights' dtype as Gemma rounds it
+            x = x * torch.tensor(cfg.dim**0.5, dtype=x.dtype)
         if self.pos_embed is not None:
             x = x + self.pos_embed(q_pos)  # (B, T, D)
         x = tap("embed", self.drop(x))
-        rope = rope_tables(*rope_angles(q_pos, self.rope_inv_freq), cfg.rope_pairs) if cfg.pos == "rope" else None
+        kinds = [cfg.rope_kind(i) for i in range(cfg.n_layers)]  # 'global', 'local' or None, per layer
+        ropes = {kind: self.rope(q_pos, kind) for kind in set(kinds) - {None}}  # built once, shared by layers
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, q_pos, None if cache is None else cache.layer(i), padding_mask, start, idx)
+            x = block(x, ropes.get(kinds[i]), q_pos, None if cache is None else cache.layer(i), padding_mask, start, idx)
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at.to(x.device)][:, None]  # (B, 1, D)
         x = tap("final_norm", self.final_norm(x))
@@ -359,6 +369,14 @@ class Transformer(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def rope(self, q_pos: torch.Tensor, kind: str = "global") -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_tables for positions q_pos (B, T): the global table, or the sliding layers' ('local');
+        YaRN's attention factor multiplies cos and sin (rope_scaling.py)."""
+        local = kind == "local"
+        cos, sin = rope_angles(q_pos, self.rope_local_inv_freq if local else self.rope_inv_freq)  # (B, T, H/2) each
+        f = attention_factor(None if local else self.config.rope_scaling)  # 1 unless YaRN
+        return rope_tables(cos * f if f != 1 else cos, sin * f if f != 1 else sin, self.config.rope_pairs)
 
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
         """The head: final-norm output (..., D) -> logits (..., V), soft-capped when logit_softcap is set
@@ -377,8 +395,6 @@ class Transformer(nn.Module):
         else:
             q_pos = (int(pos) + steps).expand(B, T)  # (B, T)
             if int(pos) + T > self.config.max_seq_len:
-                raise ValueError(
-                    f"positions {int(pos)}..{int(pos) + T - 1} exceed the model's context of "
-                    f"{self.config.max_seq_len} tokens: shorten the input or use a model with a longer max_seq_len"
-                )
+                raise ValueError(f"positions {int(pos)}..{int(pos) + T - 1} exceed the model's context of {self.config.max_seq_len} "
+                                 "tokens: shorten the input or use a model with a longer max_seq_len")
         return q_pos

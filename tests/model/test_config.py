@@ -15,7 +15,8 @@ from glassformer import PRESETS, ModelConfig, Transformer
         (dict(attention="flash3"), "attention must be one of sdpa, naive, tiled"),
         (dict(vocab_size=0), "vocab_size must be a positive integer"),
         (dict(dropout=1.0), "dropout must be in [0, 1)"),
-        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "not supported"),
+        (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "not supported"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "original_max_position_embeddings"),
         (dict(sliding_window=0), "sliding_window"),
     ],
 )

@@ -1,6 +1,6 @@
 """Three attention kernels behind one signature (naive, tiled, sdpa; get_kernel picks one):
 
-    kernel(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, start=None) -> out
+    kernel(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, start=None, softcap=None, sinks=None) -> out
 
 q (B, N, Tq, H), k and v (B, K, Tk, H), out (B, N, Tq, H). Which keys a query reads (mask.py), what
 `start` promises, and rows with no readable key: docs/model.md#attention-kernels."""

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .mask import allowed
+from .naive import naive_attention
 
 # enable_gqa arrived in torch 2.5; before it, repeat the key/value heads.
 _HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -78,8 +79,11 @@ def _scale(q, scale) -> float:
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
-def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, start=None):
-    """Fused attention; the mask is only built when it is not plain causal."""
+def sdpa_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, start=None, softcap=None, sinks=None):
+    """Fused attention; the mask is only built when it is not plain causal. The fused kernel has no
+    soft cap or sink, so those go to the naive kernel (same numbers; docs/model.md#attention-kernels)."""
+    if softcap is not None or sinks is not None:
+        return naive_attention(q, k, v, q_pos=q_pos, key_mask=key_mask, window=window, scale=scale, softcap=softcap, sinks=sinks)
     B, N, Tq, H = q.shape
     K, Tk = k.shape[1], k.shape[2]
     if N != K and not _HAS_GQA:

@@ -23,12 +23,15 @@ def _tile_is_hidden(q_lo: int, q_hi: int, k0: int, k1: int, window: int | None) 
     return False
 
 
-def tiled_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, start=None, tile=64, tile_log=None):
+def tiled_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, start=None, tile=64, tile_log=None,
+                    softcap=None, sinks=None):
     """Same result as naive_attention, computed tile by tile with an online softmax.
 
     tile: rows and columns per tile (any T works; the last tile may be short). tile_log: a list, to
     which one dict per (query tile, key tile) is appended, the running m, l, o, alpha after it or
     `skipped`: the walk-through of docs/trace-format.md#tiles-the-flashattention-walk-through-of-one-query-row.
+    softcap: scores become softcap·tanh(s/softcap) (Gemma 2); sinks (N,): a logit per head added to each
+    row's denominator once its tiles are done, exp(sink − m) (gpt-oss).
     """
     B, N, Tq, H = q.shape
     K, Tk = k.shape[1], k.shape[2]
@@ -56,6 +59,8 @@ def tiled_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, s
                     tile_log.append(dict(q=(q0, q1), k=(k0, k1), skipped=True))
                 continue
             s = torch.einsum("bkgqh,bkth->bkgqt", qt, k[:, :, k0:k1]) * scale  # (B, K, G, tq, tk)
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
             ok = allowed(pos_t, k_pos[k0:k1], km, window)[:, None, None]  # (B, 1, 1, tq, tk)
             s = s.masked_fill(~ok, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))  # (B, K, G, tq, 1)
@@ -69,6 +74,9 @@ def tiled_attention(q, k, v, *, q_pos, key_mask=None, window=None, scale=None, s
             if tile_log is not None:
                 tile_log.append(dict(q=(q0, q1), k=(k0, k1), skipped=False, scores=s.detach(),
                                      m=m.detach(), l=l.detach(), o=o.detach(), alpha=alpha.detach()))
+        if sinks is not None:  # the sink's share joins the denominator: l + exp(sink - m)
+            sink = sinks.to(l.dtype).view(1, K, G, 1, 1)
+            l = torch.where(l > 0, l + torch.exp(sink - torch.where(torch.isinf(m), sink, m)), l)
         # Rows that read no key at all keep l = 0: their output is zero, as in the other kernels.
         outs.append(torch.where(l > 0, o / l.clamp_min(torch.finfo(l.dtype).tiny), torch.zeros_like(o)))
     out = torch.cat(outs, dim=3)  # (B, K, G, Tq, H)
