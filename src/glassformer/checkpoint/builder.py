@@ -43,8 +43,10 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device: s
             quantize_stored(model, cfg.quantization, where)
     _check_state(model, state, where)
     model.load_state_dict(state, strict=True, assign=True)  # a tied head is filled by the model's load hook
-    if cfg.pos == "rope":  # a non-persistent buffer: recomputed, never stored
+    if cfg.pos == "rope":  # non-persistent buffers: recomputed, never stored
         model.rope_inv_freq = rope_inv_freq(cfg)
+        if cfg.rope_local_theta is not None:
+            model.rope_local_inv_freq = rope_inv_freq(cfg, local=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
