@@ -248,10 +248,10 @@
   function streamSteps() {
     const steps = [{ label: 'embed', probe: 'embed', kind: 'stream' }];
     for (const i of layerIds()) {
-      steps.push({ label: `L${i} attention`, probe: `blocks.${i}.attn.out`, kind: 'attn', layer: i });
+      steps.push({ label: `L${i} attention`, probe: streamAfter(i, 'attn_adds') || `blocks.${i}.attn.out`, kind: 'attn', layer: i });
       const oneAddition = streamAfter(i, 'out') === streamAfter(i, 'mid');  // ffn none: the block ends here
       steps.push({ label: `L${i} +`, probe: streamAfter(i, 'mid'), kind: 'stream', layer: i, part: oneAddition ? 'out' : 'mid' });
-      steps.push({ label: `L${i} feed-forward`, probe: `blocks.${i}.ffn.down`, kind: 'ffn', layer: i });
+      steps.push({ label: `L${i} feed-forward`, probe: streamAfter(i, 'ffn_adds') || `blocks.${i}.ffn.down`, kind: 'ffn', layer: i });
       if (!oneAddition) {
         steps.push({ label: `L${i} +`, probe: streamAfter(i, 'out'), kind: 'stream', layer: i, part: 'out' });
       }
