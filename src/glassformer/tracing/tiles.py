@@ -41,14 +41,17 @@ def row_walk(log: list[dict], row: int, heads: list[int], n_heads: int, position
 
 
 def kernel_log(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, tile: int, positions: list[int] | None = None,
-               window: int | None = None) -> tuple[torch.Tensor, list[dict]]:
+               window: int | None = None, scale: float | None = None,
+               softcap: float | None = None) -> tuple[torch.Tensor, list[dict]]:
     """Run the tiled kernel on one text's q (T, N, H), k and v (T, K, H) (as traced: after RoPE):
-    its output (T, N, H) and its tile log."""
+    its output (T, N, H) and its tile log. window, scale, softcap: the layer's own (a sliding layer's
+    window, Gemma's query_pre_attn_scalar^−½ and score cap)."""
     T = q.shape[0]
     positions = list(range(T)) if positions is None else list(positions)
     log: list[dict] = []
     out = tiled_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # (1, heads, T, H)
-                          q_pos=torch.tensor([positions]), window=window, start=positions[0], tile=tile, tile_log=log)
+                          q_pos=torch.tensor([positions]), window=window, start=positions[0], tile=tile, tile_log=log,
+                          scale=scale, softcap=softcap)
     return out[0].transpose(0, 1), log  # (T, N, H)
 
 

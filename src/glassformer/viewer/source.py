@@ -33,7 +33,7 @@ from ..tracing.format import FORMAT, FORMAT_VERSION, _tiles_json, as_trace, json
 from ..tracing.interventions import logit_lens_top
 from ..tracing.stream import PLACEMENTS, placement_twins
 from ..tracing.tiles import head_walks, kernel_log
-from ..tracing.trace import trace
+from ..tracing.trace import score_inputs, trace
 from ..worked import model as worked
 from .cost_calc import cost_calcs
 from .generated import EXPLAIN_LIMIT, check_max_tokens, full_logits, generated_part, new_tokens
@@ -169,10 +169,15 @@ def walkable(tr) -> bool:
 
 
 def _kernel_log(tr, layer: int, tile: int) -> list[dict]:
-    """The tiled kernel's log, run again over layer `layer`'s traced q, k, v (after RoPE)."""
-    names = (("q_rot", "k_rot") if tr.config["pos"] == "rope" else ("q", "k")) + ("v",)
-    q, k, v = (tr[f"blocks.{layer}.attn.{n}"] for n in names)
-    return kernel_log(q, k, v, tile=tile, positions=tr.positions, window=tr.config.get("sliding_window"))[1]
+    """The tiled kernel's log, run again over layer `layer`'s traced q, k, v (those the scores read:
+    after RoPE where the layer turns them), with the layer's window, scale and score cap. (A sink
+    joins each row's denominator after its last tile: the walk's o / l leaves it out.)"""
+    cfg = ModelConfig.from_dict(tr.config)
+    q, k = (tr[n] for n in score_inputs(cfg, layer))
+    v = tr[f"blocks.{layer}.attn.v"]
+    scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+    return kernel_log(q, k, v, tile=tile, positions=tr.positions, window=cfg.window_at(layer), scale=scale,
+                      softcap=cfg.attn_softcap)[1]
 
 
 def tile_walks(tr, tile: int, rows: list[int]) -> dict[str, dict]:
