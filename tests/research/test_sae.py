@@ -290,3 +290,41 @@ def test_sae_lens_loads_the_folder_with_the_same_activations(trained):
     x = S.site_activations(model, site.probe, torch.from_numpy(ids.reshape(-1, 32)))
     assert (ref.encode(x) - ours.encode(x)).abs().max() < 1e-5
     assert (ref.decode(ref.encode(x)) - ours.decode(ours.encode(x))).abs().max() < 1e-5
+
+
+@pytest.mark.browser
+def test_feature_page_draws_in_chromium(tmp_path):
+    """The browser page (viewer/features.py + static/features.js) in a real Chromium: no page errors, the
+    list and a picked feature's contexts and logit tables drawn, a hostile token shown as text."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[dev]')")
+    from tests.viewer.test_viewer_browser import CHROMIUM_ARGS, HOSTILE, _chromium
+
+    from glassformer.viewer.features import write_page
+
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("no Chromium found: run scripts/ensure_browser.sh (apt-get install chromium) to enable browser tests")
+    ctx = {"act": 2.0, "at": 1, "position": 9, "tokens": ["a", HOSTILE, "</script>"], "acts": [0.0, 2.0, 1.0]}
+    rep = {"sae": "s", "site": "blocks.1.hook_resid_pre", "probe": "blocks.0.resid_out", "d_in": 4, "d_sae": 3, "k": 1,
+           "tokens": 64, "context": 32, "dead_features": 1, "evaluation": None,
+           "features": [{"id": 0, "frequency": 0.5, "max": 2.0, "contexts": [ctx]},
+                        {"id": 2, "frequency": 0.25, "max": 1.5, "contexts": [ctx, ctx],
+                         "logits": {"top": [["x", 1.0]], "bottom": [["y", -1.0]]}}]}
+    page = write_page(tmp_path / "f.html", rep)
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
+        pg, errors, dialogs = b.new_page(), [], []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        pg.goto(page.as_uri())
+        assert pg.locator("#feature-list button").count() == 2
+        pg.locator("#feature-list button").nth(1).click()
+        assert pg.inner_text("#feature-detail h2") == "feature 2"
+        assert pg.locator("#feature-detail .ctx").count() == 2 and pg.locator("table.logits").count() == 2
+        shown = pg.inner_text("#feature-detail")  # spaces drawn as middle dots
+        assert HOSTILE.replace(" ", "\u00b7") in shown and "</script>" in shown
+        assert pg.locator(".tok-at").first.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(255, 140, 0)"
+        pg.fill("#feature-filter", "2")
+        assert pg.locator("#feature-list button").count() == 1
+        b.close()
+    assert not errors and not dialogs
