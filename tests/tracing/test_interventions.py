@@ -95,3 +95,19 @@ def test_logit_lens_last_layer_equals_the_models_logits(placement):
     with torch.no_grad():
         ref = m.final_norm(stream) @ m.lm_head.weight.t()
     assert torch.allclose(lens[0], ref, atol=1e-6)
+
+
+def test_interventions_on_the_families_probes():
+    """A sink's weight is only shown; an expert's own probe holds its routed tokens, so tokens= is refused
+    there by name, while zeroing the whole expert's output changes the mixture by exactly its share."""
+    m = tiny_model(attn_sinks=True, n_experts=4, n_active_experts=2)
+    with pytest.raises(UserError, match="only shown"):
+        ablate(m, IDS, "blocks.0.attn.sink_weight")
+    with pytest.raises(UserError, match="routed to that expert.*expert_out"):
+        ablate(m, IDS, "blocks.0.ffn.experts.1.down", tokens=[0])
+    _, rec = run_with(m, IDS, {"blocks.1.ffn.experts.2.down": lambda n, x: torch.zeros_like(x)},
+                      record=["blocks.1.ffn.down", "blocks.1.ffn.expert_ids", "blocks.1.ffn.expert_weights"])
+    _, base = run_with(m, IDS, {}, record=["blocks.1.ffn.down", "blocks.1.ffn.expert_out"])
+    ids, w = rec["blocks.1.ffn.expert_ids"][0], rec["blocks.1.ffn.expert_weights"][0]
+    share = ((ids == 2).float() * w)[..., None] * base["blocks.1.ffn.expert_out"][0]  # (T, k, D)
+    assert torch.allclose(rec["blocks.1.ffn.down"][0], base["blocks.1.ffn.down"][0] - share.sum(1), atol=1e-5)

@@ -3,7 +3,9 @@
 
 Every intervention goes through the probes (glassformer.probes): the recorder returns a
 changed tensor in place of the one tapped, so the model code knows nothing about it.
-`.scores`, `.weights` and `probs` are shown, never used: ablate `.z` or remove a head instead.
+`.scores`, `.weights`, `.sink_weight` and `probs` are shown, never used: ablate `.z` or remove a head
+instead. An expert's own probes (`ffn.experts.{e}.*`) hold the tokens routed to it only, so `tokens=`
+does not apply to them: intervene on the mixture's `ffn.expert_out` or `ffn.down` for chosen tokens.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import torch
 
 from ..errors import UserError
 from ..probes import stream_wiring
-from .trace import TraceRecorder, eval_mode, probe_axes, recording
+from .trace import TraceRecorder, eval_mode, expert_of, probe_axes, recording
 
-_SHOWN_ONLY = ("scores", "weights", "probs", "tiles")
+_SHOWN_ONLY = ("scores", "weights", "sink_weight", "probs", "tiles")
 
 
 def _check_probe(model, name: str) -> None:
@@ -102,6 +104,10 @@ def _head_dim(model, name: str) -> int | None:
 def _select(model, name: str, x: torch.Tensor, head, tokens) -> torch.Tensor:
     """A boolean mask shaped like x: True where the intervention applies."""
     m = torch.ones_like(x, dtype=torch.bool)
+    if tokens is not None and expert_of(name) is not None:  # its rows are the tokens routed to it, not the text's
+        layer = name.split(".")[1]
+        raise UserError(f"{name} holds only the tokens routed to that expert: for chosen tokens intervene on "
+                        f"blocks.{layer}.ffn.expert_out or blocks.{layer}.ffn.down")
     if tokens is not None:
         keep = torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
         keep[list(tokens)] = True
