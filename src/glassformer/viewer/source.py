@@ -637,7 +637,8 @@ def word_view(tokenizer, text: str) -> dict | None:
         return None
     if not isinstance(ids, list) or len(ids) != len(words) or not all(isinstance(i, int) for i in ids):
         return None
-    return {"text": text, "kind": "words", "label": token_label(text), "ids": ids, "vocab_size": int(tokenizer.vocab_size),
+    size = getattr(tokenizer, "vocab_size", None)
+    return {"text": text, "kind": "words", "label": token_label(text), "ids": ids, "vocab_size": None if size is None else int(size),
             "words": [{"text": w, "id": i, "piece": token_label(_piece(tokenizer, i))} for w, i in zip(words, ids)]}
 
 

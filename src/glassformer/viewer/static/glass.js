@@ -51,6 +51,8 @@
     const a = Math.abs(x);
     let s;
     if (a !== 0 && (a < 5e-4 || a >= 1e6)) s = x.toExponential(2).replace(/\.?0+e/, 'e');
+    // Below 0.1, three significant digits (0.00123, 0.0456): three decimals would round them to 0.001.
+    else if (a !== 0 && a < 0.1) s = x.toPrecision(3).replace(/\.?0+$/, '');
     else s = x.toFixed(3).replace(/\.?0+$/, '');
     return s === '-0' ? '0' : s;
   }
@@ -262,7 +264,7 @@
   function rmsCalc(probeName, t) {
     const v = probe(probeName)[t];
     const r = rmsOf(probeName, t);
-    const terms = v.slice(0, FEATURE_CAP).map((x) => `${fmt(x)}²`).join(' + ') + (v.length > FEATURE_CAP ? ` + … (${v.length - FEATURE_CAP} more)` : '');
+    const terms = v.slice(0, FEATURE_CAP).map((x) => `${fmtP(x)}²`).join(' + ')  // (−0.349)², not −0.349² + (v.length > FEATURE_CAP ? ` + … (${v.length - FEATURE_CAP} more)` : '');
     return {
       title: `RMS of ${probeName}[${tokenLabel(t)}] = ${fmt(r)}`, op: 'rms',
       text: `RMS = √( (${terms}) / ${v.length} ) = √${fmt(r * r)} = ${fmt(r)}`,
@@ -761,6 +763,14 @@
     if (o.what) span.append(el('span', { class: 'what', text: o.what }));
     return span;
   }
+  // What a step's unlisted entries are: a max keeps the largest of them (explaining/steps.py Steps.max),
+  // a softmax the sum of their exp(x − m) in its denominator, a sum the sum of its smaller terms.
+  function restText(st) {
+    const n = st.rest.count, v = fmt(st.rest.value);
+    if (st.op === 'max') return `… ${n} more ${n === 1 ? 'entry' : 'entries'} not listed, the largest of them ${v} (below the max)`;
+    if (st.op === 'softmax') return `+ ${n} more ${n === 1 ? 'term' : 'terms'} exp(x − m) of the denominator, together ${v}`;
+    return `+ ${n} smaller ${n === 1 ? 'term' : 'terms'}, together ${v}`;
+  }
   function termsOf(step) {
     // One list item per term of a sum (its factors joined by ·); for a softmax or a max,
     // one item per entry of the row.
@@ -803,7 +813,7 @@
         if (rows.length > 40) ul.append(el('li', { class: 'muted', text: `… ${rows.length - 40} more` }));
         box.append(ul);
       }
-      if (st.rest && st.rest.count) box.append(el('div', { class: 'muted', style: { fontSize: '12px' }, text: `+ ${st.rest.count} smaller terms summed: ${fmt(st.rest.value)}` }));
+      if (st.rest && st.rest.count) box.append(el('div', { class: 'muted', style: { fontSize: '12px' }, text: restText(st) }));
       if (st.max !== undefined && st.max !== null && st.op === 'softmax') box.append(el('div', { class: 'muted', style: { fontSize: '12px' }, text: `row max ${fmt(st.max)}` }));
       if (st.value !== undefined) box.append(el('div', {}, ['= ', el('b', { text: st.value === null ? 'masked' : fmt(st.value) })]));
       body.append(box);
@@ -926,6 +936,12 @@
     }
     return row;
   }
+  // How many ids a stage keeps: 'all' when it cut nothing (the raw logits, a filter that is off).
+  function keptText(kept) {
+    const V = CFG().vocab_size;
+    if (kept === V) return `all ${fmtInt(kept)} ids kept (none cut)`;
+    return `${fmtInt(kept)} ${kept === 1 ? 'id' : 'ids'} kept` + (V ? ` of ${fmtInt(V)}` : '');
+  }
   function drawStages(ans, settings, t) {
     const box = clear($('sample'));
     box.classList.remove('stale');
@@ -936,11 +952,12 @@
       const card = el('div', { class: 'stage-card' });
       card.dataset.stage = st.name;
       card.append(el('h3', { text: STAGE_TITLES[st.name] || st.name }));
-      const rest = st.rest > 0 ? `; the others' probability ${fmt(st.rest)}` : '';
-      card.append(el('p', { class: 'note', text: `${fmtInt(st.kept)} ${st.kept === 1 ? 'id' : 'ids'} kept${rest}` }));
-      const seen = new Set(st.seen || []);
-      for (let j = 0; j < Math.min(SAMPLE_SHOWN, st.ids.length); j++) card.append(stageRow(st, j, ans, seen, piece));
-      if (st.kept > SAMPLE_SHOWN) card.append(el('p', { class: 'note', text: `… ${fmtInt(st.kept - SAMPLE_SHOWN)} more` }));
+      card.append(el('p', { class: 'note', text: keptText(st.kept) }));
+      const seen = new Set(st.seen || []), shown = Math.min(SAMPLE_SHOWN, st.ids.length);
+      for (let j = 0; j < shown; j++) card.append(stageRow(st, j, ans, seen, piece));
+      // The kept ids not drawn: what they hold together (the listed ones past the bars, and the answer's rest).
+      const unshown = st.probs.slice(shown).reduce((a, b) => a + b, 0) + (st.rest || 0);
+      if (st.kept > shown) card.append(el('p', { class: 'note', text: `… ${fmtInt(st.kept - shown)} more kept, together probability ${fmt(unshown)}` }));
       grid.append(card);
     }
     box.append(grid);

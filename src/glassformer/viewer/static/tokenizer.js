@@ -74,7 +74,7 @@
       stage('text', el('span', { class: 'tz-piece tz-text', text: data.label })),
       stage(`split at spaces: ${data.words.length} ${data.words.length === 1 ? 'word' : 'words'}`,
         el('div', { class: 'tz-chunks' }, data.words.map((w, k) => el('div', { class: 'tz-chunk', dataset: { chunk: String(k) } },
-          [el('b', { class: 'tz-piece', text: w.text }), el('span', { class: 'muted', text: ` → vocabulary entry ${w.id} of ${data.vocab_size}` })])))),
+          [el('b', { class: 'tz-piece', text: w.text }), el('span', { class: 'muted', text: ` → vocabulary entry ${w.id}` + (data.vocab_size ? ` of ${data.vocab_size}` : '') })])))),
       stage(`ids: ${data.ids.length} tokens`, ids),
     ]));
     onToken();
