@@ -218,3 +218,90 @@ def test_convert_writes_llama_cpps_control_vector_file(tmp_path, capsys):
               "already exists")
     one_error(capsys, ["convert", "--control-vector", str(tmp_path / "v.safetensors"), "--out", str(tmp_path / "x"),
                        "--dtype", "f16"], "--dtype")
+
+
+def test_the_engine_steers_each_request_by_its_own_multiple():
+    """Requests with steer 0, 1 and 3 decode together (one batched prefill, batched decode steps); each
+    gets the greedy tokens of the model steered alone at that multiple."""
+    from glassformer.generation.batching import Engine, Request
+
+    model = _model()
+    vec = _vector(model, 1, scale=0.3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    want = []
+    for ids, k in zip(prompts, (0.0, 1.0, 3.0)):
+        with steer(model, vec.scaled(0.3 * k)):
+            want.append(greedy_by_full_forward(model, ids, 10))
+    assert len({tuple(w) for w in want}) == 3  # the multiples do change the tokens
+    s = steer(model, vec)
+    engine = Engine(model, max_batch=4)
+    tickets = [engine.submit(Request(ids, 10, temperature=0.0, steer=k)) for ids, k in zip(prompts, (0.0, None, 3.0))]
+    while engine.step():
+        pass
+    got = [[e.token for e in t.events(timeout=0) if e.token is not None] for t in tickets]
+    assert got == want
+    s.remove()
+    assert getattr(model, "steering", None) is None
+
+
+def test_a_request_steer_on_an_unsteered_model_is_refused():
+    from glassformer.errors import UserError
+    from glassformer.generation.batching import Engine, Request
+    from glassformer.serve import schemas
+
+    engine = Engine(_model(), max_batch=2)
+    with pytest.raises(UserError, match="start the server with --steer"):
+        engine.submit(Request([1, 2], 3, steer=2.0))
+    req = schemas.parse(schemas.CompletionRequest, b'{"model": "m", "prompt": "hi", "steer": -2}')
+    assert schemas.sampling_of(req)["steer"] == -2.0
+    with pytest.raises(schemas.ApiError, match="steer"):
+        schemas.parse(schemas.CompletionRequest, b'{"model": "m", "prompt": "hi", "steer": "2"}')
+
+
+def test_serve_takes_steer_per_request_and_refuses_it_unsteered(ckpt):
+    """The OpenAI route: "steer" scales the server's vector for one request (0: the plain model's text);
+    a server started without --steer answers 400 naming the field."""
+    import httpx
+
+    from glassformer.generation.batching import Engine
+    from glassformer.serve.backend import Backend
+    from glassformer.serve.http import Limits, Server, make_app
+    from glassformer.serve.openai import add_routes, openai_error
+
+    _, model, tok = ckpt
+    prompt = tok.encode("The cat sat")
+    vec = SteeringVector(contrastive(model, tok, POSITIVE, NEGATIVE, 1).direction, 1, model.config.n_layers, 1.0)
+    texts = {}
+    for k in (0.0, 3.0):
+        with steer(model, vec.scaled(k)):
+            ids = greedy_by_full_forward(model, prompt, 8)
+        stop = [i for i, t in enumerate(ids) if t in tok.eos_ids]
+        texts[k] = tok.decode(ids[:stop[0]] if stop else ids)
+    assert texts[0.0] != texts[3.0]
+    for steered in (True, False):
+        s = steer(model, vec) if steered else None
+        backend, limits = Backend("m"), Limits()
+        backend.steered = steered
+        app = add_routes(make_app(host="127.0.0.1", port=0, api_key=None, limits=limits, error_body=openai_error),
+                         backend)
+        server = Server(app, "127.0.0.1", 0, limits)
+        url = server.start_in_thread()
+        engine = Engine(model, max_batch=2).start()
+        backend.ready(engine, model, tok)
+        try:
+            def ask(k):
+                return httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "The cat sat", "max_tokens": 8,
+                                                                 "temperature": 0, "steer": k}, timeout=30)
+
+            if steered:
+                for k in (0.0, 3.0):
+                    r = ask(k)
+                    assert r.status_code == 200 and r.json()["choices"][0]["text"] == texts[k], r.text
+            else:
+                r = ask(1)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "steer", r.text
+        finally:
+            engine.stop()
+            server.stop()
+            if s is not None:
+                s.remove()

@@ -194,6 +194,7 @@ def run(args) -> int:
         from_env = bool(os.environ.get("OMP_NUM_THREADS"))
         torch.set_num_threads(engine_threads(args.threads, torch.get_num_threads(), from_env))
     backend = Backend(model_id(args))
+    backend.steered = bool(args.steer)  # a request's "steer" scales these vectors; without any it is refused
     app, server = build(args, backend, key)
     server.start_in_thread()  # /health says "loading" meanwhile
     engine = supervisor = None

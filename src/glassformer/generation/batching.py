@@ -79,6 +79,7 @@ class Request:
     stop_ids: Sequence = ()  # token ids and/or id sequences ending the request (yielded, finish "stop")
     logprobs: int | None = None  # None: none; k >= 0: each new token's TokenLogprob with its top k
     prompt_logprobs: int | None = None  # score the prompt (echo), top k each; max_tokens 0 then only scores it
+    steer: float | None = None  # this request's multiple of the model's steering vectors (research.steering); None: 1
 
 
 @dataclass
@@ -322,6 +323,12 @@ class Engine:
         # what a compiled step needs (few shapes); settable on an eager engine (tests).
         self.pad_rows = bool(compile)
         install_speed(model)  # as a Session does: re-classed modules, the same objects and hooks (glassformer.speed)
+        # A steered model (research.steering.steer) scales its vectors row by row by this buffer, which
+        # each forward fills in place with its rows' requests' `steer` (a compiled step reads it as an input).
+        self._steer_rows = None
+        steering = getattr(model, "steering", None)
+        if steering is not None:
+            self._steer_rows = steering.row_scales = torch.ones(max_batch, device=self.device)
 
     # ---- the public side ---------------------------------------------------------------
     @property
@@ -407,7 +414,16 @@ class Engine:
     # ---- checks ------------------------------------------------------------------------
     def _check(self, r: Request) -> list[tuple[int, ...]]:
         """The request's checks, as UserErrors saying what to change; its stop sequences."""
+        if r.steer is not None and self._steer_rows is None:
+            raise UserError("steer: this model is not steered (start the server with --steer VEC), so there is "
+                            "no vector to scale")
         return check_request(r, self.model.config.vocab_size, self.context)
+
+    def _steer(self, rows: list) -> None:
+        """Each row's steering multiple into the buffer the steering hooks read (a free row: 1)."""
+        if self._steer_rows is not None:
+            scales = [1.0 if r is None or r.request.steer is None else float(r.request.steer) for r in rows]
+            self._steer_rows[:len(scales)].copy_(torch.tensor(scales))
 
     # ---- the loop ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -545,6 +561,7 @@ class Engine:
         T = max(n)
         ids = torch.tensor([r.text + [0] * (T - len(r.text)) for r in rows], device=self.device)  # (m, T)
         last = torch.tensor(n, device=self.device) - 1  # (m,)
+        self._steer(rows)
         logits, _ = self.model(ids, cache=self._view(lo, lo + m, self.context), pos=0, logits_at=last)  # (m, 1, V)
         for r, k in zip(rows, n):
             r.fed = k
@@ -562,6 +579,7 @@ class Engine:
         ids = torch.tensor([r.request.ids[a:a + n]], device=self.device)  # (1, n)
         view = self._view(i, i + 1, self.context)  # an int position: the cache reads slots 0..a+n-1 only
         at = None if r.scores is not None else torch.tensor([n - 1], device=self.device)
+        self._steer([r])
         logits, _ = self.model(ids, cache=view, pos=a, logits_at=at)  # (1, n or 1, V)
         r.fed += n
         self.prefill_tokens += n
@@ -584,6 +602,7 @@ class Engine:
         # next chunk writes before anything reads it: no real row's keys are touched.
         pos = [r.fed for r in rows] + [self._pad_position(j) for j in range(n, B)]
         idx = torch.tensor(toks, device=self.device)[:, None]  # (B, 1)
+        self._steer(rows + [None] * (B - n))  # (padding rows: any scale, their tokens are dropped)
         cuda = self.device.type == "cuda"
         if B == 1 and not (compiled and cuda):  # one row at an int position, as a one-row Session steps it:
             # the cache reads the filled slots only (compiled: a dynamic length)

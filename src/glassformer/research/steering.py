@@ -193,8 +193,9 @@ def fits(vec: SteeringVector, cfg) -> None:
 
 class Steering:
     """The forward pre-hooks that add the vectors to the stream entering their blocks. `row_scales`,
-    when set to a (B,) tensor, multiplies each row's addition (the serve engine's per-request scale);
-    None adds the same to every row."""
+    when set to a tensor of at least B numbers, multiplies row b's addition by row_scales[b] (the serve
+    engine's per-request `steer`, which it fills before each forward); None adds the same to every
+    row. The model keeps the latest as `model.steering`, where the engine finds it."""
 
     def __init__(self, model, vectors: list[SteeringVector]):
         for v in vectors:
@@ -209,13 +210,14 @@ class Steering:
         self.by_layer = {i: d.float() for i, d in by_layer.items()}  # layer -> (D,)
         for i in self.by_layer:
             self._handles.append(model.blocks[i].register_forward_pre_hook(self._hook(i)))
+        model.steering = self
 
     def _add(self, i: int, x: torch.Tensor) -> torch.Tensor:
         key = (i, x.dtype, x.device)
         d = self._cast.get(key)
         if d is None:
             d = self._cast[key] = self.by_layer[i].to(device=x.device, dtype=x.dtype)  # (D,)
-        if self.row_scales is None:
+        if self.row_scales is None or self.row_scales.shape[0] < x.shape[0]:  # (an engine's buffer, a wider batch)
             return x + d
         s = self.row_scales[: x.shape[0]].to(device=x.device, dtype=x.dtype)  # (B,)
         return x + s[:, None, None] * d
@@ -230,6 +232,8 @@ class Steering:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if getattr(self.model, "steering", None) is self:
+            del self.model.steering
 
     def __enter__(self):
         return self

@@ -102,6 +102,9 @@ async def _parsed(request: Request, kind, backend: Backend):
     req = schemas.parse(kind, await _json_body(request))
     backend.check(req.model)
     schemas.check_defaults(req)
+    if req.steer is not None and not getattr(backend, "steered", False):  # (set by `serve --steer`)
+        raise schemas.bad("steer: this server steers with no vector (start it with --steer VEC), so there is none "
+                          "to scale", "steer")
     backend.check_engine()  # not queued behind a stalled engine: docs/serve.md#supervision
     return req
 

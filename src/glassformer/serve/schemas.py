@@ -74,6 +74,8 @@ class _Sampling(_Strict):
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: Number = Field(0.0, ge=0, le=1)
     repetition_penalty: Number = Field(1.0, gt=0)
+    # this request's multiple of the server's --steer vectors (0: unsteered; glassformer's own extension)
+    steer: Number | None = Field(None, ge=-1e4, le=1e4)
     # accepted at their defaults only (check_defaults)
     n: StrictInt | None = 1
     frequency_penalty: Number | None = 0
@@ -191,7 +193,8 @@ def sampling_of(req: _Sampling) -> dict:
     return dict(temperature=float(req.temperature), top_p=None if req.top_p >= 1 else float(req.top_p),
                 top_k=None if req.top_k in (None, -1, 0) else int(req.top_k),
                 min_p=None if req.min_p <= 0 else float(req.min_p),
-                repetition_penalty=float(req.repetition_penalty), seed=req.seed)
+                repetition_penalty=float(req.repetition_penalty), seed=req.seed,
+                steer=None if req.steer is None else float(req.steer))
 
 
 def message_dicts(messages: list[Message]) -> list[dict]:
