@@ -30,9 +30,9 @@ def ckpt(tmp_path_factory):
     return path, model, tok
 
 
-def _model(norm_placement="pre", n_layers=3, seed=0):
+def _model(norm_placement="pre", n_layers=3, seed=0, **overrides):
     torch.manual_seed(seed)
-    cfg = ModelConfig.from_preset("tiny", n_layers=n_layers, norm_placement=norm_placement)
+    cfg = ModelConfig.from_preset("tiny", n_layers=n_layers, norm_placement=norm_placement, **overrides)
     return reinit(Transformer(cfg), seed=seed).eval()
 
 
@@ -59,12 +59,17 @@ def test_the_vector_is_the_mean_difference_the_probes_record(ckpt):
             assert torch.allclose(vec.direction, want, atol=1e-5), (layer, reduce)
 
 
-@pytest.mark.parametrize("norm_placement", ["pre", "post"])
+FAMILIES = {"pre": {}, "post": {}, "sandwich": {}, "post_branch": {},
+            "moe": dict(n_experts=4, n_active_experts=2)}  # the norm placements, and a mixture of experts
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("layer", [0, 2])
-def test_steering_adds_to_the_stream_entering_the_block(norm_placement, layer):
+def test_steering_adds_to_the_stream_entering_the_block(family, layer):
     """The hook's logits equal the unsteered model's with the stream probe entering block L changed
     by hand (the probes' own intervention path: another route to the same place)."""
-    model = _model(norm_placement)
+    norm_placement = "pre" if family == "moe" else family
+    model = _model(norm_placement, **FAMILIES[family])
     vec = _vector(model, layer, scale=3.0)
     ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     name = stream_probes(layer, norm_placement)["in"]
