@@ -130,3 +130,36 @@ def test_the_flashattention_walks_rerun_each_layer_as_the_model_ran_it(name):
         layer, head, row, _ = map(int, key.split("|"))
         z = tr[f"blocks.{layer}.attn.z"][row, head]
         assert torch.allclose(torch.tensor(walk["output"]), z, atol=1e-5), key
+
+
+def test_view_of_a_mixture_checkpoint_answers_with_routes_and_explains_them(tmp_path):
+    """`glassformer view --checkpoint` on a gpt-oss-like mixture: its explorer's answer carries the
+    routes and the sinks, and a route's weight, a sink's weight and an expert's own number explain."""
+    import torch
+
+    from glassformer import Transformer
+    from glassformer.checkpoint.folders import save_model
+    from glassformer.cli import build_parser
+    from glassformer.commands import view
+    from glassformer.text.tokenizer import Tokenizer
+
+    from ..support import synthetic_text
+
+    tok = Tokenizer.train([synthetic_text(100, 1)], vocab_size=300)
+    cfg = ModelConfig.from_preset("tiny", **{**FAMILIES["gpt_oss"], "vocab_size": tok.vocab_size})
+    torch.manual_seed(0)
+    save_model(tmp_path / "ckpt", reinit(Transformer(cfg), std=0.2).eval(), tok)
+    ex = view.build_explorer(build_parser().parse_args(["view", "--checkpoint", str(tmp_path / "ckpt")]))
+    text = "the cat sat on the mat"
+    page = ex.payload(text)
+    moe = page["families"]["moe"]
+    assert [m["layer"] for m in moe["layers"]] == [0, 1] and page["families"]["sinks"]
+    route = moe["layers"][1]["routes"][2]
+    calc = ex.calculation(text, "blocks.1.ffn.expert_weights", [2, 1])
+    assert calc["value"] == pytest.approx(route[1]["weight"], abs=1e-6)
+    assert calc["result"] == pytest.approx(calc["value"], rel=1e-5, abs=1e-6)
+    calc = ex.calculation(text, "blocks.0.attn.sink_weight", [3, 2])
+    assert calc["result"] == pytest.approx(calc["value"], rel=1e-5, abs=1e-6)
+    e = route[0]["expert"]
+    calc = ex.calculation(text, f"blocks.1.ffn.experts.{e}.down", [2, 5])
+    assert calc["result"] == pytest.approx(calc["value"], rel=1e-5, abs=1e-5)
