@@ -30,7 +30,8 @@ from .families import families_part
 STATIC = Path(__file__).parent / "static"
 # The page's scripts in the order they run: glass.js first (its helpers, as window.Glass), then
 # each view that lives in a file of its own and registers with Glass.view.
-VIEW_SCRIPTS = ("glass.js", "tokenizer.js", "generated.js", "training.js", "layout.js", "families.js")
+VIEW_SCRIPTS = ("glass.js", "tokenizer.js", "generated.js", "training.js", "layout.js", "families.js", "map.js", "tour.js")
+STYLES = ("glass.css", "tour.css")  # the page's style sheets, in order
 FEATURE_CAP = 8  # numbers shown per vector (per head); glass.js uses the same cap
 TOP_K = 5  # next-token candidates shown per position
 EXPLAIN_LIMIT = 1200  # calculations stored in a saved page at most
@@ -246,6 +247,7 @@ def build_payload(
     sampling: dict | None = None,
     tokenizer: dict | None = None,
     generated: dict | None = None,
+    tour: dict | None = None,
 ) -> dict:
     """Everything the page draws, as one JSON-ready dict.
 
@@ -256,7 +258,8 @@ def build_payload(
     draws each token as its `labels` entry (text.labels.token_label: ␣ for a space, ↵ for a newline).
     sampling: a saved page's grid of sampling answers (source.sample_grid); tokenizer: the
     tokenizer view's steps for the sentence (source.tokenizer_view); generated: the generated-text
-    view's data (viewer/generated.generated_part), None for a sentence that was not generated.
+    view's data (viewer/generated.generated_part), None for a sentence that was not generated;
+    tour: the guided walk's numbers that the trace does not hold (viewer/tour.tour_part).
     """
     trace = _checked_trace(trace, mode)
     T = len(trace["tokens"])
@@ -282,7 +285,7 @@ def build_payload(
         "wiring": stream_wiring(int(cfg["n_layers"]), cfg["norm_placement"], cfg.get("ffn", "swiglu")),
         "rms": lane_rms(trace),
         "flash": _with_traced_tiles(trace, flash), "sampling": sampling, "tokenizer": tokenizer,
-        "generated": generated,
+        "generated": generated, "tour": tour,
         "families": families_part(trace),  # routes through the experts, sinks, the families' norms (families.js)
     })}
 
@@ -368,9 +371,9 @@ def static_file(name: str) -> str:
 
 
 def render_html(payload: dict, *, inline: bool = True, title: str | None = None) -> str:
-    """The page. inline=True: one self-contained file; False: links /static/glass.css and
-    each of VIEW_SCRIPTS."""
-    css = static_file("glass.css")
+    """The page. inline=True: one self-contained file; False: links each of STYLES and
+    VIEW_SCRIPTS under /static/."""
+    css = "\n".join(static_file(name) for name in STYLES)
     js = "\n".join(static_file(name) for name in VIEW_SCRIPTS)
     if inline:
         js_hash = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
@@ -380,7 +383,7 @@ def render_html(payload: dict, *, inline: bool = True, title: str | None = None)
     else:
         csp = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src data:; "
                "connect-src 'self'; base-uri 'none'; form-action 'none'")
-        style = '<link rel="stylesheet" href="static/glass.css">'
+        style = "".join(f'<link rel="stylesheet" href="static/{name}">' for name in STYLES)
         script = "".join(f'<script src="static/{name}"></script>' for name in VIEW_SCRIPTS)
     if title is None:
         title = f"glassformer · {payload.get('sentence', '')}"

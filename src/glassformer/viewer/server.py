@@ -28,13 +28,13 @@ from ..serve.http import Limits, Server, json_bytes, make_app, plain_error
 from ..serve.json_only import is_json, not_json
 from .cancel import ClientLeft, check as check_cancelled, watching
 from .generated import MAX_TOKENS
-from .render import VIEW_SCRIPTS, _finite, build_payload, render_html, static_file, to_plain
+from .render import STYLES, VIEW_SCRIPTS, _finite, build_payload, render_html, static_file, to_plain
 from .training import NotFound
 
 MAX_BODY = 64 * 1024  # bytes of one request body
 MAX_TEXT = 2000  # characters of one sentence
 LIMITS = Limits(max_body=MAX_BODY)  # the base's deadlines; the explorer's body limit
-STATIC_FILES = {"glass.css": "text/css; charset=utf-8", **{name: "text/javascript; charset=utf-8" for name in VIEW_SCRIPTS}}
+STATIC_FILES = {**{name: "text/css; charset=utf-8" for name in STYLES}, **{name: "text/javascript; charset=utf-8" for name in VIEW_SCRIPTS}}
 MAX_QUEUED = 16  # requests waiting for or holding the model's turn; one more is answered 503
 
 

@@ -40,6 +40,7 @@ from .generated import EXPLAIN_LIMIT, check_max_tokens, full_logits, generated_p
 from .render import cost_rows, flash_key, to_plain, write_html
 from .sample_calc import probability_calcs, stage_calcs
 from .server import GENERATE_TOKENS, Explorer
+from .tour import tour_part
 from .training import RunCheckpoints, run_name
 
 TOP_K = 10  # logits kept per token in a trace for the page (the page shows 5)
@@ -311,7 +312,7 @@ def page_args(model, tokenizer, text: str, *, model_name: str, mode: str = "stat
         sentence=text, model_name=model_name, pieces=functools.partial(_piece, tokenizer),
         norm=norm_view(norm or placement_twins(model), ids, tokens, model, tr), costs=costs_view(model.config, len(ids)),
         vocab=vocab, focus_token=focus, flash_tile=flash_tile(len(ids)),
-        flash=flash_walks(tr, flash_tile(len(ids)), tr.query),
+        flash=flash_walks(tr, flash_tile(len(ids)), tr.query), tour=tour_part(model, model_name == WORKED_NAME),
     )
     if mode == "static":
         args["explain"] = lambda probe, index: named(explain(tr, probe, index, model=model), tokenizer)
@@ -425,6 +426,7 @@ def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict
     (and the parts a live page asks for as it shows them: LiveParts)."""
     model.eval()
     live = LiveParts(model, norm or placement_twins(model))
+    tour = tour_part(model, model_name == WORKED_NAME)  # weights only: the same for every sentence
 
     def enc(text):
         return encode(tokenizer, text, model.config.max_seq_len)
@@ -438,7 +440,7 @@ def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict
     def extras(ids, tokens, tr, traced):
         return dict(model_name=model_name, pieces=functools.partial(_piece, tokenizer), norm=live.norm_view(traced),
                     costs=costs_view(model.config, len(ids)), vocab=vocab, focus_token=focus_of(len(ids)),
-                    flash_tile=flash_tile(len(ids)), flash=live.flash_view(traced))
+                    flash_tile=flash_tile(len(ids)), flash=live.flash_view(traced), tour=tour)
 
     def calculation(tr, probe, index):
         if probe in LiveParts.PARTS:

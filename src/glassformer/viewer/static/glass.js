@@ -1016,7 +1016,10 @@
   }
   window.Glass = Object.freeze({
     el, svg, clear, append, fmt, fmtP, fmtInt, fmtBytes, tokColor, range, $, message, errorText,
-    state, P, TR, CFG, tokenLabel, showCalc, calcNum, drawAll,
+    state, P, TR, CFG, tokenLabel, showCalc, calcNum, drawAll, num, vector,
+    // For the map and the walk (map.js, tour.js): choose the token or layer as the page's own controls do.
+    selectToken(i) { if (i !== state.token) document.querySelector(`#tokens .tok[data-token="${i}"]`).click(); },
+    selectLayer(i) { if (i !== state.layer) { state.layer = i; drawAttention(); drawNumbers(); } },
     setPayload(body) { state.payload = body; state.token = defaultToken(); state.history = []; state.current = null; drawAll(); },
     view(v) { views.push(v); },
   });
