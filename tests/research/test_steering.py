@@ -310,3 +310,35 @@ def test_serve_takes_steer_per_request_and_refuses_it_unsteered(ckpt):
             server.stop()
             if s is not None:
                 s.remove()
+
+
+def test_serve_steer_in_the_engines_process(ckpt, tmp_path):
+    """`serve --steer VEC:S` with the engine in a process of its own (serve's default): the child loads
+    the model through generate's loader, steered there, and each request's multiple reaches it."""
+    import argparse
+    import functools
+
+    from glassformer.cli import build_parser
+    from glassformer.commands.generate import _load_model
+    from glassformer.generation.batching import Request
+    from glassformer.serve.worker import ProcessEngine
+
+    path, model, tok = ckpt
+    vec = contrastive(model, tok, POSITIVE, NEGATIVE, 1)
+    save_vector(tmp_path / "v.safetensors", vec)
+    args = build_parser().parse_args(["serve", "--checkpoint", str(path), "--steer", f"{tmp_path / 'v.safetensors'}:1.5"])
+    options = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
+    args.attention = options.attention = None  # (as serve's run sets it)
+    prompt = tok.encode("The cat sat")
+    want = {}
+    for k in (0.0, 2.0):
+        with steer(model, vec.scaled(1.5 * k)):
+            want[k] = greedy_by_full_forward(model, prompt, 8)
+    assert want[0.0] != want[2.0]
+    engine = ProcessEngine(functools.partial(_load_model, options), max_batch=2).start().wait_ready(120)
+    try:
+        tickets = {k: engine.submit(Request(prompt, 8, temperature=0.0, steer=k)) for k in want}
+        got = {k: [e.token for e in t.events(timeout=60) if e.token is not None] for k, t in tickets.items()}
+    finally:
+        engine.stop()
+    assert got == want
