@@ -111,8 +111,15 @@ class LoRALinear(nn.Module):
         return f"r={self.r}, alpha={self.alpha:g}, dropout={self.dropout:g}"
 
 
-def _parent(block: nn.Module, target: str) -> nn.Module:
-    return block.attn if target in ATTENTION_TARGETS else block.ffn
+def _parents(block: nn.Module, target: str) -> list[nn.Module]:
+    """The modules holding `target` in a block: its attention, its feed-forward, or, where the
+    feed-forward is a mixture of experts, every expert (and the shared one)."""
+    if target in ATTENTION_TARGETS:
+        return [block.attn]
+    experts = getattr(block.ffn, "experts", None)
+    if experts is None:
+        return [block.ffn]
+    return list(experts) + ([block.ffn.shared] if block.ffn.shared is not None else [])
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -127,15 +134,15 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     if lora_modules(model):
         raise UserError("this model already has LoRA adapters: merge them first (convert --merge-lora)")
     for target in cfg.targets:
-        if getattr(_parent(model.blocks[0], target), target, None) is None:
+        if any(getattr(m, target, None) is None for b in model.blocks for m in _parents(b, target)):
             raise UserError(f"LoRA target {target} does not exist in this model (its feed-forward is "
                             f"{model.config.ffn}); choose from those it has")
     for p in model.parameters():
         p.requires_grad_(False)
     for block in model.blocks:
         for target in cfg.targets:
-            parent = _parent(block, target)
-            setattr(parent, target, LoRALinear(getattr(parent, target), cfg.r, cfg.alpha, cfg.dropout))
+            for parent in _parents(block, target):
+                setattr(parent, target, LoRALinear(getattr(parent, target), cfg.r, cfg.alpha, cfg.dropout))
     model.lora_config = cfg
     return model
 
@@ -144,15 +151,16 @@ def adapter_shapes(model: nn.Module, cfg: LoraConfig) -> dict[str, tuple[int, in
     """The shapes apply_lora(model, cfg) would give the adapters, adapter_state's keys, worked out
     from the model's products without allocating: what a file is checked against first (a rank of
     300,000 in a config would otherwise allocate gigabytes before its tensors were compared)."""
-    out = {}
-    for i, block in enumerate(model.blocks):
+    out, path = {}, {m: name for name, m in model.named_modules()}
+    for block in model.blocks:
         for target in cfg.targets:
-            product = getattr(_parent(block, target), target, None)
-            if product is None:  # apply_lora names it
-                continue
-            name = f"blocks.{i}.{'attn' if target in ATTENTION_TARGETS else 'ffn'}.{target}"
-            out[name + ".lora_A"] = (cfg.r, product.in_features)
-            out[name + ".lora_B"] = (product.out_features, cfg.r)
+            for parent in _parents(block, target):
+                product = getattr(parent, target, None)
+                if product is None:  # apply_lora names it
+                    continue
+                name = f"{path[parent]}.{target}"
+                out[name + ".lora_A"] = (cfg.r, product.in_features)
+                out[name + ".lora_B"] = (product.out_features, cfg.r)
     return out
 
 
