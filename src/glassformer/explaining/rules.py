@@ -326,8 +326,9 @@ def rule_rope(ctx, probe, idx):
     a, b = ctx.p(src, [t, h, ia]), ctx.p(src, [t, h, ib])
     sym = "q" if src.rsplit(".", 1)[-1].startswith("q") else "k"
     if first:
-        s.sum(ctx.lab(probe, idx), f"{sym}[{ia}]·cos θ{fx} − {sym}[{ib}]·sin θ{fx}",
-              [[a, cos] + scale, [b, sin, operand("−1", -1.0)] + scale], wide=False)
+        # The minus belongs to sin θ: one factor −sin θ, not sin θ times a separate −1.
+        s.sum(ctx.lab(probe, idx), f"{sym}[{ia}]·cos θ{fx} + {sym}[{ib}]·(−sin θ){fx}",
+              [[a, cos] + scale, [b, operand("−sin θ", -sin["value"])] + scale], wide=False)
     else:
         s.sum(ctx.lab(probe, idx), f"{sym}[{ia}]·sin θ{fx} + {sym}[{ib}]·cos θ{fx}", [[a, sin] + scale, [b, cos] + scale],
               wide=False)
