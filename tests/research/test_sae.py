@@ -328,3 +328,23 @@ def test_feature_page_draws_in_chromium(tmp_path):
         assert pg.locator("#feature-list button").count() == 1
         b.close()
     assert not errors and not dialogs
+
+
+def test_data_from_a_prepared_folder_or_a_text_file(tmp_path):
+    from tests.support import make_prepared
+
+    folder = make_prepared(tmp_path / "prep", n_train=120, n_val=30)
+    meta = json.loads((folder / "meta.json").read_text())
+    model = tiny_model(vocab_size=meta["vocab_size"])
+    train, held = S.data_ids(folder, model, None)
+    assert (len(train), len(held)) == (meta["train_tokens"], meta["val_tokens"])
+    with pytest.raises(UserError, match=f"{meta['vocab_size']} token ids but the model has 512"):
+        S.data_ids(folder, tiny_model(), None)
+    from glassformer.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(folder / "tokenizer.json")
+    (tmp_path / "t.txt").write_text(synthetic_text(50, 3))
+    train, held = S.data_ids(tmp_path / "t.txt", model, tok)
+    assert len(held) == (len(train) + len(held)) // 10
+    with pytest.raises(UserError, match="does not exist"):
+        S.data_ids(tmp_path / "missing.txt", model, tok)
