@@ -56,7 +56,9 @@ def build_explorer(args):
     if args.run:
         return source.run_explorer(args.run, open_model, args.text or DEFAULT_TEXT, checkpoint=args.checkpoint)
     model, tokenizer = open_model(args.checkpoint)
-    return source.explorer(model, tokenizer, args.text or DEFAULT_TEXT, model_name=str(args.checkpoint))
+    text = args.text or DEFAULT_TEXT
+    ex = source.explorer(model, tokenizer, text, model_name=str(args.checkpoint))
+    return source.switchable(ex, model, tokenizer, text, model_name=str(args.checkpoint))  # MHA/GQA/MQA in the page
 
 
 def run(args) -> int:

@@ -29,6 +29,7 @@ from ..serve.json_only import is_json, not_json
 from .cancel import ClientLeft, check as check_cancelled, watching
 from .generated import MAX_TOKENS
 from .render import STYLES, VIEW_SCRIPTS, _finite, build_payload, render_html, static_file, to_plain
+from .heads import kv_name, parse_kv
 from .training import NotFound
 
 MAX_BODY = 64 * 1024  # bytes of one request body
@@ -105,6 +106,8 @@ class Explorer:
     additions(ids) -> more keys of the payload (optional; the run view's logit lens).
     generator(text, ids, tokens, max_tokens, settings) -> (ids, tokens, generated part, text): the text
     continued by `generate` and the generated-text view's data (optional; source.generation).
+    heads(k) -> the Explorer of the model with k key/value heads, averaged (viewer/heads.py; optional: the
+    page's head switch); a request names it as its checkpoint "kv_heads=K". heads_info: what the switch shows.
     """
 
     encode: Callable[[str], tuple[list[int], list[str]]]
@@ -120,6 +123,8 @@ class Explorer:
     checkpoint: str | None = None
     additions: Callable[[list[int]], dict] | None = None
     generator: Callable[[str, list[int], list[str], int, dict], tuple] | None = None
+    heads: Callable[[int], "Explorer"] | None = None
+    heads_info: dict | None = None
     cache_size: int = 8
     digits: int = 6  # decimals (or significant digits, as as_dict reads it) of the numbers sent
     max_queued: int = MAX_QUEUED  # requests waiting for or holding the model's turn (503 past it)
@@ -184,6 +189,10 @@ class Explorer:
         """The payload with the run view's keys: the run and checkpoint it shows, the additions."""
         if self.run is not None:  # the page's Training view shows which checkpoint this is
             payload.update(run=self.run.name, checkpoint=self.checkpoint)
+        elif self.checkpoint is not None:  # "kv_heads=K": the page's next requests name the same model
+            payload["checkpoint"] = self.checkpoint
+        if self.heads_info is not None:
+            payload["heads"] = self.heads_info
         if self.additions is not None:
             payload.update(self.additions(ids))
         return payload
@@ -199,6 +208,14 @@ class Explorer:
         """The Explorer of the run's checkpoint named `checkpoint` (None, or this one's name: self)."""
         if checkpoint is None or checkpoint == self.checkpoint:
             return self
+        k = parse_kv(checkpoint)
+        if k is not None:  # the head switch: the model with k averaged key/value heads
+            if self.heads is None:
+                raise UserError("this explorer has no head switch: open the model with --checkpoint or --worked")
+            ex = self.heads(k)
+            if ex is not self:
+                ex._lock, ex.checkpoint = self._lock, kv_name(k)  # one probe recorder: one lock
+            return ex
         if self.run is None:
             raise UserError("this explorer was opened without --run: there are no checkpoints to choose from")
         return self.run.explorer(checkpoint)
@@ -347,6 +364,14 @@ def _text_of(req: dict, explorer: Explorer) -> str:
     return text
 
 
+def _kv_of(req: dict) -> str | None:
+    """The checkpoint name of a /api/heads request's kv_heads (None: the model as opened)."""
+    k = req.get("kv_heads")
+    if k is not None and not _integer(k):
+        raise UserError(f"kv_heads must be a whole number of key/value heads, got {k!r}")
+    return None if k is None else kv_name(k)
+
+
 def _checkpoint_of(req: dict) -> str | None:
     """The run checkpoint a request names ("checkpoint", e.g. "step-000100"); None when it names none."""
     name = req.get("checkpoint")
@@ -476,6 +501,10 @@ def explorer_router(explorer: Explorer) -> APIRouter:
         return await answer(request, lambda req: (explorer.sample, _text_of(req, explorer), *_sample_of(req),
                                                   _checkpoint_of(req)))
     run_routes(router, explorer, answer)
+
+    @router.post("/api/heads")
+    async def heads(request: Request) -> Response:
+        return await answer(request, lambda req: (explorer.payload, _text_of(req, explorer), _kv_of(req)))
 
     @router.post("/api/generate")
     async def generate(request: Request) -> Response:

@@ -36,6 +36,7 @@ from ..tracing.tiles import head_walks, kernel_log
 from ..tracing.trace import score_inputs, trace
 from ..worked import model as worked
 from .cost_calc import cost_calcs
+from . import heads
 from .generated import EXPLAIN_LIMIT, check_max_tokens, full_logits, generated_part, new_tokens
 from .render import cost_rows, flash_key, to_plain, write_html
 from .sample_calc import probability_calcs, stage_calcs
@@ -735,8 +736,57 @@ def worked_parts(variant: str = "one_head") -> dict:
 
 
 def worked_explorer(variant: str = "one_head"):
+    """The walkthrough's toy model behind the server, its head switch over the four-head model that the
+    GQA and MQA variants are averaged from (the two-block ones: their own single head)."""
     parts = worked_parts(variant)
-    return explorer(parts.pop("model"), parts.pop("tokenizer"), worked.SENTENCE, **parts)
+    model, tokenizer = parts.pop("model"), parts.pop("tokenizer")
+    ex = explorer(model, tokenizer, worked.SENTENCE, **parts)
+    if variant in ("one_head", "mha", "gqa", "mqa"):
+        base = model if variant == "mha" else worked.build_four_heads().eval()
+        opened = {"gqa": 2, "mqa": 1}.get(variant)
+        return switchable(ex, model, tokenizer, worked.SENTENCE, base=base, base_name=f"{WORKED_NAME} (mha)",
+                          opened_kv=opened, **parts)
+    return switchable(ex, model, tokenizer, worked.SENTENCE, **parts)
+
+
+def switchable(ex: Explorer, model, tokenizer, default_text: str, *, model_name: str, base=None,
+               base_name: str | None = None, opened_kv: int | None = None, **kw) -> Explorer:
+    """`ex` (the explorer of `model`) with the page's head switch (viewer/heads.py): the model `base`
+    (default `model` itself) with any divisor of its KV heads, averaged, each on its own explorer made on
+    first use. opened_kv: the count of `base`'s heads that `model` already is (the toy GQA variant: 2);
+    None with another base: the opened model is none of them (the toy one-head model)."""
+    base = model if base is None else base
+    own = base is model
+    mine = base.config.n_kv_heads if own else opened_kv
+    made: dict[int, Explorer] = {}
+
+    def switched(k: int) -> Explorer:
+        if k == mine:
+            return ex
+        if k not in made:
+            m = heads.pooled_model(base, k)
+            name = base_name or model_name
+            if m is not base:
+                name = f"{name}, KV heads averaged to {k} ({heads.kind(base.config.n_heads, k)})"
+            sub = explorer(m, tokenizer, default_text, model_name=name, **kw)
+            sub.heads_info = _switch_info(base, m, k)
+            made[k] = sub
+        return made[k]
+
+    ex.heads = switched
+    if mine is None:
+        ex.heads_info = heads.info(base, None, f"as opened: {model.config.n_heads} query, {model.config.n_kv_heads} KV")
+    else:
+        ex.heads_info = _switch_info(base, model, mine)
+    return ex
+
+
+def _switch_info(base, model, k: int) -> dict:
+    """heads.info of `model` (base with k KV heads), with its averaged weights' calculations."""
+    out = heads.info(base, k)
+    if out["pooled"]:
+        out["weights"] = heads.averaged_weights(base, model)
+    return out
 
 
 def write_worked_page(path, text: str | None = None):
