@@ -187,3 +187,66 @@ def test_cli_converts_a_family_both_ways(tmp_path):
     with torch.no_grad():
         ref, got = hf(ids).logits, back(ids).logits
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+# ----------------------------------------------------------------------------- GGUF (llama.cpp itself: test_llamacpp_families.py)
+
+
+GGUF = {  # case -> (transformers config over tiny(), the graph), each within what its graph hard-codes
+    "qwen3": ("Qwen3Config", {}, "qwen3"),
+    "olmo2": ("Olmo2Config", {}, "olmo2"),
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4), "smollm3"),
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=3, sliding_window=W, query_pre_attn_scalar=16,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True), "gemma2"),
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=7, sliding_window=W, query_pre_attn_scalar=16), "gemma3"),
+    "phi3": ("Phi3Config", {}, "llama"),
+}
+
+
+def _gguf_cfg(case: str, **changes) -> ModelConfig:
+    kind, kw, _ = GGUF[case]
+    return config_from_hf(getattr(transformers, kind)(**tiny(**kw)).to_dict()).replace(**changes)
+
+
+@pytest.mark.parametrize("case", list(GGUF))
+def test_gguf_graph_and_the_way_back(case, tmp_path):
+    """Each family goes to its own llama.cpp graph, and --from-gguf gives the same weights back
+    (Gemma's norms stored as 1 + w come back as w)."""
+    from glassformer.checkpoint.folders import save_model
+    from glassformer.convert.gguf import export_gguf, gguf_arch
+    from glassformer.convert.gguf_read import read_gguf
+
+    kind, kw, arch = GGUF[case]
+    assert gguf_arch(_gguf_cfg(case)) == arch
+    hf = hf_random(getattr(transformers, kind)(**tiny(**kw)))
+    ours = ours_from_hf(hf, tmp_path)
+    save_model(tmp_path / "ckpt", ours)
+    export_gguf(tmp_path / "ckpt", tmp_path / "m.gguf", "f32", progress=False)
+    cfg, state, _ = read_gguf(tmp_path / "m.gguf")
+    want = {k: v for k, v in ours.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    assert cfg == ours.config and state.keys() == want.keys()
+    assert all(torch.allclose(state[k], want[k], atol=1e-6, rtol=0) for k in want)
+
+
+GGUF_REFUSED = {
+    "gemma2 pattern": ("gemma2", dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+                       "sliding layers [1, 2]"),
+    "gemma2 no cap": ("gemma2", dict(attn_softcap=None), "always soft-caps"),
+    "gemma2 untied": ("gemma2", dict(tie_embeddings=False), "tie_embeddings=False"),
+    "gemma2 query scale": ("gemma2", dict(query_pre_attn_scalar=24.0), "query_pre_attn_scalar=24.0"),
+    "gemma3 local base": ("gemma3", dict(rope_local_theta=500.0), "rope_local_theta=500.0"),
+    "gemma3 soft cap": ("gemma3", dict(logit_softcap=30.0), "caps neither"),
+    "smollm3 nope step": ("smollm3", dict(nope_layers=[1, 3]), "nope_layers=[1, 3]"),
+    "qwen3 bias": ("qwen3", dict(attn_bias=True), "attn_bias=True"),
+    "qwen3 window": ("qwen3", dict(sliding_window=W), f"sliding_window={W} below the context"),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_REFUSED))
+def test_gguf_refuses_what_the_graph_hard_codes_otherwise(case):
+    from glassformer.convert.gguf import gguf_arch
+
+    family, changes, message = GGUF_REFUSED[case]
+    with pytest.raises(UserError) as e:
+        gguf_arch(_gguf_cfg(family, **changes))
+    assert message in str(e.value) and "llama.cpp" in str(e.value), str(e.value)

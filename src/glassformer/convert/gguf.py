@@ -2,10 +2,12 @@
 
 Written with the `gguf` package (llama.cpp's own writer) one tensor at a time: the tensor
 table first, from the shapes the config implies, then each tensor read, converted and written
-before the next is read. Three llama.cpp graphs hold glassformer models: `llama` (RMSNorm,
+before the next is read. Three llama.cpp graphs hold glassformer's own models: `llama` (RMSNorm,
 RoPE on adjacent pairs, SwiGLU), `qwen2` (the same with Q/K/V biases, RoPE on half-split
-pairs) and `gpt2` (LayerNorm, learned positions, tanh GELU, biases). What none holds is
-refused by name. The tensor names, the pair permutation and the tokenizer keys:
+pairs) and `gpt2` (LayerNorm, learned positions, tanh GELU, biases); the families of issue 45
+have their own: `qwen3`, `gemma2`, `gemma3`, `olmo2` and `smollm3` (a Phi-3 model is the `llama`
+graph's). What none holds, or what a graph hard-codes otherwise (Gemma's layer pattern, SmolLM3's
+NoPE step), is refused by name. The tensor names, the pair permutation and the tokenizer keys:
 docs/convert.md#gguf. The way back: gguf_read.py.
 """
 
@@ -51,8 +53,8 @@ def _speedrun_off(cfg: ModelConfig) -> list[str]:
     """The speedrun switches (docs/model.md#speedrun-switches) that no graph glassformer writes holds, by name."""
     off = []
     if cfg.qk_norm:
-        off.append("qk_norm (llama.cpp's llama, qwen2 and gpt2 graphs normalise no query or key; its qwen3 graph's "
-                   "q/k norm has a weight, which glassformer does not write)")
+        off.append(f"qk_norm={cfg.qk_norm!r} (llama.cpp's llama, qwen2 and gpt2 graphs normalise no query or key; its "
+                   "qwen3, gemma3 and olmo2 graphs' q/k norms have a weight and come with their families' other parts)")
     if cfg.logit_softcap is not None:
         off.append(f"logit_softcap={cfg.logit_softcap} (no soft cap on the logits in llama.cpp's llama, qwen2 or gpt2 graph)")
     if cfg.value_embeddings:
@@ -83,14 +85,89 @@ def _llama_off(cfg: ModelConfig) -> list[str]:
     return off
 
 
+# The Hugging Face families of issue 45 that have a llama.cpp graph of their own (Phi-3's is the llama graph).
+FAMILY_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2", "smollm3": "smollm3"}
+HALF_PAIRS = ("qwen2", "qwen3", "gemma2", "gemma3", "olmo2")  # graphs that rotate (i, i+H/2): llama.cpp's NEOX RoPE
+GEMMA = ("gemma2", "gemma3")
+# What llama.cpp hard-codes for each graph (llama-model.cpp's load_hparams): Gemma 2 slides every other layer
+# from the first, Gemma 3 five of every six with a local RoPE base of 10,000; SmolLM3 drops RoPE on every 4th
+# layer; Gemma scales queries by 1/√H except at 27B (46 and 62 layers), where it takes D/N.
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+SMOLLM3_NOPE_STEP, GEMMA3_LOCAL_THETA = 4, 10000.0
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _family(cfg: ModelConfig) -> str | None:
+    """The Hugging Face family that holds cfg, or None (the older graphs' checks then name what is off)."""
+    from .families import family_for
+
+    try:
+        return family_for(cfg).name
+    except UserError:
+        return None
+
+
+def _window(cfg: ModelConfig, layer: int) -> int | None:
+    """Layer `layer`'s window as it acts within the context: one as long as the context slides nothing."""
+    w = cfg.window_at(layer)
+    return w if w is not None and w < cfg.max_seq_len else None
+
+
+def _family_off(cfg: ModelConfig, arch: str) -> list[str]:
+    """What keeps a model of a new family off its llama.cpp graph, by name (empty: it runs exactly)."""
+    off = []
+    if cfg.attn_bias:
+        off.append("attn_bias=True (the graph has no biases on the projections)")
+    sc = cfg.rope_scaling
+    if sc is not None and sc.get("rope_type", sc.get("type")) != "linear":
+        off.append(f"rope_scaling {sc.get('rope_type', sc.get('type'))!r} (glassformer writes linear scaling only "
+                   "to these graphs)")
+    every = SWA_PATTERN.get(arch)
+    want = [cfg.sliding_window if every and i % every < every - 1 else None for i in range(cfg.n_layers)]
+    have = [_window(cfg, i) for i in range(cfg.n_layers)]
+    if every is None and any(have):
+        off.append(f"sliding_window={cfg.sliding_window} below the context ({cfg.max_seq_len}) (the graph attends "
+                   "to the whole context)")
+    elif every and have != [w if w is not None and w < cfg.max_seq_len else None for w in want] and any(have):
+        off.append(f"sliding layers {[i for i, w in enumerate(have) if w]} (the graph slides "
+                   f"{'every other layer from the first' if every == 2 else 'five layers of every six'})")
+    if arch == "smollm3":
+        nope = [i for i in range(cfg.n_layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0]
+        if (cfg.nope_layers or []) != nope:
+            off.append(f"nope_layers={cfg.nope_layers} (the graph drops RoPE on every {SMOLLM3_NOPE_STEP}th layer: {nope})")
+    if arch in GEMMA:
+        scale = cfg.dim // cfg.n_heads if cfg.n_layers == GEMMA_27B_LAYERS[arch] else cfg.head_dim
+        if (cfg.query_pre_attn_scalar or cfg.head_dim) != scale:
+            off.append(f"query_pre_attn_scalar={cfg.query_pre_attn_scalar} (the graph scales queries by 1/√{scale})")
+    if arch == "gemma2" and not cfg.tie_embeddings:
+        off.append("tie_embeddings=False (the gemma2 graph reads its head from the token embedding)")
+    if arch == "gemma2" and (cfg.attn_softcap is None or cfg.logit_softcap is None):
+        off.append(f"attn_softcap={cfg.attn_softcap}, logit_softcap={cfg.logit_softcap} (the gemma2 graph always "
+                   "soft-caps both)")
+    if arch == "gemma3":
+        if cfg.attn_softcap is not None or cfg.logit_softcap is not None:
+            off.append(f"attn_softcap={cfg.attn_softcap}, logit_softcap={cfg.logit_softcap} (the gemma3 graph caps neither)")
+        if any(have) and (cfg.rope_local_theta or cfg.rope_theta) != GEMMA3_LOCAL_THETA:
+            off.append(f"rope_local_theta={cfg.rope_local_theta} (the graph's sliding layers turn by base "
+                       f"{GEMMA3_LOCAL_THETA:,.0f})")
+    return off
+
+
 def gguf_arch(cfg: ModelConfig) -> str:
-    """'llama', 'qwen2' or 'gpt2': the llama.cpp graph that computes exactly what cfg does, or a
-    UserError naming every switch that none of them has."""
+    """'llama', 'qwen2', 'gpt2' or a new family's graph (FAMILY_ARCH): the llama.cpp graph that computes
+    exactly what cfg does, or a UserError naming every switch that none of them has."""
     if not cfg.has_ffn:
         raise UserError("ffn='none' (attention-only blocks): llama.cpp's llama, qwen2 and gpt2 graphs have a "
                         "feed-forward in each block: export refused")
     if cfg.norm_placement == "post":
         raise UserError("post-norm models have no llama.cpp graph (llama.cpp's llama, qwen2 and gpt2 are pre-norm): export refused")
+    family = _family(cfg)
+    if family in FAMILY_ARCH:
+        arch = FAMILY_ARCH[family]
+        off = _family_off(cfg, arch)
+        if off:
+            raise UserError(f"llama.cpp's {arch} graph cannot run this {family} model: {'; '.join(off)}: export refused")
+        return arch
     speedrun = _speedrun_off(cfg)
     if speedrun:
         raise UserError(f"{'; '.join(speedrun)}: no place for it in a GGUF file llama.cpp can run; "
@@ -116,9 +193,9 @@ def gguf_arch(cfg: ModelConfig) -> str:
 
 
 def rope_to_graph(t: torch.Tensor, heads: int, cfg: ModelConfig, arch: str) -> torch.Tensor:
-    """Q or K rows (or biases) from our pair layout to the graph's: llama.cpp's llama rotates
-    adjacent pairs (2i, 2i+1), its qwen2 half-split pairs (i, i+H/2)."""
-    want = "interleaved" if arch == "llama" else "half"
+    """Q or K rows (or biases, or q/k norm weights) from our pair layout to the graph's: llama.cpp's
+    llama and smollm3 rotate adjacent pairs (2i, 2i+1), the others half-split pairs (i, i+H/2)."""
+    want = "half" if arch in HALF_PAIRS else "interleaved"
     if cfg.rope_pairs == want:
         return t
     return half_to_interleaved(t, heads, cfg.head_dim) if want == "interleaved" else interleaved_to_half(t, heads, cfg.head_dim)
@@ -126,15 +203,20 @@ def rope_to_graph(t: torch.Tensor, heads: int, cfg: ModelConfig, arch: str) -> t
 
 def rope_from_graph(t: torch.Tensor, heads: int, cfg: ModelConfig, arch: str) -> torch.Tensor:
     """Inverse of rope_to_graph."""
-    have = "interleaved" if arch == "llama" else "half"
+    have = "half" if arch in HALF_PAIRS else "interleaved"
     if cfg.rope_pairs == have:
         return t
     return interleaved_to_half(t, heads, cfg.head_dim) if have == "interleaved" else half_to_interleaved(t, heads, cfg.head_dim)
 
 
+ROPE_HEADS = {"rope_q": lambda cfg: cfg.n_heads, "rope_k": lambda cfg: cfg.n_kv_heads, "rope_head": lambda cfg: 1}
+
+
 @dataclass(frozen=True)
 class GRule:
-    """One GGUF tensor <-> one or more of ours; kind: copy, rope_q, rope_k or qkv (rows stacked)."""
+    """One GGUF tensor <-> one or more of ours; kind: copy, rope_q, rope_k, rope_head (a head's norm
+    weight), qkv (rows stacked), or offset (Gemma's norms: llama.cpp multiplies by the stored weight,
+    so it stores 1 + w, as llama.cpp's own converter does), or rope_head+offset (Gemma 3's q/k norms)."""
 
     gguf: str
     ours: tuple[str, ...]
@@ -143,16 +225,17 @@ class GRule:
     def to_gguf(self, ts: list[torch.Tensor], cfg: ModelConfig, arch: str) -> torch.Tensor:
         if self.kind == "qkv":
             return torch.cat(ts, dim=0)  # (N·H + 2·K·H, D) or its bias
-        if self.kind in ("rope_q", "rope_k"):
-            return rope_to_graph(ts[0], cfg.n_heads if self.kind == "rope_q" else cfg.n_kv_heads, cfg, arch)
-        return ts[0]
+        kind, offset = self.kind.removesuffix("+offset"), self.kind.endswith("offset")
+        t = ts[0].float() + 1.0 if offset else ts[0]
+        return rope_to_graph(t, ROPE_HEADS[kind](cfg), cfg, arch) if kind in ROPE_HEADS else t
 
     def to_ours(self, t: torch.Tensor, cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
         if self.kind == "qkv":
             return dict(zip(self.ours, t.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=0)))  # (N·H, D), 2 × (K·H, D)
-        if self.kind in ("rope_q", "rope_k"):
-            t = rope_from_graph(t, cfg.n_heads if self.kind == "rope_q" else cfg.n_kv_heads, cfg, arch)
-        return {self.ours[0]: t}
+        kind, offset = self.kind.removesuffix("+offset"), self.kind.endswith("offset")
+        if kind in ROPE_HEADS:
+            t = rope_from_graph(t, ROPE_HEADS[kind](cfg), cfg, arch)
+        return {self.ours[0]: t.float() - 1.0 if offset else t}
 
 
 def _layer_rules(cfg: ModelConfig, arch: str, i: int) -> list[GRule]:
@@ -165,6 +248,8 @@ def _layer_rules(cfg: ModelConfig, arch: str, i: int) -> list[GRule]:
                  ("ffn_up", "ffn.w_up"), ("ffn_down", "ffn.w_down")]
         rules += [GRule(f"{b}{g}.{p}", (f"{o}{ours}.{p}",)) for g, ours in pairs for p in ("weight", "bias")]
         return rules
+    if arch in FAMILY_ARCH.values():
+        return _family_layer_rules(cfg, arch, b, o)
     rules = [GRule(b + "attn_norm.weight", (o + "attn_norm.weight",)),
              GRule(b + "attn_q.weight", (o + "attn.wq.weight",), "rope_q"),
              GRule(b + "attn_k.weight", (o + "attn.wk.weight",), "rope_k"),
@@ -180,6 +265,36 @@ def _layer_rules(cfg: ModelConfig, arch: str, i: int) -> list[GRule]:
                     GRule(b + "ffn_down.weight", (o + "ffn.w_down.weight",))]
 
 
+def _family_layer_rules(cfg: ModelConfig, arch: str, b: str, o: str) -> list[GRule]:
+    """qwen3, gemma2, gemma3, olmo2, smollm3: llama's tensors, plus q/k norms and the norms after each
+    sublayer where the family has them (OLMo 2's sit only there: our attn_norm/ffn_norm)."""
+    norm = "offset" if arch in GEMMA else "copy"
+    head = cfg.qk_norm == "head"
+    rules = [] if arch == "olmo2" else [GRule(b + "attn_norm.weight", (o + "attn_norm.weight",), norm)]
+    rules += [GRule(b + "attn_q.weight", (o + "attn.wq.weight",), "rope_q"),
+              GRule(b + "attn_k.weight", (o + "attn.wk.weight",), "rope_k"),
+              GRule(b + "attn_v.weight", (o + "attn.wv.weight",))]
+    if cfg.qk_norm in ("head", "proj"):
+        plus = "+offset" if arch in GEMMA else ""  # Gemma 3's q/k norms are (1 + w) norms too
+        rules += [GRule(b + "attn_q_norm.weight", (o + "attn.q_norm.weight",), ("rope_head" if head else "rope_q") + plus),
+                  GRule(b + "attn_k_norm.weight", (o + "attn.k_norm.weight",), ("rope_head" if head else "rope_k") + plus)]
+    rules.append(GRule(b + "attn_output.weight", (o + "attn.wo.weight",)))
+    if arch == "olmo2":
+        rules.append(GRule(b + "post_attention_norm.weight", (o + "attn_norm.weight",)))
+    elif arch in GEMMA:
+        rules.append(GRule(b + "post_attention_norm.weight", (o + "attn_post_norm.weight",), norm))
+    if arch != "olmo2":
+        rules.append(GRule(b + "ffn_norm.weight", (o + "ffn_norm.weight",), norm))
+    rules += [GRule(b + "ffn_gate.weight", (o + "ffn.w_gate.weight",)),
+              GRule(b + "ffn_up.weight", (o + "ffn.w_up.weight",)),
+              GRule(b + "ffn_down.weight", (o + "ffn.w_down.weight",))]
+    if arch == "olmo2":
+        rules.append(GRule(b + "post_ffw_norm.weight", (o + "ffn_norm.weight",)))
+    elif arch in GEMMA:
+        rules.append(GRule(b + "post_ffw_norm.weight", (o + "ffn_post_norm.weight",), norm))
+    return rules
+
+
 def gguf_rules(cfg: ModelConfig, arch: str) -> list[GRule]:
     """Every GGUF tensor of the graph, in llama.cpp's order; a tied head has no output.weight."""
     rules = [GRule("token_embd.weight", ("embed.weight",))]
@@ -187,7 +302,7 @@ def gguf_rules(cfg: ModelConfig, arch: str) -> list[GRule]:
         rules.append(GRule("position_embd.weight", ("pos_embed.weight",)))
     for i in range(cfg.n_layers):
         rules += _layer_rules(cfg, arch, i)
-    rules.append(GRule("output_norm.weight", ("final_norm.weight",)))
+    rules.append(GRule("output_norm.weight", ("final_norm.weight",), "offset" if arch in GEMMA else "copy"))
     if arch == "gpt2":
         rules.append(GRule("output_norm.bias", ("final_norm.bias",)))
     if not cfg.tie_embeddings:
@@ -395,6 +510,12 @@ def _hparams(w, cfg: ModelConfig, arch: str) -> None:
 
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(sc["factor"]))
+    if arch in GEMMA:  # the graph slides its pattern's layers: a window as long as the context slides nothing
+        slides = any(_window(cfg, i) for i in range(cfg.n_layers))
+        w.add_sliding_window(cfg.sliding_window if slides else cfg.max_seq_len)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_softcap)
+        w.add_final_logit_softcapping(cfg.logit_softcap)
 
 
 def _add_fields(w, fields: dict) -> None:

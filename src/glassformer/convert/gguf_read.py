@@ -15,7 +15,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .gguf import CONFIG_KEY, TOKENIZER_FILES_KEY, gguf_rules
+from .gguf import CONFIG_KEY, FAMILY_ARCH, TOKENIZER_FILES_KEY, gguf_rules
 
 DAMAGED = "it is truncated, damaged or not a GGUF file: convert or download it again"
 
@@ -152,8 +152,15 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], d
     path = Path(path)
     reader = _open(path)
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "gpt2"):
-        raise UserError(f"{path}: architecture {arch!r}; glassformer reads llama, qwen2 and gpt2 GGUF files")
+    family_graph = arch in FAMILY_ARCH.values()
+    if arch not in ("llama", "qwen2", "gpt2") and not family_graph:
+        raise UserError(f"{path}: architecture {arch!r}; glassformer reads llama, qwen2 and gpt2 GGUF files "
+                        f"({', '.join(FAMILY_ARCH.values())} ones that it wrote itself)")
+    if family_graph and not _field(reader, CONFIG_KEY):
+        # llama.cpp's keys leave out what these graphs hard-code (Gemma's layer pattern, SmolLM3's NoPE step):
+        # only a file that carries its own config says the whole model.
+        raise UserError(f"{path}: a {arch} GGUF file without glassformer's {CONFIG_KEY} key; glassformer reads {arch} "
+                        "files that it wrote itself (convert the Hugging Face folder with --from-hf instead)")
     tensors = {t.name: t for t in reader.tensors}
     cfg = _config(reader, arch, tensors, path)
     dtype = _dtype(reader)
