@@ -17,7 +17,9 @@ from glassformer.research import sae as S
 from glassformer.tracing.interventions import run_with
 from tests.support import greedy_by_full_forward, greedy_cached, one_error, run_cli, synthetic_text, tiny_checkpoint, tiny_model
 
-SETTINGS = dict(features=32, k=4, tokens=2048, batch_tokens=256, chunk_batches=4, context=32, eval_tokens=512, lr=2e-3)
+# Wide, k 2 and a short dead window: features go dead within the run, so the AuxK path runs and is resumed too.
+SETTINGS = dict(features=128, k=2, tokens=2048, batch_tokens=256, chunk_batches=4, context=32, eval_tokens=512, lr=2e-3,
+                dead_tokens=256)
 
 
 def _random_sae(d_in=16, d_sae=40, k=5, seed=0) -> S.TopKSAE:
@@ -134,6 +136,7 @@ def test_resumed_training_equals_an_unbroken_run(tmp_path, one_thread):
         S.Trainer(model, site, ids, ids, S.TrainSettings(**SETTINGS), tmp_path / "b")
     resumed = S.Trainer(model, site, ids, ids, S.TrainSettings(**SETTINGS), tmp_path / "b", resume=True)
     assert resumed.step == 4
+    assert int((resumed.since_fired > 256).sum()) > 0  # dead features carried over, the AuxK loss on
     resumed.train(progress=False)
     for (n, a), b in zip(whole.sae.named_parameters(), resumed.sae.parameters()):
         assert torch.equal(a, b), n
@@ -348,3 +351,25 @@ def test_data_from_a_prepared_folder_or_a_text_file(tmp_path):
     assert len(held) == (len(train) + len(held)) // 10
     with pytest.raises(UserError, match="does not exist"):
         S.data_ids(tmp_path / "missing.txt", model, tok)
+
+
+def test_aux_k_loss_reaches_the_dead_features_only():
+    """AuxK: the dead features' k_aux largest pre-activations reconstruct the residual x − x̂; only their
+    decoder rows get a gradient, and the value is the normalised error written out here."""
+    sae = _random_sae(d_in=8, d_sae=20, k=2, seed=5)
+    x = torch.randn(30, 8, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        x_hat, _, _ = sae(x)
+        pre = sae.pre(x)
+    dead = torch.zeros(20, dtype=torch.bool)
+    dead[[3, 7, 11, 12, 19]] = True
+    loss = S._aux_loss(sae, x, x_hat, pre, dead)
+    loss.backward()
+    live_rows = sae.W_dec.grad[~dead]
+    assert live_rows.abs().max() == 0 and sae.W_dec.grad[dead].abs().sum() > 0
+    k_aux = 4  # d_in / 2, fewer than the 5 dead
+    p = pre.masked_fill(~dead, float("-inf"))
+    v, i = p.topk(k_aux, dim=-1)
+    e = x - x_hat
+    e_hat = torch.stack([(v[n].relu()[:, None] * sae.W_dec.detach()[i[n]]).sum(0) for n in range(30)])
+    assert float(loss.detach()) == pytest.approx(float(((e - e_hat) ** 2).sum() / (e ** 2).sum()), rel=1e-5)
