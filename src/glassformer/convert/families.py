@@ -583,6 +583,9 @@ GPT2 = Family(
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     LLAMA, MISTRAL, QWEN2, GPT2, QWEN3, SMOLLM3, OLMO2, GEMMA2, GEMMA3, PHI3, GEMMA3_MULTIMODAL)}
 # The mixture-of-experts families (families_moe.py, which imports family_base.py, never this module) join here:
+from .families_moe import MOE_FAMILIES  # noqa: E402
+
+FAMILIES.update(MOE_FAMILIES)
 
 
 def family_named(model_type: Any, where: str = "config.json") -> Family:

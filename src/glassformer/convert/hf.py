@@ -188,6 +188,9 @@ def _listing(keys: list[str]) -> str:
 
 def check_weights(w: Weights, family: Family, cfg: ModelConfig, folder: Path) -> list[Rule]:
     """The rules to apply, after checking that every key is used, none missing, every shape right."""
+    adapt = getattr(family, "adapt_weights", None)  # a family that also reads other layouts (families_moe.py)
+    if adapt is not None:
+        adapt(w, cfg)
     if w.file and not any(k.startswith(family.prefix) for k in w.file):
         # Saved from the base model (the hub's gpt2 is): names lack the prefix.
         w.rename(lambda k: k if k.startswith("lm_head.") else family.prefix + k)
