@@ -20,6 +20,7 @@ from ..checkpoint.folders import add_snapshot, prune, read_pointer, step_name, w
 from ..checkpoint.training import save_training
 from ..config import TrainConfig
 from ..errors import DiskFullError, UserError
+from ..moe import expert_load
 from .cpu_memory import keep_freed_memory
 from .evaluate import score, summary
 from .loader import data_state, next_batch
@@ -207,6 +208,7 @@ def log_step(run: RunState) -> None:
                "mfu": None if mfu is None else round(mfu, 4), "time": round(run.elapsed0 + now - run.t_start, 3)}
         if not res.stepped:
             rec["skipped"] = True
+        rec.update(moe_record(run.model, res))
         if run.stats is not None:
             rec["stats"] = run.stats
         run.metrics.write(rec)
@@ -215,6 +217,18 @@ def log_step(run: RunState) -> None:
         run.t_log, run.tok_log = now, 0
     if cfg.log_every and run.d.main and run.bar.disable and step % cfg.log_every == 0:  # no bar drawn (setup.bar_shown)
         print(f"step {step}: loss {res.loss:.4f}", file=sys.stderr, flush=True)
+
+
+def moe_record(model: torch.nn.Module, res) -> dict:
+    """A mixture of experts' part of a log line: the step's load-balancing loss (when it trains with one)
+    and, per mixture layer, each expert's share of the routed slots in the step's last forward."""
+    out = {}
+    if res.aux_loss is not None:
+        out["aux_loss"] = round(res.aux_loss, 6)
+    load = expert_load(model)
+    if load:
+        out["moe_load"] = [[round(x, 5) for x in layer] for layer in load]
+    return out
 
 
 # ----------------------------------------------------------------------------- evaluate and checkpoint

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..moe import aux_loss
 from .distributed import Dist, all_mean, all_sum, micro_batch_sync, unwrap
 from .optim import set_lr
 
@@ -21,6 +22,10 @@ class StepResult:
     loss: float  # mean cross-entropy over the step's micro-batches (and ranks)
     grad_norm: float  # global L2 norm of the gradient, before clipping
     stepped: bool  # False: loss or norm not finite, so the gradients were dropped and no weight moved
+    # A mixture of experts trained with router_aux_loss_coef > 0: the load-balancing loss (summed over the
+    # mixture layers, mean over the micro-batches, this process's rows), before the coefficient. `loss`
+    # stays the cross-entropy alone, comparable with a dense model's; the gradient is of loss + coef·aux.
+    aux_loss: float | None = None
 
 
 def forward_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -57,10 +62,11 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.
     if lr is not None:
         set_lr(optimizer, lr)
     device = device or next(net.parameters()).device
+    aux = _Aux(unwrap(net), accum, device)
     if masked:
-        loss = _accumulate_masked(net, x, y, accum, autocast, d, device)
+        loss = _accumulate_masked(net, x, y, accum, autocast, d, device, aux)
     else:
-        loss_mean = _accumulate_gradients(net, x, y, accum, autocast, d, device)
+        loss_mean = _accumulate_gradients(net, x, y, accum, autocast, d, device, aux)
         loss = float(all_mean(loss_mean, d)) if d is not None else float(loss_mean)
     params = [p for p in unwrap(net).parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
@@ -71,12 +77,37 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.
     if stepped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss=loss, grad_norm=norm, stepped=stepped)
+    return StepResult(loss=loss, grad_norm=norm, stepped=stepped, aux_loss=aux.mean())
 
 
-def _backward_micro_batches(net, x, y, accum, autocast, d, device, loss_of, weigh) -> torch.Tensor:
-    """For each of `accum` micro-batches, backward of weigh(loss_of(micro-batch)), gradients reduced
-    across ranks on the last one only; returns the summed detached losses (a tensor on device)."""
+class _Aux:
+    """The mixture's load-balancing term: after each micro-batch's forward, coef · aux / accum joins the
+    loss that is backpropagated (so the step's gradient has coef times the mean aux loss); a dense model,
+    or a coefficient of 0, adds nothing."""
+
+    def __init__(self, model: torch.nn.Module, accum: int, device: torch.device):
+        cfg = getattr(model, "config", None)
+        self.coef = float(getattr(cfg, "router_aux_loss_coef", 0.0)) if getattr(cfg, "n_experts", 0) else 0.0
+        self.model, self.accum = model, accum
+        self.sum = torch.zeros((), device=device) if self.coef > 0 else None
+
+    def term(self) -> torch.Tensor | float:
+        if self.sum is None:
+            return 0.0
+        aux = aux_loss(self.model)  # the forward just run: every mixture layer's loss, summed
+        if aux is None:
+            return 0.0
+        self.sum += aux.detach().float()
+        return self.coef * aux / self.accum
+
+    def mean(self) -> float | None:
+        return None if self.sum is None else float(self.sum) / self.accum
+
+
+def _backward_micro_batches(net, x, y, accum, autocast, d, device, loss_of, weigh, aux: _Aux) -> torch.Tensor:
+    """For each of `accum` micro-batches, backward of weigh(loss_of(micro-batch)) (plus the mixture's
+    aux term), gradients reduced across ranks on the last one only; returns the summed detached losses
+    (a tensor on device)."""
     micro = x.shape[0] // accum
     loss_sum = torch.zeros((), device=device)
     for m in range(accum):
@@ -85,19 +116,20 @@ def _backward_micro_batches(net, x, y, accum, autocast, d, device, loss_of, weig
         with micro_batch_sync(net, d, last=m == accum - 1):
             with autocast():
                 loss = loss_of(net, xm, ym)
-            weigh(loss).backward()
+                extra = aux.term()
+            (weigh(loss) + extra).backward()
         loss_sum += loss.detach().float()
     return loss_sum
 
 
-def _accumulate_gradients(net, x, y, accum, autocast, d, device) -> torch.Tensor:
+def _accumulate_gradients(net, x, y, accum, autocast, d, device, aux: _Aux) -> torch.Tensor:
     """Backward of each micro-batch's loss / accum, so the summed gradient is that of the whole
     batch's mean loss; returns the mean loss (a tensor on device, detached)."""
     weigh = lambda loss: loss / accum  # noqa: E731
-    return _backward_micro_batches(net, x, y, accum, autocast, d, device, forward_loss, weigh) / accum
+    return _backward_micro_batches(net, x, y, accum, autocast, d, device, forward_loss, weigh, aux) / accum
 
 
-def _accumulate_masked(net, x, y, accum, autocast, d, device) -> float:
+def _accumulate_masked(net, x, y, accum, autocast, d, device, aux: _Aux) -> float:
     """Backward of each micro-batch's summed loss / the global batch's count of unmasked targets
     (times the world size: DDP and FSDP average gradients over ranks), so the summed gradient is
     that of the global masked mean; returns that mean. The count stays a tensor (no device sync
@@ -108,7 +140,8 @@ def _accumulate_masked(net, x, y, accum, autocast, d, device) -> float:
         count = all_sum(count, d)
     count = count.clamp(min=1).float()
     scale = world / count
-    loss_sum = _backward_micro_batches(net, x, y, accum, autocast, d, device, forward_loss_sum, lambda loss: loss * scale)
+    loss_sum = _backward_micro_batches(net, x, y, accum, autocast, d, device, forward_loss_sum, lambda loss: loss * scale,
+                                      aux)
     if d is not None:
         loss_sum = all_sum(loss_sum, d)
     return float(loss_sum / count)

@@ -89,6 +89,21 @@ def stats_curves(records: list[dict]) -> dict:
     return out
 
 
+def moe_curves(records: list[dict]) -> dict | None:
+    """A mixture of experts' training lines (train/loop.py `moe_record`): {'step', 'aux_loss' (None where
+    the run trains without one), 'load' (per logged step, per mixture layer, each expert's share of the
+    routed slots)}; None for a dense run.
+
+    >>> moe_curves([{"step": 5, "loss": 2.0, "aux_loss": 2.1, "moe_load": [[0.75, 0.25]]}])
+    {'step': [5], 'aux_loss': [2.1], 'load': [[[0.75, 0.25]]]}
+    """
+    rows = [r for r in records if isinstance(r.get("moe_load"), list) and not r.get("nonfinite")]
+    if not rows:
+        return None
+    return {"step": [r["step"] for r in rows], "aux_loss": [_number(r.get("aux_loss")) for r in rows],
+            "load": [[[_number(x) for x in layer] for layer in r["moe_load"]] for r in rows]}
+
+
 def step_of(name: str) -> int:
     """The step of a checkpoint folder name: 'step-000120' -> 120."""
     return int(name.rsplit("-", 1)[1])
@@ -114,12 +129,12 @@ def run_name(run: Path) -> str:
 
 
 def training_payload(run: str | Path) -> dict:
-    """What the Training view draws (GET /api/run): {'run', 'curves', 'stats', 'checkpoints'}."""
+    """What the Training view draws (GET /api/run): {'run', 'curves', 'stats', 'moe', 'checkpoints'}."""
     run = Path(run)
     path = run / "metrics.jsonl"
     records = read_metrics(path) if path.is_file() else []
     return {"run": run_name(run), "curves": loss_curves(records), "stats": stats_curves(records),
-            "checkpoints": checkpoint_list(run, records)}
+            "moe": moe_curves(records), "checkpoints": checkpoint_list(run, records)}
 
 
 class RunCheckpoints:

@@ -5,7 +5,8 @@
 // of --snapshot-every and the ones pruning kept): moving it asks the server to trace the same
 // sentence with that checkpoint's weights (POST api/trace with "checkpoint") and swaps the page's
 // data, so every view (attention maps, head summaries, numbers, next tokens) redraws at that
-// checkpoint; this view adds the logit lens of it. The data comes from GET api/run.
+// checkpoint; this view adds the logit lens of it, and for a mixture of experts each expert's load.
+// The data comes from GET api/run.
 // As in glass.js, every text from the data reaches the page through textContent.
 'use strict';
 (function () {
@@ -35,6 +36,11 @@
       el('div', { class: 'controls' }, [el('label', {}, ['statistic ', el('select', { id: 'train-stat' })]),
         el('label', {}, ['weights ', el('select', { id: 'train-stat-group' })])]),
       el('div', { id: 'train-stats', class: 'train-chart wide' }),
+      el('div', { id: 'train-moe', hidden: true }, [
+        el('h3', { text: 'Mixture of experts: each expert\u2019s load' }),
+        el('p', { class: 'note', text: 'Per mixture layer, the share of the routed slots (k per token) each expert took in the last forward of a logged step: at the chosen checkpoint\u2019s step, or the latest. An even load is 1/E each; the load-balancing loss (E\u00b7\u03a3 f\u00b7P per layer, summed; k at an even load) is what training adds, times router_aux_loss_coef, to keep it so.' }),
+        el('div', { id: 'train-moe-load', class: 'scroll' }),
+        el('div', { id: 'train-moe-aux', class: 'train-chart wide' })]),
       el('h3', { text: 'Logit lens at this checkpoint' }),
       el('p', { class: 'note', text: 'The stream leaving each block, through the final norm and the LM head: the most likely next token at every position (shade: its probability). Hover a cell for the top three.' }),
       el('div', { id: 'train-lens', class: 'scroll' }),
@@ -201,6 +207,40 @@
     chart(box, STAT_TITLES[view.kind] || view.kind,
       shown.map((n, i) => ({ name: n, x: st.step, y: st.series[n], color: G.tokColor(i), dots: st.step.length < 30 })), markerStep());
   }
+  // ------------------------------------------------------------------ a mixture's load per expert
+  function drawMoe() {
+    const moe = view.data.moe, sec = $('train-moe');
+    sec.hidden = !moe;
+    if (!moe) return;
+    const m = markerStep();
+    let at = moe.step.length - 1; // the latest logged step, or the last one at or before the checkpoint's
+    if (typeof m === 'number') { const i = moe.step.findLastIndex((s) => s <= m); if (i >= 0) at = i; }
+    const load = moe.load[at], E = load.length ? load[0].length : 0, box = clear($('train-moe-load'));
+    box.append(el('div', { class: 'chart-title', text: `step ${moe.step[at]}: ${load.length} mixture layers \u00d7 ${E} experts (even: ${fmt(1 / E)})` }));
+    const grid = el('div', { style: { display: 'grid', gap: '2px', gridTemplateColumns: `auto repeat(${E}, minmax(44px, auto))`, font: '12px var(--mono)' } });
+    grid.append(el('div'));
+    for (let e = 0; e < E; e++) grid.append(el('div', { class: 'hdr', text: `expert ${e}` }));
+    const top = Math.max(...load.flat().filter((x) => typeof x === 'number'), 1e-9);
+    load.forEach((layer, l) => {
+      grid.append(el('div', { class: 'hdr', text: `mixture layer ${l}` }));
+      layer.forEach((x, e) => {
+        const share = typeof x === 'number' ? x : 0;
+        const c = el('div', { class: 'moe-load', text: `${(100 * share).toFixed(1)}%`,
+          title: `mixture layer ${l}, expert ${e}: ${fmt(share)} of the routed slots (even: ${fmt(1 / E)})`,
+          style: { padding: '2px 6px', borderRadius: '3px', textAlign: 'right',
+            background: `rgba(47, 111, 214, ${(0.06 + 0.8 * share / top).toFixed(3)})`, color: share / top > 0.6 ? '#fff' : '' } });
+        Object.assign(c.dataset, { layer: String(l), expert: String(e), share: String(share) });
+        grid.append(c);
+      });
+    });
+    box.append(grid);
+    const aux = $('train-moe-aux');
+    if (moe.aux_loss.some((y) => typeof y === 'number')) {
+      chart(aux, 'load-balancing loss (before the coefficient)', [{ name: 'aux loss', x: moe.step, y: moe.aux_loss, color: '#7048e8' }], m);
+    } else {
+      clear(aux).append(el('p', { class: 'muted', text: 'This run trained without a load-balancing loss (router_aux_loss_coef 0).' }));
+    }
+  }
   function fill(sel, values, label, value, onChange) {
     clear(sel);
     for (const v of values) sel.append(el('option', { value: v, text: label(v) }));
@@ -265,7 +305,7 @@
     frame();
     sec.hidden = false;
     if (!view.data) { fetchRun(); return; }
-    for (const part of [drawSlider, drawCurves, drawStats, drawLens, drawUpdate]) {
+    for (const part of [drawSlider, drawCurves, drawStats, drawMoe, drawLens, drawUpdate]) {
       try { part(); } catch (e) { console.error(e); G.message(`could not draw part of the training view: ${e}`); }
     }
     sec.dataset.checkpoint = current() || '';
