@@ -1,6 +1,6 @@
 """llama.cpp itself (through llama-cpp-python) steered by what `convert --control-vector` writes gives
 the same greedy tokens as our steered model, and last-position logits within 1e-3 of max |logit|
-(f32 model, f32 KV cache), on a llama-graph and a gpt2-graph model of 4 blocks. The control-vector
+(f32 model, f32 KV cache), on a llama-, a qwen2- and a gpt2-graph model of 4 blocks. The control-vector
 file is read as llama.cpp's common loader reads it (libllama has no file loader; the loader's rule,
 direction.{il} at (il - 1)·n_embd, is in convert/control_vector.read_control_vector) and handed to
 llama_set_adapter_cvec over every layer. Skipped unless llama_cpp imports (`make test-llamacpp`)."""
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.llamacpp
 TEXT = ("The king and queen walk to the castle where the bells ring. A storm came over the hills and the "
         "rain fell hard. The sun rose warm and bright over the fields. ") * 20
 PROMPT = "The king and queen walk to the castle where"
-SHAPES = {"llama": {}, "gpt2": dict(norm="layer", pos="learned", bias=True, ffn="gelu_tanh", n_kv_heads=4)}
+SHAPES = {"llama": {}, "qwen2": dict(qkv_bias=True),
+          "gpt2": dict(norm="layer", pos="learned", bias=True, ffn="gelu_tanh", n_kv_heads=4)}
 STEPS = 16
 
 
