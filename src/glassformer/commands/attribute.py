@@ -21,34 +21,23 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import json
-
-    from ..research.attribution import check_model, direct_logit_attribution
-    from ..research.tokens import pieces
+    from ..research.reports import attribute_report
     from .options import check_output_file
-    from .patch import load_checked
+    from .patch import finish, load_model
 
     if args.html:
         check_output_file("--html", args.html)
-    model, tok, ids, answer, wrong = load_checked(args, [("--text", args.text)])
-    check_model(model)
-    out = direct_logit_attribution(model, ids["--text"], answer, wrong, args.position)
-    out.update(tokens=pieces(tok, ids["--text"]), answer={"id": answer, "token": pieces(tok, [answer])[0]},
-               wrong={"id": wrong, "token": pieces(tok, [wrong])[0]}, checkpoint=str(args.checkpoint))
-    if args.html:
-        from ..research.page import write_page
+    model, tok = load_model(args)
+    out = attribute_report(model, tok, args.text, args.answer, args.wrong, args.position, prefix="--")
+    return finish(args, out, "attribute", lines)
 
-        write_page(args.html, {"attribute": out})
-        if not args.json:
-            print(f"wrote {args.html}")
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    print(f"logit({out['answer']['token']!r}) - logit({out['wrong']['token']!r}) at position {out['position']}: "
-          f"{out['logit_diff']:.6f} (parts sum to {out['sum']:.6f}; final norm scale frozen at {out['scale']:.6f})")
+
+def lines(out: dict) -> list[str]:
+    """The parts as text, largest first."""
+    shown = [f"logit({out['answer']['token']!r}) - logit({out['wrong']['token']!r}) at position {out['position']}: "
+             f"{out['logit_diff']:.6f} (parts sum to {out['sum']:.6f}; final norm scale frozen at {out['scale']:.6f})"]
     if "note" in out:
-        print(out["note"])
+        shown.append(out["note"])
     width = max(len(k) for k in out["parts"])
-    for name, v in sorted(out["parts"].items(), key=lambda kv: -abs(kv[1])):
-        print(f"{name:<{width}} {v:>+10.5f}")
-    return 0
+    shown += [f"{name:<{width}} {v:>+10.5f}" for name, v in sorted(out["parts"].items(), key=lambda kv: -abs(kv[1]))]
+    return shown

@@ -28,57 +28,44 @@ def add_arguments(p) -> None:
     add_base_argument(p)
 
 
-def load_checked(args, texts: list[tuple[str, str]]):
-    """(model, tokenizer, {flag: ids}, answer id, wrong id): the model loaded, the texts and tokens
-    checked (one line each) before any sweep runs."""
+def load_model(args):
+    """(model, tokenizer) of --checkpoint, in eval mode, on --device."""
     from ..checkpoint.loading import load
     from ..devices import resolve_device
-    from ..research.tokens import encode, token_id
 
     model, tok = load(args.checkpoint, device=resolve_device(args.device), base=args.base)
-    model.eval()
-    cfg = model.config
-    ids = {flag: encode(tok, text, flag, cfg.max_seq_len) for flag, text in texts}
-    answer = token_id(tok, args.answer, "--answer", cfg.vocab_size)
-    wrong = token_id(tok, args.wrong, "--wrong", cfg.vocab_size)
-    return model, tok, ids, answer, wrong
+    return model.eval(), tok
+
+
+def finish(args, out: dict, key: str, lines) -> int:
+    """--html's page, then the JSON line (--json) or the text lines."""
+    import json
+
+    out["checkpoint"] = str(args.checkpoint)
+    if args.html:
+        from ..research.page import write_page
+
+        write_page(args.html, {key: out})
+        if not args.json:
+            print(f"wrote {args.html}")
+    print(json.dumps(out) if args.json else "\n".join(lines(out)))
+    return 0
 
 
 def run(args) -> int:
-    import json
-
     from ..errors import UserError
-    from ..research.patching import METHODS, SITES, check_site, patch_sweep
-    from ..research.tokens import pieces, same_length
+    from ..research.reports import check_names, patch_report
     from .options import check_output_file
 
-    if args.site not in SITES:  # before the model is read; a site this model lacks is checked once it is
-        raise UserError(f"unknown site {args.site!r}: the sites are {', '.join(SITES)}")
-    if args.method not in METHODS:
-        raise UserError(f"unknown method {args.method!r}: the methods are {', '.join(METHODS)}")
+    check_names(args.site, args.method)  # before the model is read; a site this model lacks is checked once it is
     if args.batch is not None and args.batch < 1:
         raise UserError(f"--batch must be at least 1, got {args.batch}")
     if args.html:
         check_output_file("--html", args.html)
-    model, tok, ids, answer, wrong = load_checked(args, [("--clean", args.clean), ("--corrupt", args.corrupt)])
-    check_site(model.config, args.site)
-    same_length(tok, ids["--clean"], ids["--corrupt"])
-    res = patch_sweep(model, ids["--clean"], ids["--corrupt"], answer, wrong, args.site, args.method, args.batch)
-    out = res.to_dict()
-    out.update(clean_tokens=pieces(tok, ids["--clean"]), corrupt_tokens=pieces(tok, ids["--corrupt"]),
-               answer={"id": answer, "token": pieces(tok, [answer])[0]}, wrong={"id": wrong, "token": pieces(tok, [wrong])[0]},
-               checkpoint=str(args.checkpoint))
-    if args.html:
-        from ..research.page import write_page
-
-        write_page(args.html, {"patch": out})
-        if not args.json:
-            print(f"wrote {args.html}")
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print("\n".join(table(out)))
-    return 0
+    model, tok = load_model(args)
+    out = patch_report(model, tok, args.clean, args.corrupt, args.answer, args.wrong, args.site, args.method,
+                       args.batch, prefix="--")
+    return finish(args, out, "patch", table)
 
 
 def table(out: dict) -> list[str]:
