@@ -706,16 +706,18 @@ class FeatureEdit:
     @torch.no_grad()
     def edit(self, x: torch.Tensor) -> torch.Tensor:
         sae = self.sae
-        delta = torch.zeros(x.shape[-1], device=x.device, dtype=torch.float32)
-        if len(self.ablate):
+        if self.ablate.device != x.device:  # moved once, on the first forward on that device
             sae.to(x.device)
-            v, i = sae.encode_topk(x.float())  # (..., k)
-            hit = (i.unsqueeze(-1) == self.ablate.to(x.device)).any(-1)  # (..., k): a chosen feature being ablated
-            w = (v * hit)  # their activations, 0 elsewhere
-            delta = delta - torch.einsum("...k,...kd->...d", w, sae.W_dec[i])
+            self.ablate = self.ablate.to(x.device)
+            self.add = None if self.add is None else self.add.to(x.device)
+        out = x.float()
+        if len(self.ablate):
+            v, i = sae.encode_topk(out)  # (..., k)
+            hit = (i.unsqueeze(-1) == self.ablate).any(-1)  # (..., k): a chosen feature being ablated
+            out = out - torch.einsum("...k,...kd->...d", v * hit, sae.W_dec[i])  # their contributions taken out
         if self.add is not None:
-            delta = delta + self.add.to(x.device)
-        return (x.float() + delta).to(x.dtype)
+            out = out + self.add
+        return out.to(x.dtype)
 
     def remove(self) -> None:
         self._handle.remove()
