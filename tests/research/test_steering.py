@@ -342,3 +342,9 @@ def test_serve_steer_in_the_engines_process(ckpt, tmp_path):
     finally:
         engine.stop()
     assert got == want
+
+
+def test_a_two_block_model_has_no_control_vector_place(tmp_path, capsys):
+    save_vector(tmp_path / "v.safetensors", SteeringVector(torch.zeros(64), 1, 2))
+    one_error(capsys, ["convert", "--control-vector", str(tmp_path / "v.safetensors"), "--out", str(tmp_path / "v.gguf")],
+              "2-block model has no block 2")

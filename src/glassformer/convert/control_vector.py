@@ -23,6 +23,10 @@ def direction_index(layer: int, n_layers: int) -> int:
     >>> direction_index(2, 4), direction_index(3, 4)
     (1, 2)
     """
+    if n_layers < 3:
+        raise UserError(f"llama.cpp adds control vectors to the output of layers 1 and later (the stream entering "
+                        f"our blocks 2 and later), and this {n_layers}-block model has no block 2: no control vector "
+                        "can steer it")
     if layer < 2:
         raise UserError(f"the vector steers the stream entering block {layer}; llama.cpp adds control vectors to the "
                         f"output of layers 1..{n_layers - 1} only (the stream entering blocks 2..{n_layers - 1}; "
