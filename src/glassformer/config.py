@@ -429,6 +429,45 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=32768,
         rope_theta=10000.0, sliding_window=4096, **_LLAMA,
     ),
+    # ---- the families of issue 45, each from its Hugging Face config.json (docs/convert.md#families)
+    # Qwen3-0.6B (Qwen/Qwen3-0.6B): per-head q/k norms with weights, head_dim 128 > dim/heads; 596,049,920 weights.
+    "qwen3-0.6b": dict(
+        vocab_size=151936, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
+        max_seq_len=40960, rope_theta=1000000.0, tie_embeddings=True, qk_norm="head", **{**_LLAMA, "norm_eps": 1e-6},
+    ),
+    # Gemma 3 270M (google/gemma-3-270m): (1 + w) sandwich norms, GeGLU, √D embeddings, q/k norms, five sliding
+    # layers (window 512, local RoPE base 10,000) of every six; 268,098,176 weights.
+    "gemma3-270m": dict(
+        vocab_size=262144, dim=640, n_layers=18, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=2048,
+        max_seq_len=32768, rope_theta=1000000.0, rope_local_theta=10000.0, tie_embeddings=True, norm="rms",
+        norm_eps=1e-6, norm_offset=True, norm_placement="sandwich", ffn="geglu", pos="rope", embed_scale=True,
+        qk_norm="head", query_pre_attn_scalar=256.0, sliding_window=512,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+    ),
+    # SmolLM3-3B (HuggingFaceTB/SmolLM3-3B): no RoPE on every 4th layer; 3,075,098,624 weights.
+    "smollm3-3b": dict(
+        vocab_size=128256, dim=2048, n_layers=36, n_heads=16, n_kv_heads=4, ffn_dim=11008, max_seq_len=65536,
+        rope_theta=5000000.0, tie_embeddings=True, nope_layers=list(range(3, 36, 4)), **{**_LLAMA, "norm_eps": 1e-6},
+    ),
+    # OLMo 2 1B (allenai/OLMo-2-0425-1B): norms after each sublayer, q/k norms over the projection; 1,484,916,736.
+    "olmo2-1b": dict(
+        vocab_size=100352, dim=2048, n_layers=16, n_heads=16, ffn_dim=8192, max_seq_len=4096, rope_theta=500000.0,
+        norm_placement="post_branch", qk_norm="proj", **{**_LLAMA, "norm_eps": 1e-6},
+    ),
+    # Phi-3-mini-4k (microsoft/Phi-3-mini-4k-instruct): Llama's block (fused in its files), window 2047; 3,821,079,552.
+    "phi3-mini": dict(
+        vocab_size=32064, dim=3072, n_layers=32, n_heads=32, ffn_dim=8192, max_seq_len=4096, rope_theta=10000.0,
+        sliding_window=2047, **_LLAMA,
+    ),
+    # Gemma 2 2B (google/gemma-2-2b): Gemma's parts with soft caps 50 (attention) and 30 (logits), every other
+    # layer sliding (window 4096); 2,614,341,888 weights.
+    "gemma2-2b": dict(
+        vocab_size=256000, dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, head_dim=256, ffn_dim=9216,
+        max_seq_len=8192, rope_theta=10000.0, tie_embeddings=True, norm="rms", norm_eps=1e-6, norm_offset=True,
+        norm_placement="sandwich", ffn="geglu", pos="rope", embed_scale=True, query_pre_attn_scalar=256.0,
+        attn_softcap=50.0, logit_softcap=30.0, sliding_window=4096,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(26)],
+    ),
 }
 
 # The chat demo's model (`make chat-demo`, docs/chat.md#the-chat-demo): the small demo model with a

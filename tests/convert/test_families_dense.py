@@ -250,3 +250,52 @@ def test_gguf_refuses_what_the_graph_hard_codes_otherwise(case):
     with pytest.raises(UserError) as e:
         gguf_arch(_gguf_cfg(family, **changes))
     assert message in str(e.value) and "llama.cpp" in str(e.value), str(e.value)
+
+
+# ----------------------------------------------------------------------------- cost presets
+
+# preset -> (its Hugging Face config.json's fields that matter, the weights transformers counts)
+PRESETS = {
+    "qwen3-0.6b": (dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                        tie_word_embeddings=True), 596_049_920),
+    "gemma3-270m": (dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640, num_hidden_layers=18,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=256, intermediate_size=2048,
+                         max_position_embeddings=32768, query_pre_attn_scalar=256, sliding_window=512,
+                         rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True), 268_098_176),
+    "smollm3-3b": (dict(model_type="smollm3", vocab_size=128256, hidden_size=2048, num_hidden_layers=36,
+                        num_attention_heads=16, num_key_value_heads=4, intermediate_size=11008,
+                        max_position_embeddings=65536, rope_theta=5000000.0, rms_norm_eps=1e-6,
+                        no_rope_layer_interval=4, tie_word_embeddings=True), 3_075_098_624),
+    "olmo2-1b": (dict(model_type="olmo2", vocab_size=100352, hidden_size=2048, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=16, intermediate_size=8192,
+                      max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False), 1_484_916_736),
+    "phi3-mini": (dict(model_type="phi3", vocab_size=32064, hidden_size=3072, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, intermediate_size=8192,
+                       max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=2047,
+                       tie_word_embeddings=False), 3_821_079_552),
+    "gemma2-2b": (dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, intermediate_size=9216,
+                       max_position_embeddings=8192, query_pre_attn_scalar=256, sliding_window=4096,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rope_theta=10000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True), 2_614_341_888),
+}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_cost_preset_is_the_real_config_counted_exactly(name):
+    """`cost --preset NAME` is what --from-hf makes of the model's config.json, and counts the weights
+    transformers builds from it (on the meta device: no memory)."""
+    from glassformer.cost.params import weights
+
+    hf, count = PRESETS[name]
+    cfg = ModelConfig.from_preset(name)
+    assert cfg == config_from_hf(hf)
+    assert weights(cfg)["total"] == count
+    kind = family_for(cfg, hf["model_type"])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**kind.config_to_hf(cfg)))
+    assert sum(p.numel() for p in model.parameters()) == count
