@@ -233,6 +233,17 @@ def test_a_config_with_more_layers_than_its_weights_is_refused_at_once(good, tmp
                         folder / "model.safetensors", "do not belong together")
 
 
+def test_a_config_with_more_experts_than_its_weights_is_refused_at_once(tmp_path, capsys):
+    """n_experts 4,096 over a file of 4 experts a layer: one line, before 4,096 experts a layer are built."""
+    from glassformer.checkpoint.folders import save_model
+
+    folder = tmp_path / "moe"
+    save_model(folder, tiny_model(n_experts=4, n_active_experts=2, expert_dim=16), None)
+    edit_json(folder / "config.json", lambda meta: meta["model"].update(n_experts=4096))
+    small_footprint(capsys, argv_for("generate", folder, tmp_path), folder / "config.json", "n_experts 4,096",
+                    "holds the weights of 4 experts")
+
+
 def test_a_hugging_face_config_with_more_layers_than_its_weights(tmp_path, capsys):
     from glassformer.convert.hf import save_hf
 

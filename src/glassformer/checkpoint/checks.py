@@ -17,6 +17,8 @@ native checkpoints, Hugging Face folders, adapter checkpoints, PEFT folders and 
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 from ..config import ModelConfig
@@ -127,6 +129,25 @@ def check_layers_held(cfg: ModelConfig, config_file: str | Path, keys, weights_f
     if cfg.n_layers > held:
         raise UserError(f"{config_file} says n_layers {cfg.n_layers:,}, but {weights_file} holds the weights of "
                         f"{held:,} layers: they do not belong together; restore the config.json saved with these weights")
+    experts = experts_held(keys)
+    if experts is not None and cfg.n_experts > experts:
+        raise UserError(f"{config_file} says n_experts {cfg.n_experts:,}, but {weights_file} holds the weights of "
+                        f"{experts:,} experts: they do not belong together; restore the config.json saved with these weights")
+
+
+def experts_held(keys) -> int | None:
+    """How many experts a weights file holds per layer, from names with an expert index after
+    `experts.` (ours, and Mixtral's/Qwen3-MoE's/OLMoE's per-expert names); None when no name has one
+    (a dense model, or experts stored as one fused tensor, whose shape check says more).
+
+    >>> experts_held(["blocks.0.ffn.experts.0.w_up.weight", "blocks.0.ffn.experts.7.w_up.weight"])
+    8
+    """
+    found = [int(m.group(1)) for m in map(_EXPERT.search, keys) if m]
+    return max(found) + 1 if found else None
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def check_adapter_file(want: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]], file: str | Path,
