@@ -295,10 +295,10 @@ def load_probes(folder: str | Path) -> dict[int, LayerProbe]:
     return out
 
 
-def accuracy_svg(result: ProbeResult, width: int = 480, height: int = 260) -> str:
+def accuracy_svg(result: ProbeResult, width: int = 480, height: int = 280) -> str:
     """Held-out (solid) and training (dashed) accuracy per layer, the majority-class baseline as a grey
     line: a self-contained SVG, no plotting library needed."""
-    left, right, top, bottom = 48, 16, 28, 36
+    left, right, top, bottom = 48, 16, 44, 36
     w, h = width - left - right, height - top - bottom
     layers = [p.layer for p in result.layers]
     lo, hi = min(layers), max(layers)
@@ -326,13 +326,13 @@ def accuracy_svg(result: ProbeResult, width: int = 480, height: int = 260) -> st
     parts.append(f'<text x="{left + w / 2}" y="{height - 4}" text-anchor="middle">layer</text>')
     parts.append(f'<line x1="{left}" x2="{left + w}" y1="{py(result.baseline):.1f}" y2="{py(result.baseline):.1f}" '
                  f'stroke="#999" stroke-dasharray="2,3"><title>majority class: {result.baseline:.3f}</title></line>')
-    parts.append(f'<path d="{path(train)}" fill="none" stroke="#1f77b4" stroke-dasharray="5,3"/>')
+    parts.append(f'<path d="{path(train)}" fill="none" stroke="#ff7f0e" stroke-dasharray="5,3"/>')
     parts.append(f'<path d="{path(held)}" fill="none" stroke="#1f77b4" stroke-width="2"/>')
     for L, a in held:
         parts.append(f'<circle cx="{px(L):.1f}" cy="{py(a):.1f}" r="3" fill="#1f77b4">'
                      f'<title>layer {L}: held-out {a:.3f}</title></circle>')
-    parts.append(f'<text x="{left + w}" y="16" text-anchor="end" fill="#555">solid: held-out · dashed: training · '
-                 f'grey: majority class</text>')
+    parts.append(f'<text x="{left}" y="32" fill="#555"><tspan fill="#1f77b4">— held-out</tspan> · '
+                 f'<tspan fill="#ff7f0e">- - training</tspan> · <tspan fill="#999">··· majority class</tspan></text>')
     parts.append("</svg>\n")
     return "\n".join(parts)
 
@@ -352,7 +352,7 @@ def _png(result: ProbeResult, path: Path) -> None:
     ax.plot(layers, [p.heldout_accuracy for p in result.layers], "o-", label="held-out")
     ax.plot(layers, [p.train_accuracy for p in result.layers], "--", label="training")
     ax.axhline(result.baseline, color="grey", linestyle=":", label="majority class")
-    ax.set(xlabel="layer", ylabel="accuracy", ylim=(0, 1.02), title=f"linear probe at {result.site}")
+    ax.set(xlabel="layer", ylabel="accuracy", ylim=(0, 1.02), title=f"linear probe at {result.site}", xticks=layers)
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
