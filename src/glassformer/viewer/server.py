@@ -1,7 +1,8 @@
 """`glassformer view`: the explorer's routes, served on the HTTP base of serve/http.py.
 
 It serves GET / (the page), GET /static/NAME (its own CSS and JavaScript, a fixed list),
-POST /api/trace, POST /api/explain, POST /api/sample and POST /api/generate, with `view --run` GET /api/run
+POST /api/trace, POST /api/explain, POST /api/sample, POST /api/generate, POST /api/patch and
+POST /api/attribute (docs/research.md#in-the-explorer), with `view --run` GET /api/run
 and POST /api/update (docs/viewer.md#the-servers-endpoints), nothing else.
 Loopback by default, size limits (413, 411), 404 for any other path, loopback Host names only,
 JSON with nosniff: docs/viewer.md#safety. `explorer_router` puts the same routes on another
@@ -106,6 +107,8 @@ class Explorer:
     additions(ids) -> more keys of the payload (optional; the run view's logit lens).
     generator(text, ids, tokens, max_tokens, settings) -> (ids, tokens, generated part, text): the text
     continued by `generate` and the generated-text view's data (optional; source.generation).
+    research(kind, request) -> the answer to POST /api/patch (kind 'patch') or /api/attribute ('attribute')
+    (optional; research.reports.research_answer).
     heads(k) -> the Explorer of the model with k key/value heads, averaged (viewer/heads.py; optional: the
     page's head switch); a request names it as its checkpoint "kv_heads=K". heads_info: what the switch shows.
     """
@@ -123,6 +126,7 @@ class Explorer:
     checkpoint: str | None = None
     additions: Callable[[list[int]], dict] | None = None
     generator: Callable[[str, list[int], list[str], int, dict], tuple] | None = None
+    research: Callable[[str, dict], dict] | None = None
     heads: Callable[[int], "Explorer"] | None = None
     heads_info: dict | None = None
     cache_size: int = 8
@@ -288,6 +292,14 @@ class Explorer:
             if part.get("roundtrip"):  # the other views re-read the text: the same ids, the same trace
                 self._keep(full, hit)
         return {**hit[1], "generated": part}
+
+    def researched(self, kind: str, req: dict) -> dict:
+        """A patching sweep (kind 'patch') or a direct logit attribution ('attribute') of the request's
+        texts: what `glassformer patch --json` / `attribute --json` print (research.reports)."""
+        if self.research is None:
+            raise UserError("this server has no model to patch or attribute")
+        with self._turn():
+            return to_plain(self.research(kind, req))
 
 
 UPDATE_TENSORS = ("grad", "clipped", "new_param")  # explain_update's whole tensors (for tests): not sent
@@ -510,6 +522,14 @@ def explorer_router(explorer: Explorer) -> APIRouter:
     async def generate(request: Request) -> Response:
         return await answer(request, lambda req: (explorer.generation, _text_of(req, explorer), *_generate_of(req),
                                                   _checkpoint_of(req)))
+
+    @router.post("/api/patch")
+    async def patch(request: Request) -> Response:
+        return await answer(request, lambda req: (explorer.researched, "patch", req))
+
+    @router.post("/api/attribute")
+    async def attribute(request: Request) -> Response:
+        return await answer(request, lambda req: (explorer.researched, "attribute", req))
 
     return router
 

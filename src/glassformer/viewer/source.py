@@ -40,6 +40,7 @@ from . import heads
 from .generated import EXPLAIN_LIMIT, check_max_tokens, full_logits, generated_part, new_tokens
 from .render import cost_rows, flash_key, to_plain, write_html
 from .sample_calc import probability_calcs, stage_calcs
+from ..research.reports import research_answer
 from .server import GENERATE_TOKENS, Explorer
 from .tour import tour_part
 from .training import RunCheckpoints, run_name
@@ -451,7 +452,8 @@ def explorer(model, tokenizer, default_text: str, *, model_name: str, norm: dict
     return Explorer(encode=enc, trace=trace_fn, default_text=default_text, as_dict=page_dict,
                     explain=calculation, extras=extras, sampler=Sampler(model, tokenizer),
                     text_extras=lambda text: {"tokenizer": tokenizer_view(tokenizer, text)},
-                    generator=functools.partial(generation, model, tokenizer))
+                    generator=functools.partial(generation, model, tokenizer),
+                    research=functools.partial(research_answer, model, tokenizer))
 
 
 class Sampler:
