@@ -26,10 +26,12 @@ GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_th
 
 # case -> (transformers config class, its arguments over tiny(), the family to write back by name or None)
 CASES = {
-    "qwen3": ("Qwen3Config", dict(attention_bias=True), None),
+    "qwen3": ("Qwen3Config", dict(attention_bias=True, rope_parameters={  # Qwen3's long-context YaRN
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 40, "rope_theta": 10000.0}), None),
     "qwen3-mixed-window": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=W, max_window_layers=1,
                                                num_hidden_layers=3, tie_word_embeddings=True), None),
-    "smollm3-nope": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=2, tie_word_embeddings=True), None),
+    "smollm3-nope": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=2, tie_word_embeddings=True,
+                                           use_sliding_window=True, sliding_window=W), None),  # windows on NoPE layers
     "olmo2": ("Olmo2Config", {}, None),
     "phi3": ("Phi3Config", dict(sliding_window=W), "phi3"),
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=3, sliding_window=W, query_pre_attn_scalar=24,
@@ -82,6 +84,8 @@ def test_what_each_family_adds_reaches_the_config():
     assert (olmo2.norm_placement, olmo2.qk_norm) == ("post_branch", "proj")
     smol = config_from_hf(hf_config("smollm3-nope").to_dict())
     assert smol.nope_layers == [1, 3]  # no_rope_layers [1, 0, 1, 0]: every second layer has no RoPE
+    assert [smol.window_at(i) for i in range(4)] == [None, W, None, W]  # SmolLM3 slides its NoPE layers only
+    assert config_from_hf(hf_config("qwen3").to_dict()).rope_scaling["rope_type"] == "yarn"
 
 
 def test_export_picks_the_family_and_phi3_is_written_by_name():
