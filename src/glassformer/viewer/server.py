@@ -513,10 +513,7 @@ def explorer_router(explorer: Explorer) -> APIRouter:
         return await answer(request, lambda req: (explorer.sample, _text_of(req, explorer), *_sample_of(req),
                                                   _checkpoint_of(req)))
     run_routes(router, explorer, answer)
-
-    @router.post("/api/heads")
-    async def heads(request: Request) -> Response:
-        return await answer(request, lambda req: (explorer.payload, _text_of(req, explorer), _kv_of(req)))
+    heads_route(router, explorer, answer)
 
     @router.post("/api/generate")
     async def generate(request: Request) -> Response:
@@ -537,6 +534,15 @@ def explorer_router(explorer: Explorer) -> APIRouter:
 def _queued(explorer: Explorer, request: Request, fn, *args):
     """fn(*args) as `request`'s work in the explorer's queue: capped, and cancelled when its client leaves."""
     return explorer.work.run(request, explorer.max_queued, fn, *args)
+
+
+def heads_route(router: APIRouter, explorer: Explorer, answer) -> None:
+    """POST /api/heads {"text", "kv_heads"}: the page's data with the model's KV heads averaged to kv_heads
+    (viewer/heads.py; 400 where the explorer has no head switch). answer: explorer_router's."""
+
+    @router.post("/api/heads")
+    async def heads(request: Request) -> Response:
+        return await answer(request, lambda req: (explorer.payload, _text_of(req, explorer), _kv_of(req)))
 
 
 def run_routes(router: APIRouter, explorer: Explorer, answer) -> None:

@@ -36,7 +36,7 @@ from ..tracing.tiles import head_walks, kernel_log
 from ..tracing.trace import score_inputs, trace
 from ..worked import model as worked
 from .cost_calc import cost_calcs
-from . import heads
+from .heads import averaged_weights, info as heads_info, kind as heads_kind, pooled_model
 from .generated import EXPLAIN_LIMIT, check_max_tokens, full_logits, generated_part, new_tokens
 from .render import cost_rows, flash_key, to_plain, write_html
 from .sample_calc import probability_calcs, stage_calcs
@@ -766,10 +766,10 @@ def switchable(ex: Explorer, model, tokenizer, default_text: str, *, model_name:
         if k == mine:
             return ex
         if k not in made:
-            m = heads.pooled_model(base, k)
+            m = pooled_model(base, k)
             name = base_name or model_name
             if m is not base:
-                name = f"{name}, KV heads averaged to {k} ({heads.kind(base.config.n_heads, k)})"
+                name = f"{name}, KV heads averaged to {k} ({heads_kind(base.config.n_heads, k)})"
             sub = explorer(m, tokenizer, default_text, model_name=name, **kw)
             sub.heads_info = _switch_info(base, m, k)
             made[k] = sub
@@ -777,7 +777,7 @@ def switchable(ex: Explorer, model, tokenizer, default_text: str, *, model_name:
 
     ex.heads = switched
     if mine is None:
-        ex.heads_info = heads.info(base, None, f"as opened: {model.config.n_heads} query, {model.config.n_kv_heads} KV")
+        ex.heads_info = heads_info(base, None, f"as opened: {model.config.n_heads} query, {model.config.n_kv_heads} KV")
     else:
         ex.heads_info = _switch_info(base, model, mine)
     return ex
@@ -785,9 +785,9 @@ def switchable(ex: Explorer, model, tokenizer, default_text: str, *, model_name:
 
 def _switch_info(base, model, k: int) -> dict:
     """heads.info of `model` (base with k KV heads), with its averaged weights' calculations."""
-    out = heads.info(base, k)
+    out = heads_info(base, k)
     if out["pooled"]:
-        out["weights"] = heads.averaged_weights(base, model)
+        out["weights"] = averaged_weights(base, model)
     return out
 
 
