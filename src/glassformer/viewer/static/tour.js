@@ -447,6 +447,7 @@
     const sec = section();
     if (!sec.querySelector('[data-tour-step]')) { render(); return; }
     sec.querySelectorAll('[data-tour-step]').forEach((s) => { s.hidden = Number(s.dataset.tourStep) !== walk.step; });
+    sec.querySelector('.tour-stage').scrollTop = 0;
     $('tour-title').textContent = `Step ${walk.step} of ${STEPS.length}: ${STEPS[walk.step - 1][0]}`;
     $('tour-menu').value = String(walk.step);
     $('tour-prev').disabled = walk.step === 1;
@@ -474,12 +475,16 @@
     const done = el('button', { id: 'tour-close', type: 'button', text: 'close the walk' });
     done.addEventListener('click', close);
     sec.append(el('div', { class: 'tour-bar' }, [prev, el('span', { id: 'tour-title', class: 'tour-title' }), next, menu, done]));
+    // One screen whose size never depends on the step shown (tour.css: contain: strict), so that a
+    // step lays out its own numbers only, never the long page below.
+    const stage = el('div', { class: 'tour-stage' });
+    sec.append(stage);
     STEPS.forEach(([title, , why, body], i) => {
       const box = el('div', { class: 'tour-step' });
       box.dataset.tourStep = String(i + 1);
       box.append(el('h3', { text: `${i + 1}. ${title}` }), el('p', { class: 'why', text: why }));
       try { for (const part of body()) box.append(part); } catch (e) { console.error(e); box.append(missing(`This step could not be drawn for this model: ${e}`)); }
-      sec.append(box);
+      stage.append(box);
     });
     show();
   }
