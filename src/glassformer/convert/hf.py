@@ -318,16 +318,17 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: Any = None, dtyp
     return atomic_folder(out, write, need=tensor_bytes(state))
 
 
-def to_transformers(model: torch.nn.Module, dtype: str | torch.dtype | None = None, **kwargs):
+def to_transformers(model: torch.nn.Module, dtype: str | torch.dtype | None = None, family: str | None = None,
+                    **kwargs):
     """A `transformers` model holding exactly `model`'s weights (exported by save_hf and loaded
     back by transformers itself), on the same device: the twin for side-by-side comparisons.
-    kwargs go to from_pretrained (e.g. attn_implementation="sdpa")."""
+    family: as save_hf's (e.g. 'phi3'); kwargs go to from_pretrained (e.g. attn_implementation="sdpa")."""
     import tempfile
 
     import transformers
 
     dtype = parse_dtype(dtype) or next(model.parameters()).dtype
     with tempfile.TemporaryDirectory() as tmp:
-        folder = save_hf(model, Path(tmp) / "hf", dtype=dtype)
+        folder = save_hf(model, Path(tmp) / "hf", dtype=dtype, family=family)
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     return hf.to(next(model.parameters()).device)

@@ -29,7 +29,7 @@ LLAMA_KEYS: dict[str, str] = {ours: rule.hf for rule in _every_llama_rule() for 
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from any supported Hugging Face config.json dict (llama, mistral, qwen2, gpt2),
+    """ModelConfig from any supported Hugging Face config.json dict (every family in FAMILIES),
     refusing by name what glassformer cannot express."""
     return family_named(hf.get("model_type")).config_from_hf(hf)
 
