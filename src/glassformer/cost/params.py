@@ -106,8 +106,8 @@ def idle_expert_weights(cfg: ModelConfig) -> int:
 
 
 def weights(cfg: ModelConfig) -> dict[str, int]:
-    """Every weight of the model by part, summed over layers, with 'total', 'non_embedding' and
-    'active' (what one token runs through: total less the experts it is not routed to).
+    """Every weight of the model by part, summed over layers, with 'total' and 'non_embedding'
+    (a mixture's weights one token runs through: active_weights).
 
     >>> weights(ModelConfig.from_preset("llama3-8b"))["total"]
     8030261248
@@ -130,7 +130,6 @@ def weights(cfg: ModelConfig) -> dict[str, int]:
     # nanoGPT's convention: token and position tables are lookups, not matrix products.
     parts["total"] = total
     parts["non_embedding"] = total - parts["embedding"] - parts["positions"]
-    parts["active"] = total - idle_expert_weights(cfg)
     return parts
 
 
@@ -140,5 +139,6 @@ def num_weights(cfg: ModelConfig) -> int:
 
 
 def active_weights(cfg: ModelConfig) -> int:
-    """Weights one token runs through (the total for a dense model)."""
-    return weights(cfg)["active"]
+    """Weights one token runs through: the total less the routed experts it is not sent to (the
+    total for a dense model)."""
+    return num_weights(cfg) - idle_expert_weights(cfg)

@@ -18,7 +18,7 @@ from .memory import (
     train_memory,
 )
 from .lora import lora_keys
-from .params import weights
+from .params import active_weights, weights
 
 CHINCHILLA_TOKENS_PER_WEIGHT = 20  # Hoffmann et al., 2022: compute-optimal training data
 
@@ -47,8 +47,8 @@ def _train_length(P: int, B: int, T: int, tokens: int | None, steps: int | None)
 def _weight_keys(cfg: ModelConfig) -> dict:
     w = weights(cfg)
     # A mixture of experts holds every expert (params) and runs k of them per token (params_active).
-    return {"params": w["total"], "params_non_embedding": w["non_embedding"], "params_active": w["active"],
-            "params_by_part": {k: v for k, v in w.items() if k not in ("total", "non_embedding", "active")}}
+    return {"params": w["total"], "params_non_embedding": w["non_embedding"], "params_active": active_weights(cfg),
+            "params_by_part": {k: v for k, v in w.items() if k not in ("total", "non_embedding")}}
 
 
 def _flop_keys(cfg: ModelConfig, B: int, T: int) -> dict:
