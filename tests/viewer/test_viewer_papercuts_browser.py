@@ -79,3 +79,24 @@ def test_gqa_row_labels_stand_beside_their_grid(browser, tmp_path):  # noqa: F81
         return cell.left - label.right; })""")
     assert len(gaps) == 4 and all(0 <= gap <= 8 for gap in gaps), gaps  # four query heads, two KV heads
     p.close()
+
+
+def test_the_worked_pages_generate_works_with_its_own_defaults(browser):  # noqa: F811
+    # The form offered 20 new tokens to a model that reads 16: pressing Generate was an error.
+    from glassformer.viewer.server import make_server
+
+    server = make_server(source.worked_explorer(), port=0)
+    server.start_in_thread()
+    p = browser.new_page(viewport={"width": 1366, "height": 900})
+    p.set_default_timeout(10000)
+    try:
+        p.goto(server.url + "/")
+        p.wait_for_selector("body[data-ready]")
+        assert p.locator("#gen-max").input_value() == "12" and p.locator("#gen-max").get_attribute("max") == "12"
+        p.locator("#generate").click()
+        p.wait_for_selector("#view-generated:not([hidden]) .gen-tok")
+        assert p.locator("#message").is_hidden()
+        assert 1 <= p.locator("#view-generated .gen-text .gen-tok").count() <= 12
+    finally:
+        p.close()
+        server.stop()
