@@ -212,3 +212,54 @@ def test_convert_both_ways_on_the_command_line(tmp_path):
     with torch.no_grad():
         assert torch.allclose(back(ids).logits, hf(ids).logits, rtol=0, atol=1e-5 * float(hf(ids).logits.abs().max()))
     assert json.loads((tmp_path / "back" / "config.json").read_text())["mlp_only_layers"] == [1]
+
+
+# ----------------------------------------------------------------------------- GGUF (llama.cpp itself: test_llamacpp_moe.py)
+
+GRAPHS = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+
+
+def _gguf_ready(name: str, **changes) -> dict:
+    """The family's fixture config, kept to what its llama.cpp graph hard-codes, plus changes."""
+    keep = {"qwen3_moe": dict(mlp_only_layers=[], attention_bias=False), "olmoe": dict(num_key_value_heads=4),
+            "mixtral": dict(sliding_window=None), "gpt_oss": dict(swiglu_limit=7.0)}[name]
+    return {**_config(name, **keep), **changes}
+
+
+@pytest.mark.parametrize("name", list(GRAPHS))
+def test_gguf_graph_and_the_way_back(name, tmp_path):
+    """Each family goes to its llama.cpp graph; --from-gguf gives back the same config and weights."""
+    from glassformer.checkpoint.folders import save_model
+    from glassformer.convert.gguf import export_gguf, gguf_arch
+    from glassformer.convert.gguf_read import read_gguf
+
+    cfg = family_named(name).config_from_hf(_gguf_ready(name))
+    assert gguf_arch(cfg) == GRAPHS[name]
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    save_model(tmp_path / "ckpt", model)
+    export_gguf(tmp_path / "ckpt", tmp_path / "m.gguf", "f32", progress=False)
+    back, state, _ = read_gguf(tmp_path / "m.gguf")
+    assert back == cfg
+    ours = model.state_dict()
+    assert sorted(state) == sorted(k for k in ours if not (cfg.tie_embeddings and k == "lm_head.weight"))
+    assert all(torch.equal(state[k], ours[k]) for k in state)
+
+
+@pytest.mark.parametrize("name, changes, words", [
+    ("qwen3_moe", dict(norm_topk_prob=False), "router_renorm=False"),
+    ("olmoe", dict(norm_topk_prob=True), "router_renorm=True"),
+    ("olmoe", dict(num_key_value_heads=2), "n_kv_heads=2"),
+    ("qwen3_moe", dict(mlp_only_layers=[1]), "moe_layers"),
+    ("mixtral", dict(sliding_window=24), "sliding_window=24"),
+    ("gpt_oss", dict(swiglu_limit=0.3), "swiglu_limit=0.3"),
+    ("gpt_oss", dict(layer_types=["full_attention", "sliding_attention"] * 2), "sliding layers [1, 3]"),
+    ("qwen3_moe", dict(attention_bias=True), "attn_bias=True"),
+])
+def test_gguf_refuses_what_the_graph_hard_codes_otherwise(name, changes, words):
+    from glassformer.convert.gguf import gguf_arch
+
+    cfg = family_named(name).config_from_hf(_gguf_ready(name, **changes))
+    with pytest.raises(UserError, match="llama.cpp") as e:
+        gguf_arch(cfg)
+    assert words in str(e.value), str(e.value)

@@ -87,7 +87,8 @@ def _llama_off(cfg: ModelConfig) -> list[str]:
 
 # The Hugging Face families of issue 45 that have a llama.cpp graph of their own (Phi-3's is the llama graph).
 FAMILY_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2", "smollm3": "smollm3"}
-HALF_PAIRS = ("qwen2", "qwen3", "gemma2", "gemma3", "olmo2")  # graphs that rotate (i, i+H/2): llama.cpp's NEOX RoPE
+HALF_PAIRS = ("qwen2", "qwen3", "gemma2", "gemma3", "olmo2",  # graphs that rotate (i, i+H/2): llama.cpp's NEOX RoPE
+              "qwen3moe", "olmoe", "gpt-oss")
 GEMMA = ("gemma2", "gemma3")
 # What llama.cpp hard-codes for each graph (llama-model.cpp's load_hparams): Gemma 2 slides every other layer
 # from the first, Gemma 3 five of every six with a local RoPE base of 10,000; SmolLM3 drops RoPE on every 4th
@@ -162,6 +163,8 @@ def gguf_arch(cfg: ModelConfig) -> str:
     if cfg.norm_placement == "post":
         raise UserError("post-norm models have no llama.cpp graph (llama.cpp's llama, qwen2 and gpt2 are pre-norm): export refused")
     family = _family(cfg)
+    if family in MOE_ARCH:
+        return moe_arch(cfg, family)
     if family in FAMILY_ARCH:
         arch = FAMILY_ARCH[family]
         off = _family_off(cfg, arch)
@@ -225,6 +228,8 @@ class GRule:
     def to_gguf(self, ts: list[torch.Tensor], cfg: ModelConfig, arch: str) -> torch.Tensor:
         if self.kind == "qkv":
             return torch.cat(ts, dim=0)  # (N·H + 2·K·H, D) or its bias
+        if self.kind == "experts":
+            return torch.stack(ts)  # E × (F, D) -> (E, F, D): llama.cpp's *_exps tensors, or their biases
         kind, offset = self.kind.removesuffix("+offset"), self.kind.endswith("offset")
         t = ts[0].float() + 1.0 if offset else ts[0]
         return rope_to_graph(t, ROPE_HEADS[kind](cfg), cfg, arch) if kind in ROPE_HEADS else t
@@ -232,6 +237,10 @@ class GRule:
     def to_ours(self, t: torch.Tensor, cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
         if self.kind == "qkv":
             return dict(zip(self.ours, t.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=0)))  # (N·H, D), 2 × (K·H, D)
+        if self.kind == "experts":
+            if t.shape[0] != len(self.ours):
+                raise ValueError(f"{t.shape[0]} experts stored, {len(self.ours)} in the config")
+            return dict(zip(self.ours, t.unbind(0)))
         kind, offset = self.kind.removesuffix("+offset"), self.kind.endswith("offset")
         if kind in ROPE_HEADS:
             t = rope_from_graph(t, ROPE_HEADS[kind](cfg), cfg, arch)
@@ -240,6 +249,8 @@ class GRule:
 
 def _layer_rules(cfg: ModelConfig, arch: str, i: int) -> list[GRule]:
     b, o = f"blk.{i}.", f"blocks.{i}."
+    if cfg.n_experts:
+        return _moe_layer_rules(cfg, arch, b, o)
     if arch == "gpt2":
         qkv = [o + f"attn.w{x}" for x in "qkv"]
         rules = [GRule(b + "attn_qkv.weight", tuple(k + ".weight" for k in qkv), "qkv"),
@@ -319,6 +330,104 @@ def rope_freqs(cfg: ModelConfig) -> torch.Tensor | None:
     if sc is None or sc.get("rope_type", sc.get("type")) != "llama3":
         return None
     return rope_inv_freq(cfg.replace(rope_scaling=None)) / rope_inv_freq(cfg)  # (H/2,)
+
+
+# ----------------------------------------------------------------------------- mixtures of experts
+# families_moe.py's families on llama.cpp's graphs: Qwen3-MoE on qwen3moe, OLMoE on olmoe, gpt-oss on gpt-oss
+# and Mixtral on the llama graph (which runs experts when its file has them). Each graph hard-codes parts of
+# the mixture (llama-model.cpp's builders): qwen3moe and llama renormalise the chosen k weights, olmoe does
+# not; every layer is a mixture; gpt-oss's SwiGLU clamps at 7 with α = 1.702 and slides every other layer
+# from the first; a model that differs is refused by name.
+
+MOE_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "gpt_oss": "gpt-oss", "mixtral": "llama"}
+MOE_RENORM = {"qwen3moe": True, "olmoe": False, "llama": True, "gpt-oss": True}
+GPT_OSS_LIMIT = 7.0
+
+
+def _moe_off(cfg: ModelConfig, arch: str) -> list[str]:
+    """What keeps a mixture off its llama.cpp graph, by name (empty: it runs exactly)."""
+    off = []
+    if cfg.router_renorm != MOE_RENORM[arch]:
+        off.append(f"router_renorm={cfg.router_renorm} (the {arch} graph {'re' if MOE_RENORM[arch] else 'never re'}"
+                   "normalises the chosen experts' weights)")
+    if cfg.moe_layers is not None:
+        off.append(f"moe_layers={cfg.moe_layers} (every layer of the {arch} graph is a mixture)")
+    have = [_window(cfg, i) for i in range(cfg.n_layers)]
+    sc = cfg.rope_scaling
+    kind = None if sc is None else sc.get("rope_type", sc.get("type"))
+    if arch == "gpt-oss":
+        want = [cfg.sliding_window if i % 2 == 0 else None for i in range(cfg.n_layers)]
+        if any(have) and have != [w if w is not None and w < cfg.max_seq_len else None for w in want]:
+            off.append(f"sliding layers {[i for i, w in enumerate(have) if w]} (the gpt-oss graph slides every other "
+                       "layer from the first)")
+        if cfg.swiglu_limit != GPT_OSS_LIMIT:
+            off.append(f"swiglu_limit={cfg.swiglu_limit} (the gpt-oss graph clamps at {GPT_OSS_LIMIT})")
+        if kind not in (None, "yarn"):
+            off.append(f"rope_scaling {kind!r} (glassformer writes YaRN or none to the gpt-oss graph)")
+        if not cfg.attn_bias:
+            off.append("attn_bias=False (the gpt-oss graph reads biases on q, k, v and the output)")
+    else:
+        if any(have):
+            off.append(f"sliding_window={cfg.sliding_window} below the context ({cfg.max_seq_len}) (the {arch} graph "
+                       "attends to the whole context)")
+        if kind not in (None, "linear") and not (arch == "llama" and kind == "llama3"):
+            off.append(f"rope_scaling {kind!r} (glassformer writes linear scaling only to the {arch} graph)")
+        if cfg.attn_bias:
+            off.append(f"attn_bias=True (the {arch} graph has no biases on the projections)")
+    if arch == "olmoe" and cfg.n_kv_heads != cfg.n_heads:
+        off.append(f"n_kv_heads={cfg.n_kv_heads} (the olmoe graph's key norm is as wide as the model: one key head "
+                   "per query head)")
+    return off
+
+
+def moe_arch(cfg: ModelConfig, family: str) -> str:
+    arch = MOE_ARCH[family]
+    off = _moe_off(cfg, arch)
+    if off:
+        raise UserError(f"llama.cpp's {arch} graph cannot run this {family} model: {'; '.join(off)}: export refused")
+    return arch
+
+
+def _moe_layer_rules(cfg: ModelConfig, arch: str, b: str, o: str) -> list[GRule]:
+    """Attention as llama's (with q/k norms, biases and sinks where the family has them), then the router
+    and each expert matrix stacked over the experts (ffn_{gate,up,down}_exps, (E, F, D) / (E, D, F))."""
+    rules = [GRule(b + "attn_norm.weight", (o + "attn_norm.weight",))]
+    for g, ours, kind in (("attn_q", "wq", "rope_q"), ("attn_k", "wk", "rope_k"), ("attn_v", "wv", "copy"),
+                          ("attn_output", "wo", "copy")):
+        rules.append(GRule(f"{b}{g}.weight", (f"{o}attn.{ours}.weight",), kind))
+        if cfg.attn_bias:
+            rules.append(GRule(f"{b}{g}.bias", (f"{o}attn.{ours}.bias",), kind))
+    if cfg.qk_norm in ("head", "proj"):
+        head = cfg.qk_norm == "head"
+        rules += [GRule(b + "attn_q_norm.weight", (o + "attn.q_norm.weight",), "rope_head" if head else "rope_q"),
+                  GRule(b + "attn_k_norm.weight", (o + "attn.k_norm.weight",), "rope_head" if head else "rope_k")]
+    if cfg.attn_sinks:
+        rules.append(GRule(b + "attn_sinks.weight", (o + "attn.sinks",)))
+    # gpt-oss's graph names the norm before the feed-forward post_attention_norm (Hugging Face's name for it)
+    rules.append(GRule(b + ("post_attention_norm" if arch == "gpt-oss" else "ffn_norm") + ".weight", (o + "ffn_norm.weight",)))
+    experts = [f"{o}ffn.experts.{e}." for e in range(cfg.n_experts)]
+    params = ("weight", "bias") if cfg.ffn_bias else ("weight",)
+    rules += [GRule(f"{b}ffn_gate_inp.{p}", (f"{o}ffn.router.{p}",)) for p in params]
+    for g, ours in (("ffn_gate_exps", "w_gate"), ("ffn_up_exps", "w_up"), ("ffn_down_exps", "w_down")):
+        rules += [GRule(f"{b}{g}.{p}", tuple(f"{x}{ours}.{p}" for x in experts), "experts") for p in params]
+    return rules
+
+
+def _moe_hparams(w, cfg: ModelConfig, arch: str) -> None:
+    w.add_expert_count(cfg.n_experts)
+    w.add_expert_used_count(cfg.n_active_experts)
+    w.add_expert_feed_forward_length(cfg.expert_width)
+    if arch != "gpt-oss":
+        return
+    from gguf import RopeScalingType
+
+    slides = any(_window(cfg, i) for i in range(cfg.n_layers))
+    w.add_sliding_window(cfg.sliding_window if slides else cfg.max_seq_len)
+    sc = cfg.rope_scaling
+    if sc is not None:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(sc["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(sc["original_max_position_embeddings"]))
 
 
 # ----------------------------------------------------------------------------- tensor types
@@ -516,6 +625,8 @@ def _hparams(w, cfg: ModelConfig, arch: str) -> None:
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_softcap)
         w.add_final_logit_softcapping(cfg.logit_softcap)
+    if cfg.n_experts:
+        _moe_hparams(w, cfg, arch)
 
 
 def _add_fields(w, fields: dict) -> None:
@@ -548,6 +659,7 @@ def _plan(source: Source, arch: str, dtype: str) -> list[tuple[str, Callable[[],
     for rule in gguf_rules(cfg, arch):
         parts = [shapes[k] for k in rule.ours]
         shape = (sum(p[0] for p in parts), *parts[0][1:]) if rule.kind == "qkv" else parts[0]
+        shape = (len(parts), *parts[0]) if rule.kind == "experts" else shape
         read = (lambda r=rule: r.to_gguf([source.read(k) for k in r.ours], cfg, arch))
         plan.append((rule.gguf, read, tuple(shape), tensor_type(rule.gguf, tuple(shape), dtype)))
     freqs = rope_freqs(cfg) if arch == "llama" else None

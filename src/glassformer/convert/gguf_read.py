@@ -15,7 +15,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .gguf import CONFIG_KEY, FAMILY_ARCH, TOKENIZER_FILES_KEY, gguf_rules
+from .gguf import CONFIG_KEY, FAMILY_ARCH, MOE_ARCH, TOKENIZER_FILES_KEY, gguf_rules
 
 DAMAGED = "it is truncated, damaged or not a GGUF file: convert or download it again"
 
@@ -152,10 +152,11 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], d
     path = Path(path)
     reader = _open(path)
     arch = _field(reader, "general.architecture")
-    family_graph = arch in FAMILY_ARCH.values()
+    graphs = [*FAMILY_ARCH.values(), *(a for a in MOE_ARCH.values() if a != "llama")]  # Mixtral's is the llama graph
+    family_graph = arch in graphs
     if arch not in ("llama", "qwen2", "gpt2") and not family_graph:
         raise UserError(f"{path}: architecture {arch!r}; glassformer reads llama, qwen2 and gpt2 GGUF files "
-                        f"({', '.join(FAMILY_ARCH.values())} ones that it wrote itself)")
+                        f"({', '.join(graphs)} ones that it wrote itself)")
     if family_graph and not _field(reader, CONFIG_KEY):
         # llama.cpp's keys leave out what these graphs hard-code (Gemma's layer pattern, SmolLM3's NoPE step):
         # only a file that carries its own config says the whole model.

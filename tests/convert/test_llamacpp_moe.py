@@ -1,0 +1,104 @@
+"""llama.cpp runs the GGUF files of the mixture-of-experts families as glassformer does: tiny random
+transformers models of qwen3_moe (llama.cpp's qwen3moe graph), olmoe (olmoe), gpt_oss (gpt-oss: sinks,
+biases, the clamped SwiGLU, every other layer sliding, YaRN) and mixtral (the llama graph with experts),
+imported with `convert --from-hf`, exported with `convert --to-gguf`, compared at every position (f32,
+within 1e-4 of max |logit|) and over 20 greedy tokens. Each fixture keeps to what its graph hard-codes
+(renormalised top-k weights for qwen3moe and llama, raw for olmoe, whose key norm needs as many key heads
+as query heads; gpt-oss's clamp at 7). Skipped unless
+llama_cpp imports."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from glassformer.checkpoint.loading import load
+from glassformer.cli import main
+
+from ..support import greedy_cached
+from .family_parity import hf_random, tiny
+from .gguf_fixtures import PROMPT, qwen2_tokenizer
+
+llama_cpp = pytest.importorskip("llama_cpp")
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.llamacpp
+
+W = 8
+MOE = dict(num_experts_per_tok=2)
+# family -> (transformers config class, arguments over tiny(), the llama.cpp graph it must be written as)
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=48, num_experts=6, norm_topk_prob=True, **MOE), "qwen3moe"),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=48, num_experts=8, norm_topk_prob=False, num_key_value_heads=4, **MOE),
+              "olmoe"),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=40, num_local_experts=4, **MOE), "llama"),
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=4, intermediate_size=64, num_local_experts=4, sliding_window=W,
+                                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
+                                                          beta_slow=1.0, original_max_position_embeddings=16,
+                                                          truncate=False), **MOE), "gpt-oss"),
+}
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """family -> (our model, the f32 GGUF file)."""
+    root = tmp_path_factory.mktemp("moe")
+    tok_json, tok_config = qwen2_tokenizer()
+    spec = json.loads(tok_json)
+    n_vocab = max([*spec["model"]["vocab"].values(), *(a["id"] for a in spec["added_tokens"])]) + 1
+    out = {}
+    for family, (kind, kw, _) in FAMILIES.items():
+        hf = hf_random(getattr(transformers, kind)(**tiny(**{**kw, "vocab_size": n_vocab, "max_position_embeddings": 128})))
+        folder = root / f"hf-{family}"
+        hf.save_pretrained(folder)
+        (folder / "tokenizer.json").write_text(tok_json, encoding="utf-8")
+        (folder / "tokenizer_config.json").write_text(json.dumps(tok_config), encoding="utf-8")
+        ckpt = root / f"ckpt-{len(out)}"
+        assert main(["convert", "--from-hf", str(folder), "--out", str(ckpt)]) == 0
+        path = root / f"{len(out)}.gguf"
+        assert main(["convert", "--to-gguf", str(ckpt), "--out", str(path), "--dtype", "f32"]) == 0
+        out[family] = (load(ckpt)[0], path)
+    return out
+
+
+def _llama(path):
+    f32 = llama_cpp.GGML_TYPE_F32
+    return llama_cpp.Llama(str(path), n_ctx=128, n_batch=128, n_threads=2, n_threads_batch=2, logits_all=True,
+                           type_k=f32, type_v=f32, flash_attn=False, verbose=False, seed=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_written_as_its_graph(family, exported):
+    import gguf
+
+    reader = gguf.GGUFReader(exported[family][1])
+    arch = reader.fields["general.architecture"]
+    arch = bytes(arch.parts[arch.data[0]]).decode()
+    assert arch == FAMILIES[family][2]
+    count = reader.fields[f"{arch}.expert_count"]
+    assert int(count.parts[count.data[0]][0]) == exported[family][0].config.n_experts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_position_and_20_greedy_tokens(family, exported):
+    from glassformer.checkpoint.loading import load as _  # noqa: F401  (the tokenizer is the fixture's)
+
+    model, path = exported[family]
+    ids = [int(i) for i in torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(0))]
+    llm = _llama(path)
+    llm.eval(ids)
+    got = np.array(llm.scores[: len(ids)], dtype=np.float64)
+    tokens = []
+    for _ in range(STEPS):
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([tokens[-1]])
+    llm.close()
+    with torch.no_grad():
+        want = model(torch.tensor([ids]))[0][0].double().numpy()
+        greedy = greedy_cached(model, torch.tensor([ids]), STEPS)
+    err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
+    assert scale > 0.1 and err <= 1e-4 * scale, (err, scale)
+    assert tokens == greedy
