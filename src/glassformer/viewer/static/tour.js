@@ -432,7 +432,12 @@
     const m = /(?:^|[#&?])step=(\d+)/.exec(location.hash) || /(?:^|[?&])step=(\d+)/.exec(location.search);
     return m ? Math.max(1, Math.min(STEPS.length, Number(m[1]))) : null;
   }
-  function remember() {
+  let remembering = null;
+  function remember() { // once the walk rests: the address bar's update costs more than the step itself
+    clearTimeout(remembering);
+    remembering = setTimeout(writeAddress, 120);
+  }
+  function writeAddress() {
     const url = `${location.pathname}${location.search.replace(/([?&])step=\d+&?/, '$1').replace(/[?&]$/, '')}`;
     try { history.replaceState(null, '', walk.open ? `${url}#step=${walk.step}` : url); } catch (e) { /* a file:// page may refuse */ }
   }
@@ -446,6 +451,7 @@
   function show() {
     const sec = section();
     if (!sec.querySelector('[data-tour-step]')) { render(); return; }
+    const r = sec.getBoundingClientRect(); // read before the step changes: no layout forced here
     sec.querySelectorAll('[data-tour-step]').forEach((s) => { s.hidden = Number(s.dataset.tourStep) !== walk.step; });
     sec.querySelector('.tour-stage').scrollTop = 0;
     $('tour-title').textContent = `Step ${walk.step} of ${STEPS.length}: ${STEPS[walk.step - 1][0]}`;
@@ -454,7 +460,6 @@
     $('tour-next').disabled = walk.step === STEPS.length;
     document.body.dataset.tourPart = STEPS[walk.step - 1][1];
     sec.dataset.step = String(walk.step);
-    const r = sec.getBoundingClientRect();
     if (r.top < 0 || r.top > window.innerHeight * 0.6) sec.scrollIntoView({ block: 'start' });
   }
   function render() {
