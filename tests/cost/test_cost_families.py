@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from glassformer import ModelConfig, Transformer
 from glassformer.cli import main
-from glassformer.cost import estimate, forward_flops, weights
+from glassformer.cost import activations, estimate, forward_flops, weights
 
 from ..explaining.test_explain_families import FAMILIES
 from .test_cost import meta_model, real_parts
@@ -88,3 +88,19 @@ def test_cost_of_a_mixture_checkpoint_prints_total_and_active(tmp_path, capsys):
     r = estimate(cfg, seq=32)
     assert f"{r['params']:,}" in out and f"{r['params_active']:,}" in out and "active per token" in out
     assert "with every expert" in out and r["params_active"] < r["params"]
+
+
+@pytest.mark.parametrize("kernel", ["naive", "sdpa", "tiled"])
+def test_activations_of_each_switch_are_what_autograd_saves(kernel):
+    """What each family switch adds to the saved activations, counted (cost.activations) and measured
+    (autograd's saved tensors, each storage once), agree exactly on each kernel, the mixtures' router,
+    gathered inputs and slot outputs included."""
+    from .test_cost import saved_for_backward
+
+    def gap(overrides):
+        cfg = ModelConfig.from_preset("tiny", attention=kernel, **overrides)
+        torch.manual_seed(0)
+        return saved_for_backward(Transformer(cfg).train(), 2, 16)[0] - activations(cfg, 2, 16)["total"]
+
+    base = gap({})  # what the plain model's count leaves out (the same with every switch)
+    assert {name: gap(SWITCHES[name]) - base for name in SWITCHES} == {name: 0 for name in SWITCHES}
