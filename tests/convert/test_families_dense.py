@@ -159,7 +159,7 @@ REFUSED = {
     "gemma3 bidirectional": (_cfg("gemma3", use_bidirectional_attention=True), "use_bidirectional_attention=True"),
     "gemma3 scaled local rope": (_cfg("gemma3", rope_parameters={**GEMMA3_ROPE, "sliding_attention": {
         "rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}), "sliding layers"),
-    "gemma3 with vision": (dict(model_type="gemma3", text_config=_cfg("gemma3")), "vision tower"),
+    "gemma3 with vision, no text_config": (dict(model_type="gemma3", vision_config={}), "no text_config"),
     "smollm3 no_rope_layers length": (_cfg("smollm3-nope", no_rope_layers=[1, 0]), "no_rope_layers"),
     "qwen3 layer_types": (_cfg("qwen3-mixed-window", layer_types=["full_attention", "chunked_attention", "full_attention"]),
                           "layer_types"),
@@ -174,6 +174,42 @@ def test_unsupported_switches_are_refused_by_name(case):
     with pytest.raises(UserError, match=None) as e:
         config_from_hf(hf)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_text_part_of_a_multimodal_gemma3(tmp_path):
+    """Gemma3ForConditionalGeneration: its language model is read (the vision tower left unread), gives
+    transformers' own text logits, and goes back as a text-only Gemma3ForCausalLM."""
+    from .family_parity import move_off_identity
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    hc = transformers.Gemma3Config(text_config=tiny(**CASES["gemma3"][1]), vision_config=vision, mm_tokens_per_image=4,
+                                   image_token_index=100, boi_token_index=98, eoi_token_index=99)
+    torch.manual_seed(0)
+    hf = move_off_identity(transformers.Gemma3ForConditionalGeneration(hc)).eval()
+    hf.config._attn_implementation = "eager"
+    ours = ours_from_hf(hf, tmp_path)
+    assert ours.config == config_from_hf(hf_config("gemma3").to_dict())
+    ids = torch.randint(0, 98, (1, 40))  # text only: below the image tokens
+    with torch.no_grad():
+        ref, (got, _) = hf(input_ids=ids).logits, ours(ids)
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+    back = transformers.AutoModelForCausalLM.from_pretrained(save_hf(ours, tmp_path / "back"),
+                                                             attn_implementation="eager").eval()
+    assert type(back).__name__ == "Gemma3ForCausalLM"
+    with torch.no_grad():
+        assert (back(ids).logits - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_a_hub_multimodal_gemma3_config_takes_the_text_defaults():
+    """gemma-3-4b's config.json writes six text fields; the rest are Gemma3TextConfig's defaults."""
+    from glassformer.cost.params import weights
+
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    cfg = config_from_hf({"model_type": "gemma3", "text_config": text})
+    assert (cfg.vocab_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_local_theta) == (262208, 8, 4, 256, 1e4)
+    assert weights(cfg)["total"] == 3_880_263_168  # what transformers builds from the same text_config
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -11,6 +11,7 @@ olmo2, phi3, smollm3), each with what it adds to the block (docs/convert.md#fami
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import ModelConfig
@@ -313,10 +314,44 @@ def _gemma3_from_hf(hf: dict) -> ModelConfig:
     return _gemma_from_hf(hf, "gemma3_text", GEMMA3.defaults, qk_norm="head", **_gemma3_rope(hf))
 
 
+# Gemma3TextConfig's defaults: the hub's multimodal Gemma 3 folders (4B, 12B, 27B) write only a few text fields.
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+    rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+    sliding_window=4096, sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh",
+)
+
+
 def _gemma3_multimodal(hf: dict) -> ModelConfig:
-    raise UserError("config.json: model_type 'gemma3' is Gemma 3 with its vision tower (Gemma3ForConditionalGeneration), "
-                    "which glassformer does not read; use a text-only Gemma 3 folder (model_type 'gemma3_text', "
-                    "Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b)")
+    """The text part of a Gemma 3 with its vision tower (Gemma3ForConditionalGeneration): its text_config,
+    Gemma3TextConfig's defaults filling what the hub's files leave out. Only text is read; images are not."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise UserError("config.json: a gemma3 (Gemma3ForConditionalGeneration) model has no text_config object: "
+                        "the folder's config is incomplete")
+    tied = hf.get("tie_word_embeddings", True)
+    return _gemma3_from_hf({**GEMMA3_TEXT_DEFAULTS, "tie_word_embeddings": tied, **text, "model_type": "gemma3_text"})
+
+
+_LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+
+
+@dataclass(frozen=True)
+class TextOfMultimodal(Family):
+    """A multimodal folder read for its language model: the vision tower and projector are left
+    unread, the language model's tensors take the text-only family's names (both layouts
+    transformers has written: language_model.model.* and model.language_model.*)."""
+
+    def adapt_weights(self, w, cfg: ModelConfig) -> None:
+        def text_name(key: str) -> str:
+            for old, new in _LANGUAGE_MODEL:
+                if key.startswith(old):
+                    return new + key[len(old):]
+            return key
+
+        w.drop(lambda k: k.startswith(("language_model.", "model.language_model.", "lm_head.")))
+        w.rename(text_name)
 
 
 # ----------------------------------------------------------------------------- ModelConfig -> config.json
@@ -483,9 +518,9 @@ GEMMA3 = _family("gemma3_text", "Gemma3ForCausalLM", _gemma_layer, _gemma3_from_
                   "query_pre_attn_scalar": 256, "sliding_window_pattern": 6},
                  _plain(**_GEMMA, qk_norm="head", rope_local_theta=ANY, rope_scaling=_ANY_ROPE),
                  ignore=_GEMMA_IGNORE, extra_check=_gemma3_rope_check)
-# Read only to refuse it by name (its vision tower).
-GEMMA3_MULTIMODAL = Family("gemma3", "Gemma3ForConditionalGeneration", "model.", "model.embed_tokens.weight",
-                           _llama_global, _gemma_layer, _gemma3_multimodal, _gemma3_to_hf)
+# Read for its text part; written back as gemma3_text (export picks GEMMA3: this one has no `wants`).
+GEMMA3_MULTIMODAL = TextOfMultimodal("gemma3", "Gemma3ForConditionalGeneration", "model.", "model.embed_tokens.weight",
+                                     _llama_global, _gemma_layer, _gemma3_multimodal, _gemma3_to_hf, _GEMMA_IGNORE)
 # ---- GPT-2
 
 

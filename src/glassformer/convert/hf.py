@@ -68,6 +68,11 @@ class Weights:
         self.shape = {fn(k): v for k, v in self.shape.items()}
         self._read = {fn(k): v for k, v in self._read.items()}
 
+    def drop(self, keep: Callable[[str], bool]) -> None:
+        """Forget every tensor whose name `keep` refuses (never read: a multimodal folder's vision tower)."""
+        for key in [k for k in self.file if not keep(k)]:
+            del self.file[key], self.shape[key], self._read[key]
+
 
 def _index_map(index: Path) -> dict[str, str]:
     try:
