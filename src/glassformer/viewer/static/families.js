@@ -156,6 +156,24 @@
     box.append(table);
   }
 
+  // ------------------------------------------------------------------ the sink in the attention maps
+  // Under each head's map (glass.js draws it, then calls onAttention): the weight the sink took from
+  // each query row, the share of the row that no key got.
+  function onAttention() {
+    const f = fam();
+    if (!f || !f.sinks) return;
+    const layer = G.state.layer;
+    const s = f.sinks.find((x) => x.layer === layer);
+    if (!s) return;
+    document.querySelectorAll('#heatmaps .heatmap-card').forEach((card) => {
+      const head = Number(card.dataset.head), h = s.heads.indexOf(head);
+      if (h < 0) return;
+      const row = el('div', { class: 'fam-sink-row' }, [el('span', { class: 'note', text: 'sink took, per query: ' })]);
+      s.weight.forEach((w, t) => row.append(el('span', { class: 'head-tag', text: G.tokenLabel(t) }), G.num(w[h], `blocks.${layer}.attn.sink_weight`, [t, head]), ' '));
+      card.append(row);
+    });
+  }
+
   function draw() {
     const sec = frame();
     if (!sec) return;
@@ -167,5 +185,5 @@
     }
   }
 
-  G.view({ draw, onToken: draw });
+  G.view({ draw, onToken: draw, onAttention });
 })();

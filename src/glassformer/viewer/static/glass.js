@@ -408,6 +408,7 @@
       }
       box.append(card);
     }
+    eachView('onAttention');  // a view may add to the maps drawn (families.js: each head's sink weight)
   }
   function moveTip(ev) {
     const tip = $('tooltip');
