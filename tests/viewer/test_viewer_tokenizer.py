@@ -75,8 +75,11 @@ def test_saved_page_shows_the_steps(browser, saved, parts):  # noqa: F811
     tok = parts[1]
     page = open_page(browser, saved.as_uri())
     section = page.locator("#view-tokenizer")
-    # The first section: the ids every later one reads come from it (layout.js numbers them in page order).
-    assert section.is_visible() and section.locator("h2").text_content() == "1 Tokenizer: from text to ids"
+    # Before the sections that read its ids (after the map and the walk, which picture the whole model);
+    # layout.js numbers the sections in page order.
+    title = section.locator("h2").text_content()
+    lanes = int(page.locator("#view-lanes h2 .n").text_content())
+    assert section.is_visible() and title.endswith(" Tokenizer: from text to ids") and int(title.split()[0]) == lanes - 1
     page_ids = page.evaluate("window.Glass.TR().ids")
     assert view_ids(page) == page_ids == tok.tk.encode(TEXT).ids
     chips = page.locator("#tokenizer-ids .tz-id").evaluate_all("cs => cs.map(c => [c.querySelector('.tz-piece').textContent, Number(c.querySelector('code').textContent)])")
