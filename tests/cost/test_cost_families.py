@@ -104,3 +104,17 @@ def test_activations_of_each_switch_are_what_autograd_saves(kernel):
 
     base = gap({})  # what the plain model's count leaves out (the same with every switch)
     assert {name: gap(SWITCHES[name]) - base for name in SWITCHES} == {name: 0 for name in SWITCHES}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "shared_sigmoid", "gemma2"])
+def test_lora_trainable_weights_are_the_adapters_apply_lora_makes(name):
+    """LoRA on a mixture adapts every expert's products and the shared experts': cost's count of the
+    trainable weights is what apply_lora allocates."""
+    from glassformer.convert.lora import LoraConfig, apply_lora
+    from glassformer.cost.lora import lora_weights
+
+    cfg = config(name)
+    targets = ("wq", "wo", "w_gate", "w_up", "w_down")
+    model = apply_lora(Transformer(cfg), LoraConfig(r=4, alpha=8.0, targets=targets))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_weights(cfg, 4, targets)["total"] == adapters

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from .memory import OPTIMIZERS, activation_bytes, dtype_bytes
-from .params import num_weights
+from .params import num_weights, shared_width
 
 # The block products an adapter may wrap: convert.lora.LORA_TARGETS, spelled here so that cost/
 # stays free of torch (tests/cost checks the two lists agree).
@@ -40,9 +40,30 @@ def lora_weights(cfg: ModelConfig, r: int, targets=TARGETS) -> dict[str, int]:
     missing = [t for t in targets if t not in shapes]
     if missing:
         raise ValueError(f"LoRA targets {missing} are not products of this model; choose from {', '.join(shapes)}")
-    parts = {t: cfg.n_layers * r * sum(shapes[t]) for t in targets}
+    parts = {t: r * sum(sum(io) for i in range(cfg.n_layers) for io in _layer_products(cfg, i, t, shapes))
+             for t in targets}
     parts["total"] = sum(parts.values())
     return parts
+
+
+def _layer_products(cfg: ModelConfig, layer: int, target: str, shapes: dict) -> list[tuple[int, int]]:
+    """(in, out) of every product `target` names in block `layer`: one, or on a mixture layer one per
+    expert and one for the shared experts (apply_lora adapts each of them)."""
+    if target in ("wq", "wk", "wv", "wo") or not cfg.is_moe(layer):
+        return [shapes[target]]
+    D, widths = cfg.dim, [cfg.expert_width] * cfg.n_experts + ([shared_width(cfg)] if cfg.n_shared_experts else [])
+    return [(F, D) if target == "w_down" else (D, F) for F in widths]
+
+
+def _adapter_rows(cfg: ModelConfig, targets) -> int:
+    """Rows (per token) the adapters run on, summed over layers and targets: one per product on a
+    dense layer; on a mixture layer k routed experts' rows and the shared experts' row."""
+    rows = 0
+    for i in range(cfg.n_layers):
+        for t in targets:
+            dense = t in ("wq", "wk", "wv", "wo") or not cfg.is_moe(i)
+            rows += 1 if dense else cfg.n_active_experts + (1 if cfg.n_shared_experts else 0)
+    return rows
 
 
 def lora_train_memory(cfg: ModelConfig, B: int, T: int, r: int, targets=TARGETS, dtype: str = "fp32",
@@ -57,7 +78,7 @@ def lora_train_memory(cfg: ModelConfig, B: int, T: int, r: int, targets=TARGETS,
     n, P, nb = lora_weights(cfg, r, targets)["total"], num_weights(cfg), dtype_bytes(dtype)
     master = dtype != "fp32" if master_weights is None else (master_weights and dtype != "fp32")
     state_bytes = 4 if master or dtype == "fp32" else nb
-    act = activation_bytes(cfg, B, T, dtype, kernel) + cfg.n_layers * len(targets) * B * T * r * nb
+    act = activation_bytes(cfg, B, T, dtype, kernel) + _adapter_rows(cfg, targets) * B * T * r * nb
     parts = {
         "base_weights": P * nb,
         "adapter_weights": n * nb,
