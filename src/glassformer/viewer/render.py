@@ -25,6 +25,7 @@ from ..probes import stream_wiring
 from ..text.labels import token_label
 from ..tracing.stream import stream_rms
 from ..tracing.tiles import head_walk
+from ..tracing.trace import expert_of
 from .families import families_part
 
 STATIC = Path(__file__).parent / "static"
@@ -308,11 +309,16 @@ def _shown_trace(trace: dict, slim: bool) -> dict:
     # the top few per position, which `next` already holds.
     # Weight matrices feed `explain` (whose results are stored already), not the drawing.
     shown = {k: v for k, v in trace.items() if k not in ("weights", "analysis")}
+    # An expert's own probes (blocks.i.ffn.experts.e.*, its routed tokens only) are k times a dense
+    # feed-forward's numbers and are not drawn: the page shows the routes and each slot's output, and
+    # a calculation that reads an expert's numbers carries them in its operands.
     shown["probes"] = {k: v for k, v in trace["probes"].items()
-                       if not (k in ("logits", "probs") and v["data"] and len(v["data"][0]) > BIG_VOCAB)}
+                       if not (k in ("logits", "probs") and v["data"] and len(v["data"][0]) > BIG_VOCAB)
+                       and expert_of(k) is None}
     if slim:
         for name, entry in list(shown["probes"].items()):
-            if name.endswith((".ffn.up", ".ffn.gate", ".ffn.act")) and entry["shape"][-1] > FEATURE_CAP:
+            if name.endswith((".ffn.up", ".ffn.gate", ".ffn.act", ".ffn.shared.up", ".ffn.shared.gate", ".ffn.shared.act")) \
+                    and entry["shape"][-1] > FEATURE_CAP:
                 shown["probes"][name] = {**entry, "data": [row[:FEATURE_CAP] for row in entry["data"]], "cut": True}
     if not shown.get("positions"):
         shown["positions"] = list(range(len(trace["tokens"])))
@@ -324,7 +330,8 @@ def lane_rms(trace: dict) -> dict[str, list[float]]:
     probes the page's lanes draw: the stream and what each branch adds to it."""
     out = {}
     for name, e in trace["probes"].items():
-        if e.get("axes") == ["token", "feature"] and name not in ("logits", "probs") and not e.get("cut"):
+        if e.get("axes") == ["token", "feature"] and name not in ("logits", "probs") and not e.get("cut") \
+                and "token" not in (e.get("index") or {}):  # an expert's rows are its routed tokens, not every token
             out[name] = stream_rms(torch.tensor(e["data"], dtype=torch.float64)).tolist()
     return out
 
