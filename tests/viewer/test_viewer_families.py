@@ -77,6 +77,9 @@ def test_the_page_data_of_a_mixture_carries_each_tokens_route():
         assert layer["probs"][t] == pytest.approx(tr["blocks.1.ffn.router_probs"][t].tolist(), abs=1e-6)
     slots = [e for row in layer["routes"] for e in (r["expert"] for r in row)]
     assert layer["load"] == [slots.count(e) for e in range(4)]
+    # an expert's own probes (its routed tokens only) stay with the server's trace, not the page's drawing
+    assert not [n for n in payload["trace"]["probes"] if ".ffn.experts." in n]
+    assert "blocks.1.ffn.expert_out" in payload["trace"]["probes"] and not [n for n in payload["rms"] if ".experts." in n]
     json.dumps(payload, allow_nan=False)
     # the page's script for the families is part of the page, and its view's section is there
     page = render.render_html(payload, inline=True)
