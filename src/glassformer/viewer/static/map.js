@@ -69,10 +69,16 @@
     const ffnTop = laneTop + laneH + 26, ffnH = 46, H = ffnTop + ffnH + 30;
     const left = 86, embedW = 58, gap = 14, tailW = 3 * 62 + 2 * gap;
     const avail = Math.max(560, box.clientWidth || 960);
-    const blockW = Math.max(70, Math.min(190, (avail - left - embedW - tailW - 4 * gap) / L));
+    // A deep model's blocks get narrow (down to 40 px: a 32-block model fits 1,900 px) with short labels,
+    // so no label runs into the next block; below that the picture scrolls inside its box.
+    const blockW = Math.max(40, Math.min(190, (avail - left - embedW - tailW - 4 * gap) / L));
+    const roomy = blockW >= 130, tight = blockW < 66;
+    const rmsEvery = Math.max(1, Math.ceil(58 / (blockW + gap))); // the RMS of every k-th block, so none overlap
     const W = left + embedW + gap + L * (blockW + gap) + tailW + 20;
     const root = svg('svg', { viewBox: `0 0 ${W} ${H}`, role: 'img', 'aria-label': `model map: ${L} blocks` });
-    root.style.maxWidth = `${W}px`; // drawn at its size, narrower with the page, never wider
+    // Drawn at its size, never wider; on a narrow screen it keeps a readable size and scrolls inside
+    // its own box (tour.css), never the page.
+    root.style.width = `${W}px`;
     const laneY = (k) => laneTop + laneGap * k;
     const selK = lanes.indexOf(t);
     const lanesG = svg('g', { class: 'map-lanes' }), over = svg('g', { class: 'map-over' }); // drawn over the blocks
@@ -104,13 +110,13 @@
       const g = svg('g', { class: 'map-block' });
       g.dataset.block = String(i);
       g.append(svg('rect', { class: 'map-frame', x: bx, y: 22, width: blockW, height: H - 34, rx: 8 }));
-      g.append(label(bx + blockW / 2, 35, `block ${i}`, 'map-small'));
+      g.append(label(bx + blockW / 2, 35, tight ? String(i) : `block ${i}`, 'map-small'));
       // Attention: its heads, read from the stream above the lanes and added back at the first +.
       const ax = bx + 6, aw = blockW - 12, ay = 42, ah = laneTop - ay - 24;
       const attn = part('attn', {}, [svg('rect', { class: 'map-box', x: ax, y: ay, width: aw, height: ah, rx: 5 }),
-        label(ax + aw / 2, ay + 12, cfg.attn_sinks ? 'attention + sinks' : 'attention', '')],
+        label(ax + aw / 2, ay + 12, (roomy ? 'attention' : tight ? 'A' : 'attn') + (cfg.attn_sinks && !tight ? ' + sinks' : ''), '')],
       () => go('#view-attention', i));
-      const hw = Math.min(14, (aw - 8) / headCols - 2), shown = Math.min(N, MAX_HEADS);
+      const hw = Math.max(1.5, Math.min(14, (aw - 8) / headCols - 2)), shown = Math.min(N, MAX_HEADS);
       for (let h = 0; h < shown; h++) {
         const c = h % headCols, r = Math.floor(h / headCols);
         const kv = Math.floor(h / group);
@@ -121,7 +127,7 @@
         attn.append(rect);
       }
       const sub = `${N} q / ${K} kv` + (N > MAX_HEADS ? ` (${MAX_HEADS} drawn)` : '');
-      attn.append(label(ax + aw / 2, ay + ah - 6, sub, 'map-small'));
+      attn.append(label(ax + aw / 2, ay + ah - 6, tight ? `${N}/${K}` : sub, 'map-small'));
       g.append(attn);
       // Feed-forward (or the experts), below the lanes.
       const moe = isMoe(cfg, i);
@@ -138,10 +144,10 @@
           er.dataset.expert = String(e);
           ffn.append(er);
         }
-        ffn.append(label(fx + fw / 2, ffnTop + 11, `${E} experts, top ${k}` + (cfg.n_shared_experts ? ` + ${cfg.n_shared_experts} shared` : ''), 'map-small'));
+        ffn.append(label(fx + fw / 2, ffnTop + 11, roomy ? `${E} experts, top ${k}` + (cfg.n_shared_experts ? ` + ${cfg.n_shared_experts} shared` : '') : tight ? `${E}/${k}` : `${E} exp., top ${k}`, 'map-small'));
       } else {
-        ffn.append(label(fx + fw / 2, ffnTop + 18, `feed-forward (${cfg.ffn || 'ffn'})`));
-        ffn.append(label(fx + fw / 2, ffnTop + 33, `${cfg.dim} → ${cfg.ffn_dim} → ${cfg.dim}`, 'map-small'));
+        ffn.append(label(fx + fw / 2, ffnTop + 18, roomy ? `feed-forward (${cfg.ffn || 'ffn'})` : tight ? 'F' : (cfg.ffn || 'FFN')));
+        if (!tight) ffn.append(label(fx + fw / 2, ffnTop + 33, `${cfg.dim} → ${cfg.ffn_dim} → ${cfg.dim}`, 'map-small'));
       }
       g.append(ffn);
       // Branches: attention leaves the stream and comes back at the first +, the FFN at the second.
@@ -155,8 +161,8 @@
       }
       // The selected token's number after this block: the stream's RMS where the block ends.
       const out = stream[i] && stream[i].out, r = out ? rms(out, t) : null;
-      if (r !== null && r !== undefined && selK >= 0) {
-        const txt = label(bx + blockW - 4, laneY(selK) - 5, `RMS ${fmt(r)}`, 'map-rms', 'end');
+      if (r !== null && r !== undefined && selK >= 0 && ((n + 1) % rmsEvery === 0 || n === L - 1)) {
+        const txt = label(bx + blockW - 4, laneY(selK) - 5, roomy ? `RMS ${fmt(r)}` : fmt(r), 'map-rms', 'end');
         txt.style.animationDelay = reduced() ? '0s' : `${0.12 * (n + 1)}s`;
         over.append(txt);
       }
@@ -180,7 +186,8 @@
       over.append(txt);
     }
     const r0 = rms('embed', t);
-    if (r0 !== null && r0 !== undefined && selK >= 0) over.append(label(left + embedW + 4, laneY(selK) - 5, `RMS ${fmt(r0)}`, 'map-rms', 'start'));
+    // The embedding's RMS sits inside its table, where no lane runs.
+    if (r0 !== null && r0 !== undefined && selK >= 0) over.append(label(left + embedW / 2, laneY(selK) + 3, fmt(r0), 'map-rms'));
     root.append(lanesG, over);
     box.append(root);
   }
