@@ -1,9 +1,10 @@
 """llama.cpp runs the GGUF files of the issue-45 families as glassformer does: tiny random transformers
 models of qwen3, gemma2, gemma3, olmo2 and smollm3 (each on its own llama.cpp graph) and phi3 (on the
 llama graph), imported with `convert --from-hf`, exported with `convert --to-gguf`, compared at every
-position (f32, within 1e-4 of max |logit|; 1e-3 for Gemma's GeGLU, as for gpt2's GELU), token for token over 20 greedy steps, and the tokenizer's
-ids. Each fixture keeps to what its graph hard-codes (Gemma 2's every-other sliding layer, Gemma 3's
-five of six, SmolLM3's NoPE every 4th layer, Gemma's query scale 1/√H). Skipped unless llama_cpp imports."""
+position (f32, within 1e-4 of max |logit|; 1e-3 for Gemma's GeGLU, as for gpt2's GELU; f16 within 1e-2),
+token for token over 20 greedy steps, and the tokenizer's ids. Each fixture keeps to what its graph
+hard-codes (Gemma 2's every-other sliding layer, Gemma 3's five of six, SmolLM3's NoPE every 4th layer,
+Gemma's query scale 1/√H). Skipped unless llama_cpp imports."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """family -> (our model, tokenizer, the f32 GGUF file)."""
+    """family -> (our model, tokenizer, the f32 GGUF file, the f16 one)."""
     root = tmp_path_factory.mktemp("families")
     tok_json, tok_config = qwen2_tokenizer()
     spec = json.loads(tok_json)
@@ -57,10 +58,11 @@ def exported(tmp_path_factory):
         # phi3, and this fixture's vocabulary (Qwen2's layout) has none.
         ckpt = root / f"ckpt-{len(out)}"
         assert main(["convert", "--from-hf", str(folder), "--out", str(ckpt)]) == 0
-        path = root / f"{len(out)}.gguf"
-        assert main(["convert", "--to-gguf", str(ckpt), "--out", str(path), "--dtype", "f32"]) == 0
+        paths = {dtype: root / f"{len(out)}-{dtype}.gguf" for dtype in ("f32", "f16")}
+        for dtype, path in paths.items():
+            assert main(["convert", "--to-gguf", str(ckpt), "--out", str(path), "--dtype", dtype]) == 0
         model, tok = load(ckpt)
-        out[family] = (model, tok, path)
+        out[family] = (model, tok, paths["f32"], paths["f16"])
     return out
 
 
@@ -80,7 +82,7 @@ def test_written_as_its_own_graph(family, exported):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_position_and_20_greedy_tokens(family, exported):
-    model, tok, path = exported[family]
+    model, tok, path, _ = exported[family]
     ids = tok.encode(PROMPT * 4)[:60]  # longer than the window: the sliding layers slide
     assert len(ids) > 3 * W
     llm = _llama(path)
@@ -101,7 +103,21 @@ def test_every_position_and_20_greedy_tokens(family, exported):
 
 
 def test_same_token_ids(exported):
-    _, tok, path = exported["gemma3"]
+    _, tok, path, _ = exported["gemma3"]
     llm = _llama(path, vocab_only=True)
     assert [t for t in nfc(TEXTS) if llm.tokenize(t.encode(), add_bos=False, special=True) != tok.encode(t)] == []
     llm.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f16_every_position(family, exported):
+    model, tok, _, path = exported[family]
+    ids = tok.encode(PROMPT * 4)[:60]
+    llm = _llama(path)
+    llm.eval(ids)
+    got = np.array(llm.scores[: len(ids)], dtype=np.float64)
+    llm.close()
+    with torch.no_grad():
+        want = model(torch.tensor([ids]))[0][0].double().numpy()
+    err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
+    assert err <= 1e-2 * scale, (err, scale)  # as test_llamacpp.py's f16 (measured: 8e-4 to 1.8e-3)
