@@ -286,8 +286,7 @@ def build_payload(
         "wiring": stream_wiring(int(cfg["n_layers"]), cfg["norm_placement"], cfg.get("ffn", "swiglu")),
         "rms": lane_rms(trace),
         "flash": _with_traced_tiles(trace, flash), "sampling": sampling, "tokenizer": tokenizer,
-        "generated": generated, "tour": tour,
-        "families": families_part(trace),  # routes through the experts, sinks, the families' norms (families.js)
+        "generated": generated, "tour": tour, "families": families_part(trace),  # families.js draws the last
     })}
 
 
