@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from glassformer.convert.heads import convert_kv_heads
+from glassformer.errors import UserError
 from glassformer.viewer import heads, source
 from glassformer.viewer.server import make_server
 from glassformer.worked import model as worked
@@ -110,7 +112,7 @@ def test_api_heads_answers_and_later_requests_name_the_switched_model(ex):
 def test_the_page_switches_heads_and_says_they_were_averaged(browser, ex):  # noqa: F811
     server = make_server(ex, port=0)
     server.start_in_thread()
-    page = browser.new_page(viewport={"width": 1366, "height": 900})
+    page = browser.new_page(viewport={"width": 1366, "height": 900}, bypass_csp=True)  # the test's own probes
     page.set_default_timeout(10000)
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -133,3 +135,12 @@ def test_the_page_switches_heads_and_says_they_were_averaged(browser, ex):  # no
     finally:
         page.close()
         server.stop()
+
+
+def test_quantized_weights_are_refused_with_a_reason():
+    model = reinit(tiny_model(), std=0.3).eval()
+    model.blocks[0].attn.wk = type("Int8", (torch.nn.Module,), {})()  # stands in for a quantized layer
+    with pytest.raises(UserError, match="quantized or wrapped"):
+        heads.pooled_model(model, 1)
+    with pytest.raises(UserError, match="averaged into 2, 1"):
+        heads.pooled_model(model, 3)

@@ -87,7 +87,7 @@ def test_the_worked_pages_generate_works_with_its_own_defaults(browser):  # noqa
 
     server = make_server(source.worked_explorer(), port=0)
     server.start_in_thread()
-    p = browser.new_page(viewport={"width": 1366, "height": 900})
+    p = browser.new_page(viewport={"width": 1366, "height": 900}, bypass_csp=True)  # the test's own probes
     p.set_default_timeout(10000)
     try:
         p.goto(server.url + "/")

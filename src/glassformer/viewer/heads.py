@@ -104,6 +104,12 @@ def pooled_model(base, k: int):
                         f"{', '.join(map(str, options(base.config.n_kv_heads)))}")
     if k == base.config.n_kv_heads:
         return base
-    from ..convert.heads import convert_kv_heads  # torch's: only when a page asks for fewer heads
+    import torch  # only when a page asks for fewer heads
+
+    from ..convert.heads import convert_kv_heads
+
+    if not all(type(getattr(b.attn, w)) is torch.nn.Linear for b in base.blocks for w in ("wk", "wv")):
+        raise UserError("the head switch averages plain W_K and W_V weights; this model's are quantized or "
+                        "wrapped (--quantize, an adapter): open it without to switch its heads")
 
     return convert_kv_heads(base, k).eval()
