@@ -37,7 +37,7 @@ def _title(page) -> str:
 
 @pytest.mark.parametrize("width,height", SIZES, ids=[f"{w}px" for w, _ in SIZES])
 def test_the_page_at_every_width(browser, worked_page, width, height):  # noqa: F811
-    page = browser.new_page(viewport={"width": width, "height": height})
+    page = browser.new_page(viewport={"width": width, "height": height}, bypass_csp=True)  # the test's own probes
     page.set_default_timeout(5000)
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))

@@ -28,7 +28,7 @@ def tiny_page(tmp_path_factory, one_thread):
 
 @pytest.fixture(scope="module")
 def page(browser, tiny_page):  # noqa: F811
-    p = browser.new_page(viewport={"width": 1440, "height": 1000})
+    p = browser.new_page(viewport={"width": 1440, "height": 1000}, bypass_csp=True)
     p.set_default_timeout(5000)
     p.goto(tiny_page)
     p.wait_for_selector("body[data-ready]")
@@ -71,7 +71,7 @@ def test_a_stage_that_cut_nothing_says_so(page):
 def test_gqa_row_labels_stand_beside_their_grid(browser, tmp_path):  # noqa: F811
     parts = source.worked_parts("gqa")
     path = source.write_page(tmp_path / "gqa.html", parts.pop("model"), parts.pop("tokenizer"), "I like cats too", **parts)
-    p = browser.new_page(viewport={"width": 1440, "height": 1000})
+    p = browser.new_page(viewport={"width": 1440, "height": 1000}, bypass_csp=True)
     p.goto(path.as_uri())
     p.wait_for_selector("body[data-ready]")
     gaps = p.evaluate("""() => Array.from(document.querySelectorAll('.heatmap')).map((g) => {
