@@ -468,6 +468,38 @@ PRESETS: dict[str, dict[str, Any]] = {
         attn_softcap=50.0, logit_softcap=30.0, sliding_window=4096,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(26)],
     ),
+    # ---- mixtures of experts (docs/convert.md#families): total weights, and those one token runs through
+    # OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924): 64 experts of 1024, top 8, raw top-k weights, q/k norms over the
+    # projections; 6,919,161,856 weights, 1,282,017,280 active.
+    "olmoe-1b-7b": dict(
+        vocab_size=50304, dim=2048, n_layers=16, n_heads=16, ffn_dim=1024, max_seq_len=4096, rope_theta=10000.0,
+        qk_norm="proj", n_experts=64, n_active_experts=8, router_renorm=False, router_aux_loss_coef=0.01, **_LLAMA,
+    ),
+    # gpt-oss-20b (openai/gpt-oss-20b, its experts dequantized from MXFP4): 32 experts of 2880, top 4, biases,
+    # attention sinks, the clamped SwiGLU, every other layer sliding (window 128), YaRN ×32; 20,914,757,184
+    # weights, 4,187,440,704 active (3,608,307,264 without the token table, as OpenAI's 3.6B counts them).
+    "gpt-oss-20b": dict(
+        vocab_size=201088, dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64, ffn_dim=2880,
+        max_seq_len=131072, rope_theta=150000.0, ffn="swiglu_clamp", swiglu_limit=7.0, attn_bias=True,
+        attn_sinks=True, ffn_bias=True, n_experts=32, n_active_experts=4, router_aux_loss_coef=0.9,
+        sliding_window=128, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "original_max_position_embeddings": 4096, "truncate": False},
+        norm="rms", pos="rope", norm_eps=1e-5,
+    ),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B): 128 experts of 768, top 8, renormalised, per-head q/k norms;
+    # 30,532,122,624 weights, 3,353,032,704 active.
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144,
+        expert_dim=768, max_seq_len=40960, rope_theta=1000000.0, qk_norm="head", n_experts=128, n_active_experts=8,
+        router_aux_loss_coef=0.001, **{**_LLAMA, "norm_eps": 1e-6},
+    ),
+    # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1): 8 experts of 14336, top 2; 46,702,792,704 weights,
+    # 12,879,925,248 active.
+    "mixtral-8x7b": dict(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=32768,
+        rope_theta=1000000.0, n_experts=8, n_active_experts=2, router_aux_loss_coef=0.02, **_LLAMA,
+    ),
 }
 
 # The chat demo's model (`make chat-demo`, docs/chat.md#the-chat-demo): the small demo model with a
