@@ -154,6 +154,23 @@
       }
     });
     box.append(table);
+    if (n.qk_norm !== 'head' && n.qk_norm !== 'proj') return;
+    // The normalised queries and keys of the selected token, per layer (the numbers RoPE then turns).
+    const qk = el('table', { class: 'grid' });
+    qk.append(el('tr', {}, [el('th', { text: 'layer' }), el('th', { text: 'q_norm (first head)' }), el('th', { text: 'k_norm (first KV head)' })]));
+    n.adds.forEach((_, i) => {
+      const q = probeData(`blocks.${i}.attn.q_norm`), k = probeData(`blocks.${i}.attn.k_norm`);
+      if (!q || !k) return;
+      const qh = axisIds(`blocks.${i}.attn.q_norm`, 'head'), kh = axisIds(`blocks.${i}.attn.k_norm`, 'kv_head');
+      qk.append(el('tr', {}, [el('td', { class: 'probe', text: `L${i}` }),
+        el('td', {}, G.vector(q[t][0], `blocks.${i}.attn.q_norm`, [t, qh[0]])),
+        el('td', {}, G.vector(k[t][0], `blocks.${i}.attn.k_norm`, [t, kh[0]]))]));
+    });
+    box.append(el('div', { class: 'scroll' }, qk));
+  }
+  function axisIds(name, axis) {
+    const p = G.TR().probes[name], ix = p && p.index && p.index[axis];
+    return ix || [0];
   }
 
   // ------------------------------------------------------------------ the sink in the attention maps
