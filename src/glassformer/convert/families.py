@@ -22,7 +22,6 @@ from .family_base import (  # noqa: F401  (Family and hf_rope are imported from 
 )
 from .transforms import R, Rule
 
-_need, _check_rope_scaling, _rope_fields = need, check_rope_scaling, rope_fields
 
 # ----------------------------------------------------------------------------- rules
 
@@ -567,15 +566,15 @@ def _gpt2_from_hf(hf: dict) -> ModelConfig:
     for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False)):
         if bool(hf.get(key, ok)) != ok:
             raise UserError(f"config.json: GPT-2 with {key}={hf[key]} is not supported (glassformer needs {ok})")
-    dim = _need(hf, "n_embd", "gpt2")
+    dim = need(hf, "n_embd", "gpt2")
     try:
         return ModelConfig(
-            vocab_size=_need(hf, "vocab_size", "gpt2"),
+            vocab_size=need(hf, "vocab_size", "gpt2"),
             dim=dim,
-            n_layers=_need(hf, "n_layer", "gpt2"),
-            n_heads=_need(hf, "n_head", "gpt2"),
+            n_layers=need(hf, "n_layer", "gpt2"),
+            n_heads=need(hf, "n_head", "gpt2"),
             ffn_dim=hf.get("n_inner") or 4 * dim,
-            max_seq_len=_need(hf, "n_positions", "gpt2"),
+            max_seq_len=need(hf, "n_positions", "gpt2"),
             norm_eps=hf.get("layer_norm_epsilon", 1e-5),
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
             norm="layer", ffn=_GPT2_ACT[act], pos="learned", bias=True,
