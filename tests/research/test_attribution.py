@@ -19,7 +19,9 @@ from ..support import one_error, run_cli, tiny_checkpoint, tiny_model
 
 IDS = [5, 17, 301, 44, 9, 250, 3, 77, 120]
 CONFIGS = [{}, dict(norm="layer", bias=True, pos="learned", ffn="gelu_tanh"), dict(ffn="none"),
-           dict(tie_embeddings=True, qkv_bias=True), dict(logit_softcap=2.0)]
+           dict(tie_embeddings=True, qkv_bias=True), dict(logit_softcap=2.0),
+           dict(n_experts=4, n_active_experts=2, n_shared_experts=1),  # the mixture is the ffn's part
+           dict(norm_offset=True, embed_scale=True, attn_sinks=True, attn_bias=True)]  # Gemma's (1 + w), gpt-oss's sinks
 
 
 def own_diff(model, ids, answer, wrong, position=-1):
@@ -69,10 +71,11 @@ def test_each_part_is_its_vector_through_the_frozen_norm_recomputed_in_numpy():
     assert out["scale"] == pytest.approx(s, rel=1e-9)
 
 
-def test_a_post_norm_model_is_refused_in_one_line():
+@pytest.mark.parametrize("placement, says", [("post", "the stream itself"), ("sandwich", "each sublayer's output")])
+def test_a_model_whose_stream_is_no_sum_is_refused_in_one_line(placement, says):
     with pytest.raises(UserError, match="pre-norm") as e:
-        direct_logit_attribution(tiny_model(norm_placement="post"), IDS, 3, 5)
-    assert "\n" not in str(e.value)
+        direct_logit_attribution(tiny_model(norm_placement=placement), IDS, 3, 5)
+    assert "\n" not in str(e.value) and says in str(e.value)
 
 
 def test_the_command_prints_the_parts_as_its_last_json_line(tmp_path, capsys):

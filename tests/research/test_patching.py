@@ -146,3 +146,13 @@ def test_the_z_sweep_of_a_repeated_sequence_peaks_at_the_induction_head():
     assert res.clean > res.corrupt + 1
     peak = np.unravel_index(int(res.exact.argmax()), tuple(res.exact.shape))
     assert tuple(int(v) for v in peak) == named
+
+
+def test_a_mixture_of_experts_is_patched_at_its_mixture():
+    """On a MoE layer mlp_out is the mixture's output (ffn.down): each cell still equals one patched run."""
+    m = tiny_model(n_experts=4, n_active_experts=2, n_shared_experts=1)
+    clean, corrupt = texts(T=5)
+    r = patch_sweep(m, clean, corrupt, 3, 5, "mlp_out")
+    for layer, j in ((0, 1), (1, 4)):
+        one = patch(m, corrupt, site_probe(m.config, "mlp_out", layer), clean, tokens=[j])
+        assert float(r.exact[layer, j]) == pytest.approx(metric(one.logits_after, 3, 5), abs=1e-5)

@@ -36,11 +36,16 @@ def _norm_terms(model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | No
 
 
 def check_model(model) -> None:
-    """Refuse models whose stream is not a plain sum of the parts (a norm on the stream or a branch)."""
-    cfg = model.config
-    if cfg.norm_placement != "pre":
-        raise UserError(f"direct logit attribution needs a pre-norm model, whose stream is the sum of what each part "
-                        f"writes; this one is norm_placement={cfg.norm_placement!r}, which normalises the sum itself")
+    """Refuse models whose stream is not a plain sum of the parts: a norm on the stream itself (post),
+    or on each sublayer's output before its addition (sandwich, post_branch: a head's share of that
+    normalised output depends on every other head's)."""
+    placement = model.config.norm_placement
+    if placement == "pre":
+        return
+    why = ("normalises the stream itself after each addition" if placement == "post" else
+           "normalises each sublayer's output before it is added, so no head's share of it is fixed")
+    raise UserError(f"direct logit attribution needs a pre-norm model, whose stream is the sum of what each part "
+                    f"writes; this one is norm_placement={placement!r}, which {why}")
 
 
 @torch.no_grad()
