@@ -119,16 +119,17 @@ def test_a_saved_pages_calculations_of_the_new_numbers(name):
         assert c["result"] == pytest.approx(c["value"], rel=1e-5, abs=1e-5), key
 
 
-@pytest.mark.parametrize("name", ["gemma2", "smollm3", "olmo2"])
+@pytest.mark.parametrize("name", ["gemma2", "smollm3", "olmo2", "gpt_oss"])
 def test_the_flashattention_walks_rerun_each_layer_as_the_model_ran_it(name):
     """The walks a page shows rerun the tiled kernel over the traced q, k, v with each layer's own
-    window, score scale and cap (and the unturned q, k of a NoPE layer): o / l after the last tile is
-    the traced z."""
+    window, score scale and cap (and the unturned q, k of a NoPE layer): o / l after the last tile,
+    times 1 − the sink's weight with sinks, is the traced z; the trace's own tile log's walks too."""
     import torch
 
     model = family_model(name)
     tr = source.trace_for_page(model, IDS, [f"t{i}" for i in IDS])
     walks = source.tile_walks(tr, 2, [len(IDS) - 1, 3])
+    walks.update(render._with_traced_tiles(tr.to_dict(), None)["walks"])
     for key, walk in walks.items():
         layer, head, row, _ = map(int, key.split("|"))
         z = tr[f"blocks.{layer}.attn.z"][row, head]

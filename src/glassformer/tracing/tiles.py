@@ -67,12 +67,13 @@ def kernel_walk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, row: int, 
     return walk
 
 
-def head_walk(tiles: dict, head: int) -> dict:
+def head_walk(tiles: dict, head: int, sink_weight: float | None = None) -> dict:
     """One head's steps of a row walk (tensors or their JSON lists), as plain JSON data.
 
     Each step: key range, skipped or not, this row's scaled scores in the tile (None where
     masked), and m, l, alpha, o after it. `output` = o / l after the last tile: the kernel's
-    output for this row.
+    output for this row. sink_weight: with attention sinks, the weight the head's sink took in this
+    row (the traced .sink_weight); the sink joins l after the last tile, so output = o / l · (1 − it).
     """
     h = tiles["heads"].index(head)
     steps = []
@@ -82,11 +83,11 @@ def head_walk(tiles: dict, head: int) -> dict:
             continue
         m, l, alpha = (_number(s[n][h]) for n in ("m", "l", "alpha"))
         steps.append(_walk_step(s, [_number(x) for x in s["scores"][h]], m, l, alpha, [_number(x) for x in s["o"][h]]))
-    return _walk(head, tiles["query"], tiles["position"], tiles["tile_size"], steps)
+    return _walk(head, tiles["query"], tiles["position"], tiles["tile_size"], steps, sink_weight)
 
 
 def head_walks(log: list[dict], rows: list[int], heads: list[int], n_heads: int, positions: list[int],
-               tile: int) -> dict[tuple[int, int], dict]:
+               tile: int, sink_weight=None) -> dict[tuple[int, int], dict]:
     """{(row, head): head_walk(row_walk(log, row, ...), head)} for every row and head, in one
     pass over the kernel's tile log: each tile's tensors are read out once for all its rows."""
     wanted = set(rows)
@@ -107,7 +108,9 @@ def head_walks(log: list[dict], rows: list[int], heads: list[int], n_heads: int,
             for j, h in enumerate(heads):
                 steps[r, h].append(_walk_step(e, got["scores"][j][r - q0], got["m"][j][r - q0][0],
                                               got["l"][j][r - q0][0], got["alpha"][j][r - q0][0], got["o"][j][r - q0]))
-    return {(r, h): _walk(h, r, positions[r], tile, st) for (r, h), st in steps.items()}
+    # sink_weight: (T, heads) the traced .sink_weight, in the order of `heads` (attention sinks only)
+    return {(r, h): _walk(h, r, positions[r], tile, st, None if sink_weight is None else float(sink_weight[r][j]))
+            for (r, h), st in steps.items() for j in [heads.index(h)]}
 
 
 def _number(x) -> float | None:
@@ -130,12 +133,17 @@ def _walk_step(entry: dict, scores: list | None, m: float | None, l: float | Non
     return step
 
 
-def _walk(head: int, query: int, position: int, tile: int, steps: list[dict]) -> dict:
-    """A head's walk from its steps: `output` = o / l after the last computed tile."""
+def _walk(head: int, query: int, position: int, tile: int, steps: list[dict], sink_weight: float | None = None) -> dict:
+    """A head's walk from its steps: `output` = o / l after the last computed tile; with a sink,
+    times 1 − the weight the sink took (it joins l once the tiles are done: attention/tiled.py)."""
     last = next((st for st in reversed(steps) if not st["skipped"]), None)
     l = last["l"] if last else None
-    output = [None if x is None else _finite(x / l) for x in last["o"]] if l else None
-    return {"head": head, "query": query, "position": position, "tile_size": tile, "steps": steps, "output": output}
+    keep = 1.0 if sink_weight is None else 1.0 - sink_weight
+    output = [None if x is None else _finite(x / l * keep) for x in last["o"]] if l else None
+    walk = {"head": head, "query": query, "position": position, "tile_size": tile, "steps": steps, "output": output}
+    if sink_weight is not None:
+        walk["sink_weight"] = sink_weight
+    return walk
 
 
 __all__ = ["row_walk", "kernel_log", "kernel_walk", "head_walk", "head_walks"]

@@ -349,9 +349,11 @@ def _with_traced_tiles(trace: dict, flash: dict | None) -> dict:
     for name, e in trace["probes"].items():
         if name.endswith(".attn.tiles"):
             layer = int(name.split(".")[1])
-            for head in e["heads"]:
+            sink = trace["probes"].get(f"blocks.{layer}.attn.sink_weight")  # attention sinks: the row's share
+            for j, head in enumerate(e["heads"]):
                 tiles = {**e, "steps": e["data"]}
-                out["walks"].setdefault(flash_key(layer, head, e["query"], e["tile_size"]), head_walk(tiles, head))
+                out["walks"].setdefault(flash_key(layer, head, e["query"], e["tile_size"]),
+                                        head_walk(tiles, head, None if sink is None else sink["data"][e["query"]][j]))
             if e["tile_size"] not in out["tiles"]:
                 out["tiles"] = sorted(out["tiles"] + [e["tile_size"]])
     return out

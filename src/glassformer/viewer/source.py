@@ -189,7 +189,9 @@ def tile_walks(tr, tile: int, rows: list[int]) -> dict[str, dict]:
     read out of its log in one pass (tracing.tiles.head_walks)."""
     out = {}
     for i in tr.layers:
-        walks = head_walks(_kernel_log(tr, i, tile), rows, tr.heads, int(tr.config["n_heads"]), tr.positions, tile)
+        sink = tr.probes.get(f"blocks.{i}.attn.sink_weight")  # attention sinks: each row's share, (T, heads)
+        walks = head_walks(_kernel_log(tr, i, tile), rows, tr.heads, int(tr.config["n_heads"]), tr.positions, tile,
+                           None if sink is None else sink.data.tolist())
         out.update({flash_key(i, h, row, tile): w for (row, h), w in walks.items()})
     return out
 
