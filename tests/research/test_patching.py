@@ -128,7 +128,9 @@ def test_bad_input_is_one_line(checkpoint, capsys):
 def test_the_z_sweep_of_a_repeated_sequence_peaks_at_the_induction_head():
     """The reference experiment: on the induction-heads demo model, patching z over [eot, r, r[:k]]
     (clean) into [eot, r', r[:k]] (corrupt, r' other tokens) restores the answer r[k] most through the
-    head the induction score names."""
+    head the induction score names: the share of the clean − corrupt gap each head restores, averaged
+    over 8 random sequences (all four heads of layer 1 are induction heads here, so one sequence alone
+    may favour another)."""
     from glassformer.checkpoint.loading import load
     from glassformer.train.induction import RECIPE, alphabet_ids, eval_batch_for, model_scores
 
@@ -137,14 +139,14 @@ def test_the_z_sweep_of_a_repeated_sequence_peaks_at_the_induction_head():
     named = max(((layer, h) for layer in range(2) for h in range(4)),
                 key=lambda lh: scores[f"blocks.{lh[0]}.attn"][lh[1]])
     ids = alphabet_ids(tok)
-    rng = np.random.default_rng(3)
-    both = rng.choice(ids, 32, replace=False).tolist()
-    r, other, k = both[:16], both[16:], 10
-    clean = [tok.eot_id] + r + r[:k]
-    corrupt = [tok.eot_id] + other + r[:k]
-    res = patch_sweep(model, clean, corrupt, r[k], other[k], "z")
-    assert res.clean > res.corrupt + 1
-    peak = np.unravel_index(int(res.exact.argmax()), tuple(res.exact.shape))
+    share = torch.zeros(2, 4)
+    for seed in range(8):
+        both = np.random.default_rng(seed).choice(ids, 32, replace=False).tolist()
+        r, other, k = both[:16], both[16:], 10
+        res = patch_sweep(model, [tok.eot_id] + r + r[:k], [tok.eot_id] + other + r[:k], r[k], other[k], "z")
+        assert res.clean > res.corrupt + 1
+        share += (res.exact - res.corrupt) / (res.clean - res.corrupt) / 8
+    peak = np.unravel_index(int(share.argmax()), tuple(share.shape))
     assert tuple(int(v) for v in peak) == named
 
 
