@@ -79,6 +79,29 @@ def test_peft_loads_our_export_with_our_logits(exported, adapted):
         assert (hf(input_ids=x).logits - ours).abs().max() > 1e-2
 
 
+FAMILY_SWITCHES = {
+    "qwen3": dict(qk_norm="head"),
+    "olmo2": dict(norm_placement="post_branch", qk_norm="proj"),
+    "gemma3_text": dict(norm_offset=True, norm_placement="sandwich", ffn="geglu", embed_scale=True, qk_norm="head",
+                        query_pre_attn_scalar=16.0, tie_embeddings=True, sliding_window=8, rope_local_theta=500.0,
+                        layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SWITCHES))
+def test_peft_loads_a_newer_familys_export_with_our_logits(family, tmp_path):
+    model = tiny_model(**FAMILY_SWITCHES[family])
+    apply_lora(model, LoraConfig(r=4, alpha=8.0))
+    randomize_adapters(model).eval()
+    out = save_peft(model, tmp_path / "out")
+    assert json.loads((out / "base" / "config.json").read_text())["model_type"] == family
+    base = transformers.AutoModelForCausalLM.from_pretrained(out / "base", dtype=torch.float32)
+    hf = peft.PeftModel.from_pretrained(base, str(out)).eval()
+    x = ids(model.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=x).logits, model(x)[0], atol=1e-5, rtol=0)
+
+
 def test_our_export_imports_back(exported, adapted):
     model, _ = load_peft(exported, load)
     assert model.config.rope_pairs == "half"  # the base came back through the Hugging Face folder

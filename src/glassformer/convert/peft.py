@@ -41,7 +41,8 @@ from .transforms import Rule
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 BASE = "base"  # the base's folder inside an exported one, as base_model_name_or_path names it
-PEFT_FAMILIES = ("llama", "mistral", "qwen2")
+# The families whose attention and feed-forward are one Hugging Face module per product of ours.
+PEFT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gemma2", "gemma3_text")
 # Options that change what a PEFT adapter computes (or which weights it replaces), each with the
 # value plain LoRA has. A folder with any other value is refused, naming them.
 PLAIN = {
@@ -59,9 +60,10 @@ PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
 
 def _refuse_gpt2(family: Family, what: str) -> None:
     if family.name not in PEFT_FAMILIES:
-        raise UserError(f"{what} is a {family.name} model: PEFT LoRA is supported for Llama-family models "
-                        f"({', '.join(PEFT_FAMILIES)}) only; GPT-2 fuses q, k and v into one Conv1D (c_attn), "
-                        "which glassformer's per-product adapters do not map onto")
+        raise UserError(f"{what} is a {family.name} model: PEFT LoRA is supported for "
+                        f"{', '.join(PEFT_FAMILIES)} only; GPT-2 and Phi-3 fuse q, k and v into one product (c_attn, "
+                        "qkv_proj) and the mixtures hold their experts fused, which glassformer's per-product "
+                        "adapters do not map onto")
 
 
 def module_rules(family: Family, cfg) -> dict[str, tuple[str, Rule]]:
