@@ -432,7 +432,9 @@ def _gemma_to_hf(cfg: ModelConfig, model_type: str, arch: str) -> dict:
         "query_pre_attn_scalar": _number(cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.head_dim),
         "attn_logit_softcapping": cfg.attn_softcap,
         "final_logit_softcapping": cfg.logit_softcap,
-        "sliding_window": cfg.sliding_window,
+        # transformers' Gemma builds a sliding mask whatever the layers: with none sliding, a window as long
+        # as the context, which hides nothing
+        "sliding_window": cfg.sliding_window if cfg.sliding_window is not None else cfg.max_seq_len,
         "layer_types": layer_types_out(cfg),
         "use_bidirectional_attention": False,
     }
