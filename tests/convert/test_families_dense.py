@@ -229,6 +229,24 @@ def test_cli_converts_a_family_both_ways(tmp_path):
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+def test_cli_writes_phi3_when_named(tmp_path, capsys):
+    """A Phi-3 read in comes back as Llama unless --family phi3 asks for its fused layout; a family that
+    cannot hold the model is refused by name."""
+    hf = hf_random(hf_config("phi3"))
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(tmp_path / "back"), "--family", "phi3"]) == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "phi3"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
+    ids = torch.randint(0, 101, (1, 40))
+    with torch.no_grad():
+        assert (back(ids).logits - hf(ids).logits).abs().max() <= 1e-5 * hf(ids).logits.abs().max()
+    capsys.readouterr()
+    assert main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(tmp_path / "g"), "--family", "gemma2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "gemma2" in err and err.count("\n") == 1
+
+
 # ----------------------------------------------------------------------------- GGUF (llama.cpp itself: test_llamacpp_families.py)
 
 

@@ -28,6 +28,10 @@ def add_arguments(p) -> None:
     mode.add_argument("--control-vector", metavar="VEC[:SCALE]",
                       help="steering vector (from `glassformer steer`) to write, times SCALE, as llama.cpp's "
                            "control-vector GGUF (--out F.gguf; llama-cli --control-vector F.gguf): docs/research.md#steering-vectors")
+    p.add_argument("--family", metavar="MODEL_TYPE",
+                   help="with --to-hf: write this Hugging Face family (e.g. phi3, whose fused projections hold what "
+                        "llama's hold) instead of the first that holds the model; refused by name if it cannot "
+                        "(docs/convert.md#families)")
     p.add_argument("--peft", action="store_true",
                    help="with --to-hf on a LoRA adapter run: write DIR/base/ and the adapter in PEFT's layout (docs/lora.md#peft)")
     p.add_argument("--base", metavar="CKPT",
@@ -201,6 +205,8 @@ def run(args) -> int:
     src = args.from_hf or args.to_hf or args.checkpoint
     if on_checkpoint and src is None:
         raise UserError(f"{'--kv-heads K' if args.kv_heads is not None else '--quantize TYPE'} needs --checkpoint SRC")
+    if args.family is not None and args.to_hf is None:
+        raise UserError("--family goes with --to-hf SRC")
     if args.peft and args.to_hf is None:
         raise UserError("--peft goes with --to-hf RUN (a LoRA adapter run)")
     if args.quantize is not None:
@@ -216,12 +222,15 @@ def run(args) -> int:
     elif args.to_hf is not None:
         folder = resolve(src)
         model, tok = _float_model(folder, dtype=dtype or _stored_dtype(folder), base=args.base)
-        family = family_for(model.config)  # refuses, by name, what no family can hold
+        family = family_for(model.config, args.family)  # refuses, by name, what no family (or the one named) can hold
         if not args.peft and getattr(model, "lora_config", None) is not None:
             raise UserError(f"{src} is a LoRA adapter run: add --peft to write its base and the adapter in PEFT's "
                             "layout, or merge it first (convert --merge-lora RUN --out CKPT)")
-        write = save_peft if args.peft else save_hf  # save_peft refuses a model without an adapter
-        write(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=getattr(tok, "eot_id", None))
+        if args.peft:  # save_peft refuses a model without an adapter
+            save_peft(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=getattr(tok, "eot_id", None))
+        else:
+            save_hf(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=getattr(tok, "eot_id", None),
+                    family=family.name)
         what = f"Hugging Face {family.name} folder" + (" and its LoRA adapter in PEFT's layout" if args.peft else "")
     else:
         folder = resolve(src)
