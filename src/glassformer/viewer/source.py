@@ -174,7 +174,7 @@ def walkable(tr) -> bool:
 def _kernel_log(tr, layer: int, tile: int) -> list[dict]:
     """The tiled kernel's log, run again over layer `layer`'s traced q, k, v (those the scores read:
     after RoPE where the layer turns them), with the layer's window, scale and score cap. (A sink
-    joins each row's denominator after its last tile: the walk's o / l leaves it out.)"""
+    joins each row's denominator after its last tile: the walk multiplies o / l by 1 − its weight.)"""
     cfg = ModelConfig.from_dict(tr.config)
     q, k = (tr[n] for n in score_inputs(cfg, layer))
     v = tr[f"blocks.{layer}.attn.v"]

@@ -530,7 +530,7 @@
     const steps = w.steps.map((st) => (st.skipped ? { k0: st.k[0], k1: st.k[1], skipped: true }
       : { k0: st.k[0], k1: st.k[1], skipped: false, scores: st.scores, m: st.m, l: st.l, alpha: st.alpha, o: st.o }));
     const nK = w.steps.length ? w.steps[w.steps.length - 1].k[1] : T();
-    return { steps, out: w.output || [], nK, qTile: Math.floor(row / tile), kvh: Math.floor(head / rep) };
+    return { steps, out: w.output || [], nK, qTile: Math.floor(row / tile), kvh: Math.floor(head / rep), sink: w.sink_weight };
   }
   function drawFlash() {
     const box = clear($('flash'));
@@ -641,7 +641,9 @@
       const zp = axisIds(`blocks.${layer}.attn.z`, 'head', CFG().n_heads).indexOf(head);
       const zt = z && zp >= 0 ? z[row][zp] : null;
       const same = zt && zt.every((x, d) => Math.abs(x - run.out[d]) <= 1e-4 * (1 + Math.abs(x)));
-      const p = el('p', {}, [`Result o / l = [${run.out.slice(0, FEATURE_CAP).map(fmt).join(', ')}]`]);
+      // with a sink, its weight joins l after the last tile: the keys keep 1 − that weight (attention/tiled.py)
+      const form = run.sink == null ? 'o / l' : `o / l · (1 − sink weight ${fmt(run.sink)})`;
+      const p = el('p', {}, [`Result ${form} = [${run.out.slice(0, FEATURE_CAP).map(fmt).join(', ')}]`]);
       if (zt) { p.append(' · traced z = ', vector(zt, `blocks.${layer}.attn.z`, [row, head]), ' ', el('span', { class: same ? 'ok' : 'bad', text: same ? '✓ the same' : '✗ differs' })); }
       box.append(p);
     }
