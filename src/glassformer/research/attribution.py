@@ -48,6 +48,61 @@ def check_model(model) -> None:
                     f"writes; this one is norm_placement={placement!r}, which {why}")
 
 
+def _position(cfg, T: int, position: int, answer: int, wrong: int) -> int:
+    """The position as an index 0..T-1, the answer and wrong ids checked against the vocabulary."""
+    p = position + T if position < 0 else position
+    if not 0 <= p < T:
+        raise UserError(f"position {position} is outside the text's {T} tokens")
+    for flag, i in (("answer", answer), ("wrong", wrong)):
+        if not 0 <= int(i) < cfg.vocab_size:
+            raise UserError(f"{flag} id {i} is outside the model's vocabulary 0..{cfg.vocab_size - 1}")
+    return p
+
+
+def _read(model, ids: list[int], p: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """One forward of ids[:p+1]: ({probe: its value at p, float64}, the logits there, the logits before
+    any soft-cap). The probes: embed, the stream the final norm reads, each block's z and ffn.down."""
+    cfg = model.config
+    names = ["embed", final_norm_reads(cfg.n_layers, cfg.norm_placement, cfg.ffn)]
+    names += [f"blocks.{i}.attn.z" for i in range(cfg.n_layers)]
+    names += [f"blocks.{i}.ffn.down" for i in range(cfg.n_layers) if model.blocks[i].ffn is not None]
+    heads = ["logits"] + (["head.uncapped"] if cfg.logit_softcap else [])  # (1, 1, V): logits_at reads only p
+    seen, _ = record(model, ids[:p + 1], names + heads)  # the text cut after p, so p is its last position
+    at = {n: seen[n][0, p].double().cpu() for n in names}
+    own = seen["logits"][0, -1].double().cpu()
+    return at, own, seen[heads[-1]][0, -1].double().cpu()
+
+
+def _weight(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().double().cpu()
+
+
+def _vectors(model, at: dict, p: int):
+    """(name, vector written into the stream at p, what it is) for every part, embedding first."""
+    cfg = model.config
+    emb = at["embed"]
+    if model.pos_embed is not None:
+        pos = _weight(model.pos_embed.weight)[p]
+        yield "embed", emb - pos, "the token's embedding"
+        yield "pos_embed", pos, f"the learned position embedding of position {p}"
+    else:
+        yield "embed", emb, "the token's embedding (what the stream starts as)"
+    H = cfg.head_dim
+    for i, block in enumerate(model.blocks):
+        W_O, z = _weight(block.attn.wo.weight), at[f"blocks.{i}.attn.z"]  # (D, N·H), (N, H)
+        for h in range(cfg.n_heads):
+            yield f"blocks.{i}.attn.head{h}", W_O[:, h * H:(h + 1) * H] @ z[h], f"head {h} of block {i}: its z through its slice of W_O"
+        bo = _weight(getattr(block.attn.wo, "bias", None))
+        if bo is not None:
+            yield f"blocks.{i}.attn.bias", bo, f"W_O's bias in block {i}"
+        if block.ffn is not None:
+            fb = _weight(getattr(getattr(block.ffn, "w_down", None), "bias", None))
+            f = at[f"blocks.{i}.ffn.down"]
+            yield f"blocks.{i}.ffn", f if fb is None else f - fb, f"the feed-forward's output in block {i}"
+            if fb is not None:
+                yield f"blocks.{i}.ffn.bias", fb, f"the feed-forward's output bias in block {i}"
+
+
 @torch.no_grad()
 def direct_logit_attribution(model, ids, answer: int, wrong: int, position: int = -1) -> dict:
     """Each part's direct contribution to logit(answer) − logit(wrong) at `position` of ids.
@@ -59,77 +114,30 @@ def direct_logit_attribution(model, ids, answer: int, wrong: int, position: int 
     check_model(model)
     cfg = model.config
     ids = [int(i) for i in ids]
-    T = len(ids)
-    p = position + T if position < 0 else position
-    if not 0 <= p < T:
-        raise UserError(f"position {position} is outside the text's {T} tokens")
-    for flag, i in (("answer", answer), ("wrong", wrong)):
-        if not 0 <= int(i) < cfg.vocab_size:
-            raise UserError(f"{flag} id {i} is outside the model's vocabulary 0..{cfg.vocab_size - 1}")
-    stream = final_norm_reads(cfg.n_layers, cfg.norm_placement, cfg.ffn)
-    names = ["embed", stream] + [f"blocks.{i}.attn.z" for i in range(cfg.n_layers)]
-    names += [f"blocks.{i}.ffn.down" for i in range(cfg.n_layers) if model.blocks[i].ffn is not None]
-    heads = ["logits"] + (["head.uncapped"] if cfg.logit_softcap else [])  # (1, 1, V): logits_at reads only p
-    seen, _ = record(model, ids[:p + 1], names + heads)  # the text cut after p, so p is its last position
-    at = {n: seen[n][0, p].double().cpu() for n in names}  # each probe at the position, float64
-    own = seen["logits"][0, -1].double().cpu()  # the model's own logits there
-    if cfg.logit_softcap:
-        uncapped = seen["head.uncapped"][0, -1].double().cpu()
-        logit_diff = float(uncapped[answer] - uncapped[wrong])
-    else:
-        logit_diff = float(own[answer] - own[wrong])
-
-    W_U = model.lm_head.weight.detach().double().cpu()
+    p = _position(cfg, len(ids), position, answer, wrong)
+    at, own, uncapped = _read(model, ids, p)
+    logit_diff = float(uncapped[answer] - uncapped[wrong])
+    W_U = _weight(model.lm_head.weight)
     direction = W_U[answer] - W_U[wrong]  # (D,)
-    x = at[stream]
+    x = at[final_norm_reads(cfg.n_layers, cfg.norm_placement, cfg.ffn)]
     gamma, beta, s, centred = _norm_terms(model, x)
-    gamma, beta = gamma.cpu(), None if beta is None else beta.cpu()
-    read = gamma * direction  # (D,) what one unit of normalised stream adds to the difference
-
+    read = gamma.cpu() * direction  # (D,) what one unit of normalised stream adds to the difference
     parts: dict[str, float] = {}
     details: dict[str, dict] = {}
     total = torch.zeros_like(x)
-
-    def add(name: str, c: torch.Tensor, what: str) -> None:
-        nonlocal total
+    for name, c, what in _vectors(model, at, p):
         total = total + c
         cc = c - c.mean() if centred else c
         parts[name] = float(cc @ read) / s
         details[name] = {"what": what, "norm": float(c.norm()), "dot": float(cc @ read)}
-
-    emb = at["embed"]
-    if model.pos_embed is not None:
-        pos = model.pos_embed.weight.detach().double().cpu()[p]
-        add("embed", emb - pos, "the token's embedding")
-        add("pos_embed", pos, f"the learned position embedding of position {p}")
-    else:
-        add("embed", emb, "the token's embedding (what the stream starts as)")
-    H, N = cfg.head_dim, cfg.n_heads
-    for i, block in enumerate(model.blocks):
-        wo = block.attn.wo
-        W_O = wo.weight.detach().double().cpu()  # (D, N·H)
-        z = at[f"blocks.{i}.attn.z"]  # (N, H)
-        for h in range(N):
-            add(f"blocks.{i}.attn.head{h}", W_O[:, h * H:(h + 1) * H] @ z[h],
-                f"head {h} of block {i}: its z through its slice of W_O")
-        if getattr(wo, "bias", None) is not None:
-            add(f"blocks.{i}.attn.bias", wo.bias.detach().double().cpu(), f"W_O's bias in block {i}")
-        if block.ffn is not None:
-            f = at[f"blocks.{i}.ffn.down"]
-            down = getattr(block.ffn, "w_down", None)
-            fb = None if down is None or getattr(down, "bias", None) is None else down.bias.detach().double().cpu()
-            add(f"blocks.{i}.ffn", f if fb is None else f - fb, f"the feed-forward's output in block {i}")
-            if fb is not None:
-                add(f"blocks.{i}.ffn.bias", fb, f"the feed-forward's output bias in block {i}")
     if beta is not None:
-        parts["final_norm.bias"] = float(beta @ direction)
-        details["final_norm.bias"] = {"what": "the final norm's bias, read by the head as it is", "norm": float(beta.norm()),
-                                      "dot": parts["final_norm.bias"]}
-    total_err = float((total - x).abs().max())
+        parts["final_norm.bias"] = float(beta.cpu() @ direction)
+        details["final_norm.bias"] = {"what": "the final norm's bias, read by the head as it is",
+                                      "norm": float(beta.norm()), "dot": parts["final_norm.bias"]}
     out = {"position": p, "answer": int(answer), "wrong": int(wrong), "logit_diff": logit_diff,
            "sum": sum(parts.values()), "scale": s, "norm": "layer" if centred else "rms",
            "answer_logit": float(own[answer]), "wrong_logit": float(own[wrong]),
-           "stream_error": total_err, "parts": parts, "details": details}
+           "stream_error": float((total - x).abs().max()), "parts": parts, "details": details}
     if cfg.logit_softcap:
         out["logit_softcap"] = cfg.logit_softcap
         out["capped_logit_diff"] = float(own[answer] - own[wrong])

@@ -512,21 +512,13 @@ def explorer_router(explorer: Explorer) -> APIRouter:
     async def sample(request: Request) -> Response:
         return await answer(request, lambda req: (explorer.sample, _text_of(req, explorer), *_sample_of(req),
                                                   _checkpoint_of(req)))
-    run_routes(router, explorer, answer)
-    heads_route(router, explorer, answer)
+    for more in (run_routes, research_routes, heads_route):  # the routes of views that live in their own functions
+        more(router, explorer, answer)
 
     @router.post("/api/generate")
     async def generate(request: Request) -> Response:
         return await answer(request, lambda req: (explorer.generation, _text_of(req, explorer), *_generate_of(req),
                                                   _checkpoint_of(req)))
-
-    @router.post("/api/patch")
-    async def patch(request: Request) -> Response:
-        return await answer(request, lambda req: (explorer.researched, "patch", req))
-
-    @router.post("/api/attribute")
-    async def attribute(request: Request) -> Response:
-        return await answer(request, lambda req: (explorer.researched, "attribute", req))
 
     return router
 
@@ -559,6 +551,19 @@ def run_routes(router: APIRouter, explorer: Explorer, answer) -> None:
     @router.post("/api/update")
     async def update(request: Request) -> Response:
         return await answer(request, lambda req: (explorer.update, *_update_of(req)))
+
+
+def research_routes(router: APIRouter, explorer: Explorer, answer) -> None:
+    """The patching and attribution view's routes (docs/research.md#in-the-explorer): POST /api/patch,
+    a patching sweep; POST /api/attribute, a direct logit attribution. answer: explorer_router's."""
+
+    @router.post("/api/patch")
+    async def patch(request: Request) -> Response:
+        return await answer(request, lambda req: (explorer.researched, "patch", req))
+
+    @router.post("/api/attribute")
+    async def attribute(request: Request) -> Response:
+        return await answer(request, lambda req: (explorer.researched, "attribute", req))
 
 
 def make_explorer_app(explorer: Explorer, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
