@@ -187,7 +187,7 @@
     }
     const r0 = rms('embed', t);
     // The embedding's RMS sits inside its table, where no lane runs.
-    if (r0 !== null && r0 !== undefined && selK >= 0) over.append(label(left + embedW / 2, laneY(selK) + 3, fmt(r0), 'map-rms'));
+    if (r0 !== null && r0 !== undefined && selK >= 0) over.append(label(left + embedW / 2, laneY(selK) + 3, fmt(r0).length <= 4 ? `RMS ${fmt(r0)}` : fmt(r0), 'map-rms'));
     root.append(lanesG, over);
     box.append(root);
   }
