@@ -65,6 +65,10 @@ def test_map_is_drawn_from_the_config(browser, pages):  # noqa: F811
     assert page.locator("#model-map .map-lane").count() == 5
     assert page.locator("#model-map .map-lane.sel").get_attribute("data-token") == "4"
 
+    # A trace's page written with its model carries the walk's weights: W_Q's columns in step 2.
+    page.click("#tour-start")
+    page.click("#tour-next")
+    assert "W_Q column 0 (block 0, head 0)" in page.locator('[data-tour-step="2"]').text_content()
     # A click on block 1's feed-forward selects layer 1 and opens its first number's calculation.
     page.locator('#model-map [data-block="1"] [data-part="ffn"]').click()
     assert page.locator("#num-layer").input_value() == "1"

@@ -838,6 +838,7 @@ def write_trace_page(trace, path, model=None, tokenizer=None, sentence: str | No
         path, d, sentence=sentence, model_name=cfg.to_dict().get("name") or "traced model", pieces=pieces,
         explain=lambda probe, index: named(explain(tr, probe, index, model=model), tokenizer), norm=norm,
         costs=costs_view(cfg, len(tr.ids)), focus_token=tr.query,
+        tour=None if model is None else tour_part(model),  # the walk's weights, from the model
         flash_tile=tiles[0].get("tile_size") if tiles else None,
         flash=flash_walks(tr, tile, len(tr.ids) - 1 if tr.query is None else tr.query) if complete else None,
         **extra,
