@@ -75,7 +75,10 @@ def test_map_is_drawn_from_the_config(browser, pages):  # noqa: F811
     active = page.locator("#numbers .num.active").first
     assert active.get_attribute("data-probe").startswith("blocks.1.ffn.")
     assert page.locator("#explain-body .calc-title").text_content()
-    # A lane selects its token.
+    # The LM head opens the selected token's next-token logits: the first one's calculation.
+    page.locator('#model-map [data-part="lm_head"]').click()
+    assert page.locator("#next .num.active").first.get_attribute("data-index").startswith("[4,")
+    # Another token chosen above: its lane is the lit one.
     page.locator('#tokens .tok[data-token="1"]').click()
     assert page.locator("#model-map .map-lane.sel").get_attribute("data-token") == "1"
 

@@ -171,7 +171,7 @@
     const tx0 = x + L * (blockW + gap);
     // The tail: final norm, the LM head, the softmax and the token it gives the selected one.
     const tail = [['final_norm', 'final norm', cfg.norm === 'layer' ? 'LayerNorm' : 'RMSNorm', () => go('#numbers tr[data-probe="final_norm"]', ids[L - 1])],
-      ['lm_head', 'LM head', `${cfg.dim} → ${fmtInt(cfg.vocab_size)}`, () => go('#view-next')],
+      ['lm_head', 'LM head', `${cfg.dim} → ${fmtInt(cfg.vocab_size)}`, () => go(`#next .next-card:nth-child(${t + 1})`)],
       ['softmax', 'softmax', 'next token', () => go('#view-sample')]];
     tail.forEach(([kind, name, sub, open], k) => {
       const tx = tx0 + k * (62 + gap);
