@@ -177,15 +177,35 @@ def _control_vector(args) -> int:
     return 0
 
 
+def _to_hf(args, src, dtype):
+    """--to-hf: the model and what was written (a family's folder, or its base and a PEFT adapter)."""
+    from ..checkpoint.folders import resolve
+    from ..convert.families import family_for
+    from ..convert.hf import save_hf
+    from ..convert.peft import save_peft
+    from ..errors import UserError
+
+    folder = resolve(src)
+    model, tok = _float_model(folder, dtype=dtype or _stored_dtype(folder), base=args.base)
+    family = family_for(model.config, args.family)  # refuses, by name, what no family (or the one named) can hold
+    if not args.peft and getattr(model, "lora_config", None) is not None:
+        raise UserError(f"{src} is a LoRA adapter run: add --peft to write its base and the adapter in PEFT's "
+                        "layout, or merge it first (convert --merge-lora RUN --out CKPT)")
+    eot = getattr(tok, "eot_id", None)
+    if args.peft:  # save_peft refuses a model without an adapter
+        save_peft(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=eot)
+    else:
+        save_hf(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=eot, family=family.name)
+    return model, f"Hugging Face {family.name} folder" + (" and its LoRA adapter in PEFT's layout" if args.peft else "")
+
+
 def run(args) -> int:
     import torch
 
     from ..checkpoint.folders import resolve, save_model
     from ..checkpoint.hub import find
-    from ..convert.families import family_for
     from ..convert.heads import convert_kv_heads
-    from ..convert.hf import load_hf, parse_dtype, save_hf
-    from ..convert.peft import save_peft
+    from ..convert.hf import load_hf, parse_dtype
     from ..errors import UserError
 
     if args.control_vector is not None:
@@ -220,18 +240,7 @@ def run(args) -> int:
         save_model(args.out, model, _tokenizer_file(src))
         what = "glassformer checkpoint"
     elif args.to_hf is not None:
-        folder = resolve(src)
-        model, tok = _float_model(folder, dtype=dtype or _stored_dtype(folder), base=args.base)
-        family = family_for(model.config, args.family)  # refuses, by name, what no family (or the one named) can hold
-        if not args.peft and getattr(model, "lora_config", None) is not None:
-            raise UserError(f"{src} is a LoRA adapter run: add --peft to write its base and the adapter in PEFT's "
-                            "layout, or merge it first (convert --merge-lora RUN --out CKPT)")
-        if args.peft:  # save_peft refuses a model without an adapter
-            save_peft(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=getattr(tok, "eot_id", None))
-        else:
-            save_hf(model, args.out, _tokenizer_file(folder), dtype=dtype, eot_id=getattr(tok, "eot_id", None),
-                    family=family.name)
-        what = f"Hugging Face {family.name} folder" + (" and its LoRA adapter in PEFT's layout" if args.peft else "")
+        model, what = _to_hf(args, src, dtype)
     else:
         folder = resolve(src)
         model, _ = _float_model(folder)  # float32: the means are taken at full precision
