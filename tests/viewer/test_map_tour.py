@@ -240,3 +240,22 @@ def test_every_walkthrough_figure_is_in_its_step(browser, pages):  # noqa: F811
     assert "masked: too" in page.locator('[data-tour-step="15"]').text_content()
     assert page.events["errors"] == []
     page.close()
+
+
+def test_walk_weights_are_the_ones_the_forward_uses():
+    """tour_part's W_Q columns: the float weight's, and an int8 model's dequantized ones (not its integers)."""
+    import copy
+
+    from glassformer.convert.quantize import quantize_int8
+    from glassformer.viewer.tour import tour_part
+
+    model = tiny_model()
+    wq = model.blocks[0].attn.wq.weight.detach().T  # math layout [in, out]
+    cols = tour_part(model)["weights"]["W_Q"]
+    assert cols["shape"] == list(wq.shape)
+    assert cols["columns"]["1"] == pytest.approx(wq[:8, 1].tolist(), abs=1e-6)
+    q = quantize_int8(copy.deepcopy(model))
+    want = q.blocks[0].attn.wq.dequantized().T
+    got = tour_part(q)["weights"]["W_Q"]["columns"]["1"]
+    assert got == pytest.approx(want[:8, 1].tolist(), abs=1e-6) and got == pytest.approx(wq[:8, 1].tolist(), abs=0.02)
+    assert "multi_head" not in tour_part(model) and tour_part(model, walkthrough=True)["multi_head"]["n_heads"] == 4

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from ..convert.lora import merged_weight
 from ..worked.figures import figures, llama3_8b_kv_cache
 from ..worked.model import SENTENCE
 
@@ -21,6 +22,18 @@ ENTRIES = 8  # entries shown per column (the page's vector cap)
 
 def _plain(t: torch.Tensor) -> list[float]:
     return [round(float(x), 6) + 0.0 for x in t.tolist()]
+
+
+def _weight(module) -> torch.Tensor | None:
+    """The matrix a projection multiplies by, [out, in]: an int8 one's dequantized, a LoRA one's merged
+    (what the forward computes with), or None for a module with no single matrix."""
+    if hasattr(module, "lora_A") and hasattr(module, "base"):
+        base = _weight(module.base)
+        return None if base is None else merged_weight(base.float(), module.lora_A, module.lora_B, module.scale)
+    if hasattr(module, "dequantized"):
+        return module.dequantized()
+    w = getattr(module, "weight", None)
+    return w if isinstance(w, torch.Tensor) else None
 
 
 def _columns(weight: torch.Tensor, n: int) -> dict:
@@ -36,12 +49,11 @@ def tour_part(model, walkthrough: bool = False) -> dict:
     experts has no single W_up) leaves its entry out."""
     block = model.blocks[0]
     weights = {}
-    wq = getattr(getattr(block, "attn", None), "wq", None)
-    if wq is not None:
-        weights["W_Q"] = _columns(wq.weight, min(COLUMNS, model.config.head_dim))
-    w_up = getattr(getattr(block, "ffn", None), "w_up", None)
-    if isinstance(w_up, torch.nn.Module) and hasattr(w_up, "weight"):
-        weights["W_up"] = _columns(w_up.weight, 1)
+    for name, module, n in (("W_Q", getattr(block.attn, "wq", None), min(COLUMNS, model.config.head_dim)),
+                            ("W_up", getattr(block.ffn, "w_up", None), 1)):
+        w = None if module is None else _weight(module)
+        if w is not None:
+            weights[name] = _columns(w, n)
     out = {"weights": weights, "kv_reference": {"name": "Llama 3 8B", **llama3_8b_kv_cache()}}
     if walkthrough:
         out["multi_head"] = _walkthrough_heads()
