@@ -238,6 +238,18 @@ def test_every_walkthrough_figure_is_in_its_step(browser, pages):  # noqa: F811
         for figure in figures:
             assert _appears(figure, values), f"step {step} ({STEP_TITLES[step - 1]}) does not show {figure}: {values}"
     assert "masked: too" in page.locator('[data-tour-step="15"]').text_content()
+    # RoPE: each token's key drawn turning by its position's angle, one radian a position.
+    captions = page.locator('[data-tour-step="3"] .tour-arrows figcaption').all_text_contents()
+    assert [c.replace("\u00a0", " ") for c in captions] == [f"k {w}: {p} rad" for p, w in enumerate(["I", "like", "cats", "too"])]
+    # Prefill and decode: the grid of weights with the new token's row lit, or every row at once.
+    page.select_option("#tour-menu", "14")
+    step = page.locator('[data-tour-step="14"]')
+    assert step.locator("tr.new").count() == 1 and step.locator("tr.new td").first.text_content().startswith("too")
+    assert step.locator("tr.cached").count() == 3
+    page.locator('[data-tour-step="14"] button[data-mode="prefill"]').click()
+    step = page.locator('[data-tour-step="14"]')
+    assert step.locator("tr.new").count() == 0 and step.locator("tr.cached").count() == 0
+    assert shown_step(page) == ["14"]
     assert page.events["errors"] == []
     page.close()
 
