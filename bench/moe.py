@@ -18,6 +18,7 @@ batch-1 greedy decoding of each mixture family's small model against transformer
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import tempfile
@@ -142,8 +143,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.families = args.families or ["mixtral"]
     torch.set_num_threads(args.threads)
+    # The machine's load average before and after: on a shared machine the ratios hold better than the speeds.
     result = {"machine": platform.processor() or platform.machine(), "threads": args.threads, "rounds": args.rounds,
-              "torch": torch.__version__, "forward": forward_ratio(args.rounds, args.quick, args.smoke), "decode": {}}
+              "torch": torch.__version__, "load_average_before": [round(x, 2) for x in os.getloadavg()],
+              "forward": forward_ratio(args.rounds, args.quick, args.smoke), "decode": {}}
     f = result["forward"]
     for shape in [k for k in f if "x" in k and isinstance(f[k], dict)]:
         print(f"forward {shape}: dense {f[shape]['dense_ms']} ms, mixture {f[shape]['moe_ms']} ms, "
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["decode"][name] = r
         print(f"decode {name}: ours {r['ours_tok_s']} tok/s, transformers {r['hf_tok_s']} tok/s, ratio {r['ratio']}, "
               f"same tokens {r['same_tokens']}")
+    result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     write_json(args.out, result)
     return result
 
