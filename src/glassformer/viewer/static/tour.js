@@ -253,7 +253,12 @@
         [`${h} (KV ${kvOf(h)})`].concat(keys.map((j) => (W[t][hp][j] === null ? fig(0, 'masked') : G.num(W[t][hp][j], wName, [t, h, j])))))));
     }
     const per = (k) => 2 * c.n_layers * k * c.head_dim;
-    out.push(row('KV-cache numbers per token (2 · layers · KV heads · H): MHA', fig(per(c.n_heads)), ', GQA as here', fig(per(c.n_kv_heads)), ', MQA', fig(per(1))));
+    out.push(row('KV-cache numbers per token (2 · layers · KV heads · H): as MHA', fig(per(c.n_heads)), `, as this model (${c.n_kv_heads} KV)`, fig(per(c.n_kv_heads)), ', as MQA', fig(per(1))));
+    if (P().heads) { // a live page's head switch (heads.js): the same model with its KV heads averaged
+      const a = el('a', { href: '#heads-switch', text: 'the head switch above the attention maps' });
+      a.addEventListener('click', (ev) => { ev.preventDefault(); const n = $('heads-switch'); if (n) n.scrollIntoView({ block: 'center' }); });
+      out.push(el('p', { class: 'see' }, ['This page can show the model as MHA, GQA or MQA without a restart (key/value heads averaged, nothing retrained): ', a, '; the walk then follows it.']));
+    }
     const mh = (P().tour || {}).multi_head;
     if (mh) {
       out.push(el('h4', { text: `The walkthrough’s four-head variants, on “${mh.sentence}” (glassformer view --worked --variant mha | gqa | mqa)` }));
