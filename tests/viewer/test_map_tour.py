@@ -69,6 +69,9 @@ def test_map_is_drawn_from_the_config(browser, pages):  # noqa: F811
     page.click("#tour-start")
     page.click("#tour-next")
     assert "W_Q column 0 (block 0, head 0)" in page.locator('[data-tour-step="2"]').text_content()
+    # The embedding table is a part of its own, over the lanes' height too.
+    page.locator('#model-map [data-part="embed"]').click()
+    assert page.locator("#numbers .num.active").first.get_attribute("data-probe") == "embed"
     # A click on block 1's feed-forward selects layer 1 and opens its first number's calculation.
     page.locator('#model-map [data-block="1"] [data-part="ffn"]').click()
     assert page.locator("#num-layer").input_value() == "1"
@@ -78,9 +81,12 @@ def test_map_is_drawn_from_the_config(browser, pages):  # noqa: F811
     # The LM head opens the selected token's next-token logits: the first one's calculation.
     page.locator('#model-map [data-part="lm_head"]').click()
     assert page.locator("#next .num.active").first.get_attribute("data-index").startswith("[4,")
-    # Another token chosen above: its lane is the lit one.
+    # Another token chosen above: its lane is the lit one; a click on a lane chooses its token.
     page.locator('#tokens .tok[data-token="1"]').click()
     assert page.locator("#model-map .map-lane.sel").get_attribute("data-token") == "1"
+    page.locator('#model-map .map-lane-hit[data-token="3"]').last.click()
+    assert page.locator("#tokens .tok.sel").get_attribute("data-token") == "3"
+    assert page.locator("#model-map .map-lane.sel").get_attribute("data-token") == "3"
 
     # The flow moves, and stands still when the user asks for reduced motion.
     flow = "getComputedStyle(document.querySelector('#model-map .map-flow')).animationName"

@@ -5,7 +5,7 @@
 // token's lane is lit and its numbers (the stream's RMS after every block, its most likely next
 // token) are written along it; the flow along the lane moves unless the user asks for reduced
 // motion (tour.css). Clicking a part selects its layer and scrolls to that part's numbers below,
-// opening the first one's calculation in #explain.
+// opening the first one's calculation in #explain; clicking a lane selects its token.
 // Safety: as in glass.js, data reaches the page through text nodes only.
 'use strict';
 (function () {
@@ -91,6 +91,13 @@
       line.append(svg('title', { text: `token ${tok}: ${tokenLabel(tok)}` }));
       lanesG.append(line);
       lanesG.append(label(left - 6, laneY(k) + 3, tokenLabel(tok).slice(0, 10), 'map-small', 'end'));
+      // A lane is thin: a band the lane's height, unseen, takes its clicks, which select its token.
+      for (const [hx, hw] of [[left - 60, 60], [x0, x1 - x0]]) { // its label, and the lane past the embedding table
+        const hit = svg('rect', { x: hx, y: laneY(k) - laneGap / 2, width: hw, height: laneGap, class: 'map-lane-hit' });
+        hit.dataset.token = String(tok);
+        hit.addEventListener('click', () => G.selectToken(tok));
+        lanesG.append(hit);
+      }
     });
     if (selK >= 0) lanesG.append(svg('path', { d: `M ${x0} ${laneY(selK)} H ${x1}`, class: 'map-flow' }));
     if (T > lanes.length) lanesG.append(label(left - 6, laneY(lanes.length - 1) + 16, `${lanes.length} of ${T} lanes`, 'map-small', 'end'));
