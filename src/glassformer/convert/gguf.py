@@ -434,11 +434,12 @@ def _moe_hparams(w, cfg: ModelConfig, arch: str) -> None:
 
 
 def tensor_type(name: str, shape: tuple[int, ...], dtype: str):
-    """The GGML type a tensor is stored as: 1-D tensors (norms, biases) stay f32, and under q8_0
-    a matrix whose rows are not a multiple of 32 long is stored f16."""
+    """The GGML type a tensor is stored as: 1-D tensors (norms, biases) and every bias (the experts'
+    are (E, F): llama.cpp adds them only in f32) stay f32, and under q8_0 a matrix whose rows are not
+    a multiple of 32 long is stored f16."""
     from gguf import GGMLQuantizationType as Q
 
-    if len(shape) == 1 or dtype == "f32" or name == "rope_freqs.weight":
+    if len(shape) == 1 or dtype == "f32" or name == "rope_freqs.weight" or name.endswith(".bias"):
         return Q.F32
     if dtype == "q8_0":
         return Q.Q8_0 if shape[-1] % Q8_BLOCK == 0 else Q.F16
