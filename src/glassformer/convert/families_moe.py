@@ -115,7 +115,8 @@ def _unfuse(w, fused_key: str, parts: tuple[str, ...], cfg: ModelConfig) -> None
     if not shape or shape[0] != E or len(parts) % E:
         raise UserError(f"{w.file[fused_key].name}: {fused_key} has shape {list(shape)}, "
                         f"but config.json says {E} experts")
-    file, read, per = w.file[fused_key], w._read[fused_key], len(parts) // E
+    file, _, read = w.take(fused_key)
+    per = len(parts) // E
     held: dict[str, torch.Tensor] = {}
 
     def piece(e: int, j: int) -> torch.Tensor:
@@ -129,10 +130,7 @@ def _unfuse(w, fused_key: str, parts: tuple[str, ...], cfg: ModelConfig) -> None
 
     for e in range(E):
         for j in range(per):  # per 2: transformers' [gate; up] halves of the first dimension
-            key = parts[e * per + j]
-            w.file[key], w.shape[key] = file, (shape[1] // per, *shape[2:])
-            w._read[key] = lambda e=e, j=j: piece(e, j)
-    del w.file[fused_key], w.shape[fused_key], w._read[fused_key]
+            w.add(parts[e * per + j], file, (shape[1] // per, *shape[2:]), lambda e=e, j=j: piece(e, j))
 
 
 # MXFP4 (OCP microscaling): each byte holds two e2m1 numbers (low nibble first), each row of 32 shares
@@ -165,11 +163,9 @@ def _dequantize_mxfp4(w, key: str) -> None:
     if len(b) != 4 or b[:-1] != s or b[-1] != 16:
         raise UserError(f"{w.file[blocks].name}: {blocks} {list(b)} and {scales} {list(s)} are not MXFP4 "
                         "blocks (E, R, G, 16) with scales (E, R, G)")
-    rb, rs = w._read[blocks], w._read[scales]
-    w.file[key], w.shape[key] = w.file[blocks], (b[0], b[2] * 32, b[1])
-    w._read[key] = lambda: dequantize_mxfp4(rb(), rs())
-    for k in (blocks, scales):
-        del w.file[k], w.shape[k], w._read[k]
+    file, _, rb = w.take(blocks)
+    _, _, rs = w.take(scales)
+    w.add(key, file, (b[0], b[2] * 32, b[1]), lambda: dequantize_mxfp4(rb(), rs()))
 
 
 # ----------------------------------------------------------------------------- config helpers

@@ -63,6 +63,11 @@ class Weights:
     def read(self, key: str) -> torch.Tensor:
         return self._read[key]()
 
+    def take(self, key: str) -> tuple[Path, tuple[int, ...], Callable[[], torch.Tensor]]:
+        """Remove `key` and give back its (file, shape, read): for a family that stores a tensor in
+        another layout (families_moe.py's fused and MXFP4 experts) to add its pieces in its place."""
+        return self.file.pop(key), self.shape.pop(key), self._read.pop(key)
+
     def rename(self, fn: Callable[[str], str]) -> None:
         self.file = {fn(k): v for k, v in self.file.items()}
         self.shape = {fn(k): v for k, v in self.shape.items()}
