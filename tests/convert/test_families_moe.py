@@ -104,6 +104,18 @@ def test_fused_experts_are_read_as_transformers_reads_them(name, tmp_path):
     assert_logits_match(hf, ours, ids)
 
 
+def test_experts_stored_twice_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = hf_random(CONFIGS["olmoe"]())
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    state["model.layers.0.mlp.experts.7.up_proj.weight"] = torch.zeros(48, 64)  # beside the fused tensor
+    hf.config.save_pretrained(tmp_path / "twice")
+    save_file(state, str(tmp_path / "twice" / "model.safetensors"))
+    with pytest.raises(UserError, match="holds its experts twice"):
+        load_hf(tmp_path / "twice")
+
+
 def random_mxfp4(shape, seed, exponents=(-2, 3)):
     """Random MXFP4 blocks (…, G, 16) uint8 and scales (…, G): e8m0 bytes 127 + exponents[0] .. 127 + exponents[1] - 1."""
     g = torch.Generator().manual_seed(seed)
