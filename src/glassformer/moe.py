@@ -49,9 +49,7 @@ class MoE(nn.Module):
         weights = tap(n + ".expert_weights", weights.to(x.dtype))  # (B, T, k)
         flat, slots = x.reshape(B * T, D), ids.reshape(B * T, k)  # (B·T, D), (B·T, k)
         outs = x.new_zeros(B * T, k, D)  # each token's k experts' outputs
-        # On the meta device (shapes only: a preset built to check its shapes) no token has a route to follow,
-        # nor a load to count.
-        for e, expert in enumerate(() if x.is_meta else self.experts):
+        for e, expert in enumerate(self.experts):
             rows, slot = (slots == e).nonzero(as_tuple=True)  # the tokens routed to expert e, and in which slot
             if len(rows):
                 outs[rows, slot] = expert(flat[rows][None])[0]  # (n_e, D)
@@ -59,8 +57,7 @@ class MoE(nn.Module):
         y = (weights[..., None] * outs).sum(2)  # (B, T, D)
         if self.shared is not None:
             y = y + tap(n + ".shared", self.shared(x))
-        if not x.is_meta:
-            self.aux_loss, self.load = balance(probs, slots, cfg.n_experts)
+        self.aux_loss, self.load = balance(probs, slots, cfg.n_experts)
         return tap(n + ".down", y)  # (B, T, D): the feed-forward's output, under a dense one's name
 
 
