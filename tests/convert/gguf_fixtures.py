@@ -205,3 +205,45 @@ def trained_checkpoint(root: Path) -> Path:
 
 def nfc(texts):
     return [unicodedata.normalize("NFC", t) for t in texts]
+
+
+def exported_families(root: Path, families: dict, dtypes=("f32",)) -> dict:
+    """family -> (our model, its tokenizer, {dtype: GGUF file}) for each entry (transformers config class,
+    arguments over family_parity.tiny(), graph) of `families`: a tiny random transformers model over
+    Qwen2's tokenizer layout, imported with `convert --from-hf`, exported with `convert --to-gguf`."""
+    import transformers
+
+    from glassformer.checkpoint.loading import load
+
+    from .family_parity import hf_random, tiny
+
+    tok_json, tok_config = qwen2_tokenizer()
+    spec = json.loads(tok_json)
+    n_vocab = max([*spec["model"]["vocab"].values(), *(a["id"] for a in spec["added_tokens"])]) + 1
+    out = {}
+    for family, (kind, kw, _) in families.items():
+        hf = hf_random(getattr(transformers, kind)(**tiny(**{**kw, "vocab_size": n_vocab, "max_position_embeddings": 128})))
+        folder = root / f"hf-{family}"
+        hf.save_pretrained(folder)
+        (folder / "tokenizer.json").write_text(tok_json, encoding="utf-8")
+        (folder / "tokenizer_config.json").write_text(json.dumps(tok_config), encoding="utf-8")
+        # Not named after the family: llama.cpp looks up Phi-3's <|end|> token in a model whose name says
+        # phi3, and this vocabulary (Qwen2's layout) has none.
+        ckpt = root / f"ckpt-{len(out)}"
+        assert main(["convert", "--from-hf", str(folder), "--out", str(ckpt)]) == 0
+        paths = {dtype: root / f"{len(out)}-{dtype}.gguf" for dtype in dtypes}
+        for dtype, path in paths.items():
+            assert main(["convert", "--to-gguf", str(ckpt), "--out", str(path), "--dtype", dtype]) == 0
+        model, tok = load(ckpt)
+        out[family] = (model, tok, paths)
+    return out
+
+
+def llama_f32(path, vocab_only: bool = False):
+    """llama.cpp (llama-cpp-python) over a GGUF file, its KV cache in f32, every position's logits kept."""
+    import llama_cpp
+
+    f32 = llama_cpp.GGML_TYPE_F32
+    return llama_cpp.Llama(str(path), n_ctx=128, n_batch=128, n_threads=2, n_threads_batch=2, vocab_only=vocab_only,
+                           logits_all=True, type_k=f32, type_v=f32, flash_attn=False, verbose=False, seed=0)
+

@@ -8,18 +8,13 @@ Gemma's query scale 1/√H). Skipped unless llama_cpp imports."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
-from glassformer.checkpoint.loading import load
-from glassformer.cli import main
 
 from ..support import greedy_cached
-from .family_parity import hf_random, tiny
-from .gguf_fixtures import PROMPT, TEXTS, nfc, qwen2_tokenizer
+from .gguf_fixtures import PROMPT, TEXTS, exported_families, llama_f32, nfc
 
 llama_cpp = pytest.importorskip("llama_cpp")
 transformers = pytest.importorskip("transformers")
@@ -43,33 +38,8 @@ STEPS = 20
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """family -> (our model, tokenizer, the f32 GGUF file, the f16 one)."""
-    root = tmp_path_factory.mktemp("families")
-    tok_json, tok_config = qwen2_tokenizer()
-    spec = json.loads(tok_json)
-    n_vocab = max([*spec["model"]["vocab"].values(), *(a["id"] for a in spec["added_tokens"])]) + 1
-    out = {}
-    for family, (kind, kw, _) in FAMILIES.items():
-        hf = hf_random(getattr(transformers, kind)(**tiny(**{**kw, "vocab_size": n_vocab, "max_position_embeddings": 128})))
-        folder = root / f"hf-{family}"
-        hf.save_pretrained(folder)
-        (folder / "tokenizer.json").write_text(tok_json, encoding="utf-8")
-        (folder / "tokenizer_config.json").write_text(json.dumps(tok_config), encoding="utf-8")
-        # Not named after the family: llama.cpp looks up Phi-3's <|end|> token in a model whose name says
-        # phi3, and this fixture's vocabulary (Qwen2's layout) has none.
-        ckpt = root / f"ckpt-{len(out)}"
-        assert main(["convert", "--from-hf", str(folder), "--out", str(ckpt)]) == 0
-        paths = {dtype: root / f"{len(out)}-{dtype}.gguf" for dtype in ("f32", "f16")}
-        for dtype, path in paths.items():
-            assert main(["convert", "--to-gguf", str(ckpt), "--out", str(path), "--dtype", dtype]) == 0
-        model, tok = load(ckpt)
-        out[family] = (model, tok, paths["f32"], paths["f16"])
-    return out
-
-
-def _llama(path, vocab_only=False):
-    f32 = llama_cpp.GGML_TYPE_F32
-    return llama_cpp.Llama(str(path), n_ctx=128, n_batch=128, n_threads=2, n_threads_batch=2, vocab_only=vocab_only,
-                           logits_all=True, type_k=f32, type_v=f32, flash_attn=False, verbose=False, seed=0)
+    files = exported_families(tmp_path_factory.mktemp("families"), FAMILIES, ("f32", "f16"))
+    return {family: (model, tok, paths["f32"], paths["f16"]) for family, (model, tok, paths) in files.items()}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -85,7 +55,7 @@ def test_every_position_and_20_greedy_tokens(family, exported):
     model, tok, path, _ = exported[family]
     ids = tok.encode(PROMPT * 4)[:60]  # longer than the window: the sliding layers slide
     assert len(ids) > 3 * W
-    llm = _llama(path)
+    llm = llama_f32(path)
     llm.eval(ids)
     got = np.array(llm.scores[: len(ids)], dtype=np.float64)
     tokens = []
@@ -104,7 +74,7 @@ def test_every_position_and_20_greedy_tokens(family, exported):
 
 def test_same_token_ids(exported):
     _, tok, path, _ = exported["gemma3"]
-    llm = _llama(path, vocab_only=True)
+    llm = llama_f32(path, vocab_only=True)
     assert [t for t in nfc(TEXTS) if llm.tokenize(t.encode(), add_bos=False, special=True) != tok.encode(t)] == []
     llm.close()
 
@@ -113,7 +83,7 @@ def test_same_token_ids(exported):
 def test_f16_every_position(family, exported):
     model, tok, _, path = exported[family]
     ids = tok.encode(PROMPT * 4)[:60]
-    llm = _llama(path)
+    llm = llama_f32(path)
     llm.eval(ids)
     got = np.array(llm.scores[: len(ids)], dtype=np.float64)
     llm.close()

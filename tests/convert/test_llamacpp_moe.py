@@ -9,18 +9,13 @@ llama_cpp imports."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
-from glassformer.checkpoint.loading import load
-from glassformer.cli import main
 
 from ..support import greedy_cached
-from .family_parity import hf_random, tiny
-from .gguf_fixtures import PROMPT, qwen2_tokenizer
+from .gguf_fixtures import PROMPT, exported_families, llama_f32
 
 llama_cpp = pytest.importorskip("llama_cpp")
 transformers = pytest.importorskip("transformers")
@@ -44,30 +39,9 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """family -> (our model, the f32 GGUF file)."""
-    root = tmp_path_factory.mktemp("moe")
-    tok_json, tok_config = qwen2_tokenizer()
-    spec = json.loads(tok_json)
-    n_vocab = max([*spec["model"]["vocab"].values(), *(a["id"] for a in spec["added_tokens"])]) + 1
-    out = {}
-    for family, (kind, kw, _) in FAMILIES.items():
-        hf = hf_random(getattr(transformers, kind)(**tiny(**{**kw, "vocab_size": n_vocab, "max_position_embeddings": 128})))
-        folder = root / f"hf-{family}"
-        hf.save_pretrained(folder)
-        (folder / "tokenizer.json").write_text(tok_json, encoding="utf-8")
-        (folder / "tokenizer_config.json").write_text(json.dumps(tok_config), encoding="utf-8")
-        ckpt = root / f"ckpt-{len(out)}"
-        assert main(["convert", "--from-hf", str(folder), "--out", str(ckpt)]) == 0
-        path = root / f"{len(out)}.gguf"
-        assert main(["convert", "--to-gguf", str(ckpt), "--out", str(path), "--dtype", "f32"]) == 0
-        out[family] = (load(ckpt)[0], path)
-    return out
-
-
-def _llama(path):
-    f32 = llama_cpp.GGML_TYPE_F32
-    return llama_cpp.Llama(str(path), n_ctx=128, n_batch=128, n_threads=2, n_threads_batch=2, logits_all=True,
-                           type_k=f32, type_v=f32, flash_attn=False, verbose=False, seed=0)
+    """family -> (our model, the f32 GGUF file, the f16 one)."""
+    files = exported_families(tmp_path_factory.mktemp("moe"), FAMILIES, ("f32", "f16"))
+    return {family: (model, paths["f32"], paths["f16"]) for family, (model, _, paths) in files.items()}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -86,9 +60,9 @@ def test_written_as_its_graph(family, exported):
 def test_every_position_and_20_greedy_tokens(family, exported):
     from glassformer.checkpoint.loading import load as _  # noqa: F401  (the tokenizer is the fixture's)
 
-    model, path = exported[family]
+    model, path, _ = exported[family]
     ids = [int(i) for i in torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(0))]
-    llm = _llama(path)
+    llm = llama_f32(path)
     llm.eval(ids)
     got = np.array(llm.scores[: len(ids)], dtype=np.float64)
     tokens = []
@@ -105,16 +79,13 @@ def test_every_position_and_20_greedy_tokens(family, exported):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_f16_files_run(family, exported, tmp_path):
+def test_f16_files_run(family, exported):
     """In f16 the experts' (E, F) biases stay f32 (llama.cpp adds biases only in f32: an f16 one aborted the
     process); the files run and agree with ours on the next token almost everywhere (a near-tie in the
     router can send one position to another expert at f16)."""
-    model, path = exported[family]
-    ckpt = path.parent / f"ckpt-{path.stem}"
-    out = tmp_path / "m16.gguf"
-    assert main(["convert", "--to-gguf", str(ckpt), "--out", str(out), "--dtype", "f16"]) == 0
+    model, _, out = exported[family]
     ids = [int(i) for i in torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(0))]
-    llm = _llama(out)
+    llm = llama_f32(out)
     llm.eval(ids)
     got = np.array(llm.scores[: len(ids)], dtype=np.float64)
     llm.close()
