@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-
 from ..support import greedy_cached
 from .gguf_fixtures import PROMPT, TEXTS, exported_families, llama_f32, nfc
 

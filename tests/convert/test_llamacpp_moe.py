@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-
 from ..support import greedy_cached
 from .gguf_fixtures import PROMPT, exported_families, llama_f32
 
