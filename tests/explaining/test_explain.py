@@ -28,20 +28,18 @@ VARIANTS = {
 # ----------------------------------------------------------------------------- an independent recomputation
 
 
-def _post(kind, x):
+def _post(kind, x, step=None):
     if kind is None:
         return x
-    if kind == "sqrt":
-        return math.sqrt(x)
-    if kind == "relu":
-        return x if x > 0 else 0.0
-    if kind == "gelu":
-        return float(torch.nn.functional.gelu(torch.tensor(x, dtype=torch.float64)))
-    if kind == "gelu_tanh":
-        return float(torch.nn.functional.gelu(torch.tensor(x, dtype=torch.float64), approximate="tanh"))
-    if kind == "silu":
-        return float(torch.nn.functional.silu(torch.tensor(x, dtype=torch.float64)))
-    raise AssertionError(kind)
+    if kind == "clamp":  # the bounds are the step's own (gpt-oss's SwiGLU: docs/trace-format.md)
+        lo, hi = step["bounds"]
+        return float(torch.tensor(x, dtype=torch.float64).clamp(min=lo, max=hi))
+    fns = {"sqrt": torch.sqrt, "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+           "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+           "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"), "relu2": lambda v: torch.relu(v) ** 2}
+    if kind not in fns:
+        raise AssertionError(kind)
+    return float(fns[kind](torch.tensor(x, dtype=torch.float64)))
 
 
 def recompute(step):
@@ -54,12 +52,15 @@ def recompute(step):
             for o in term:
                 prod *= o["value"] ** o.get("power", 1)
             total += prod
-        return _post(step["post"], total + rest)
+        return _post(step["post"], total + rest, step)
     if step["op"] == "max":
         return max([o["value"] for o in step["over"]] + ([step["rest"]["value"]] if step.get("rest") else []))
     if step["op"] == "softmax":
         m = step["max"]
         return math.exp(step["target"]["value"] - m) / (sum(math.exp(o["value"] - m) for o in step["over"]) + rest)
+    if step["op"] == "argmax":  # a router's pick: the id of the largest operand
+        values = [o["value"] for o in step["over"]]
+        return float(step["ids"][max(range(len(values)), key=values.__getitem__)])
     assert step["op"] == "masked"
     return None
 

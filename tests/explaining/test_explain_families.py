@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from glassformer import explain
-from glassformer.tracing.trace import trace, weight_matrix
+from glassformer.tracing.trace import trace
 
 from ..support import reinit, tiny_model
+from .test_explain import check
 
 IDS = [7, 300, 42, 7, 511, 12, 99]
 
@@ -38,64 +39,6 @@ FAMILIES = {
                     sliding_window=3, rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                     "beta_slow": 1.0, "original_max_position_embeddings": 32}),
 }
-
-
-def recompute(step):
-    """The rule table of docs/trace-format.md, written again from the documentation."""
-    rest = (step.get("rest") or {}).get("value", 0.0)
-    if step["op"] == "sum":
-        total = rest
-        for term in step["terms"]:
-            prod = 1.0
-            for o in term:
-                prod *= o["value"] ** o.get("power", 1)
-            total += prod
-        post = step["post"]
-        x = torch.tensor(total, dtype=torch.float64)
-        if post == "clamp":
-            lo, hi = step["bounds"]
-            return float(x.clamp(min=lo, max=hi))
-        fns = {None: lambda v: v, "sqrt": torch.sqrt, "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
-               "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
-               "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"), "relu2": lambda v: torch.relu(v) ** 2}
-        return float(fns[post](x))
-    if step["op"] == "max":
-        return max([o["value"] for o in step["over"]] + ([step["rest"]["value"]] if step.get("rest") else []))
-    if step["op"] == "softmax":
-        m = step["max"]
-        return math.exp(step["target"]["value"] - m) / (sum(math.exp(o["value"] - m) for o in step["over"]) + rest)
-    if step["op"] == "argmax":
-        values = [o["value"] for o in step["over"]]
-        return float(step["ids"][max(range(len(values)), key=values.__getitem__)])
-    assert step["op"] == "masked"
-    return None
-
-
-def check(e, tr, model):
-    """Operands are what they claim to be, and recomputing them gives the traced value."""
-    d = e.to_dict()
-    json.dumps(d, allow_nan=False)
-    values = []
-    for k, step in enumerate(d["steps"]):
-        ops = [o for t in step.get("terms", []) for o in t] + step.get("over", [])
-        ops += [step["target"]] if "target" in step else []
-        for o in ops:
-            if o["source"] == "probe":
-                assert o["value"] == tr.value(o["name"], o["index"]), o
-            elif o["source"] == "weight":
-                assert o["value"] == float(weight_matrix(model, o["name"])[tuple(o["index"])]), o
-            elif o["source"] == "step":
-                assert o["index"][0] < k and o["value"] == values[o["index"][0]]
-        v = recompute(step)
-        if v is not None:
-            assert v == pytest.approx(step["value"], rel=1e-9, abs=1e-12), step["text"]
-        values.append(step["value"])
-        assert step["text"].startswith(step["label"] + " = ")
-    traced = tr.value(e.probe, e.index)
-    if math.isnan(traced):
-        assert d["steps"][-1]["op"] == "masked" and d["result"] is None
-    else:
-        assert d["result"] == pytest.approx(traced, rel=1e-5, abs=1e-5), (e.probe, e.index, e.text)
 
 
 def family_model(name):
