@@ -100,3 +100,21 @@ def test_train_with_lora(family, capsys):
                     "--eval-every", "3", "--eval-tokens", "64"]) == 0
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in x for x in lines)
+
+
+def test_the_serve_engine_batches_them_as_generate_runs_them_alone(family):
+    """`serve`'s continuous batching (rows at their own positions, padded keys, prefill in chunks) gives each
+    request the tokens `generate` gives it alone: the windows, sinks and routes hold row by row."""
+    from glassformer import generate
+    from glassformer.checkpoint.loading import load
+    from glassformer.generation.batching import Engine, Request
+
+    model, _ = load(str(family / "ckpt"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 13, 7, 20)]
+    alone = [list(generate(model, p, max_new_tokens=12, greedy=True)) for p in prompts]
+    engine = Engine(model, max_batch=3, prefill_chunk=8)
+    tickets = [engine.submit(Request(p, 12, temperature=0)) for p in prompts]
+    while engine.step():
+        pass
+    assert [[e.token for e in t.events(timeout=30) if e.token is not None] for t in tickets] == alone
