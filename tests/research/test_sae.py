@@ -373,3 +373,31 @@ def test_aux_k_loss_reaches_the_dead_features_only():
     e = x - x_hat
     e_hat = torch.stack([(v[n].relu()[:, None] * sae.W_dec.detach()[i[n]]).sum(0) for n in range(30)])
     assert float(loss.detach()) == pytest.approx(float(((e - e_hat) ** 2).sum() / (e ** 2).sum()), rel=1e-5)
+
+
+def test_the_explorer_serves_the_feature_browser(trained, capsys):
+    """`view --sae SAE --sae-data D` builds the browser at start-up and serves it at /features (behind the
+    same key as every route); without --sae-data, or with --worked, one line."""
+    from glassformer.cli import build_parser
+    from glassformer.commands.view import build_explorer
+    from glassformer.viewer.server import make_server
+
+    from tests.viewer.test_viewer_server import request
+
+    root, model, tok, _ = trained
+    args = build_parser().parse_args(["view", "--checkpoint", str(root / "ckpt"), "--sae", str(root / "sae"),
+                                      "--sae-data", str(root / "data.txt")])
+    ex = build_explorer(args)
+    server = make_server(ex, port=0, api_key="k-123")
+    server.start_in_thread()
+    try:
+        status, _, _ = request(server, "GET", "/features")
+        assert status == 401
+        status, headers, body = request(server, "GET", "/features", headers={"Authorization": "Bearer k-123"})
+        assert status == 200 and headers["content-type"].startswith("text/html")
+        data = json.loads(body.decode().split('<script id="feature-data" type="application/json">')[1].split("</script>")[0])
+        assert data["site"] == "blocks.1.hook_resid_pre" and data["features"]
+    finally:
+        server.stop()
+    one_error(capsys, ["view", "--checkpoint", str(root / "ckpt"), "--sae", str(root / "sae")], "--sae-data")
+    one_error(capsys, ["view", "--worked", "--sae", str(root / "sae")], "--sae goes with --checkpoint")

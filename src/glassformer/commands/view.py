@@ -24,6 +24,11 @@ def add_arguments(p) -> None:
                    help="address to listen on; anything but loopback needs an API key (or --insecure-no-key)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--text", default=None, help="the sentence the page opens with")
+    p.add_argument("--sae", metavar="SAE", default=None,
+                   help="a sparse autoencoder of this model (`glassformer sae train`): its feature browser at /features "
+                        "(docs/research.md#sparse-autoencoders)")
+    p.add_argument("--sae-data", metavar="DATA", default=None,
+                   help="with --sae: the text file or prepared folder whose top-activating contexts the browser shows")
     add_access_arguments(p)
     add_device_argument(p)
     add_quantize_argument(p, "explore")
@@ -37,6 +42,8 @@ def build_explorer(args):
     quantize_method(args)  # before the weights are read
     if not (args.checkpoint or args.worked or args.run):
         raise UserError("give --checkpoint CKPT, --run RUN or --worked: the model the explorer shows")
+    if args.sae is not None and (args.worked or args.run):
+        raise UserError("--sae goes with --checkpoint: the model the SAE was trained on")
     if args.worked and args.run:
         raise UserError("--run shows a training run's checkpoints; --worked is the walkthrough's toy model: give one")
     if args.worked:
@@ -58,7 +65,29 @@ def build_explorer(args):
     model, tokenizer = open_model(args.checkpoint)
     text = args.text or DEFAULT_TEXT
     ex = source.explorer(model, tokenizer, text, model_name=str(args.checkpoint))
-    return source.switchable(ex, model, tokenizer, text, model_name=str(args.checkpoint))  # MHA/GQA/MQA in the page
+    ex = source.switchable(ex, model, tokenizer, text, model_name=str(args.checkpoint))  # MHA/GQA/MQA in the page
+    if args.sae is not None:
+        ex.features_page = features_page(args.sae, args.sae_data, model, tokenizer)
+    return ex
+
+
+def features_page(sae_folder, data, model, tokenizer) -> str:
+    """The feature browser of `sae features --html`, for this model's SAE, over `data` (its defaults)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from ..research.sae import data_ids, feature_report, load_sae
+    from ..viewer.features import page
+
+    if data is None:
+        raise UserError("--sae needs --sae-data DATA: the text whose top-activating contexts the browser shows")
+    sae, meta, site = load_sae(sae_folder, model)  # refuses an SAE of another model, site or width
+    train_ids, eval_ids = data_ids(data, model, tokenizer)
+    ids = eval_ids if Path(data).is_dir() else np.concatenate([train_ids, eval_ids])
+    report = feature_report(model, sae, site, ids, tokenizer, context=min(128, model.config.max_seq_len))
+    report["sae"], report["evaluation"] = str(sae_folder), meta.get("evaluation")
+    return page(report)
 
 
 def run(args) -> int:
@@ -73,8 +102,9 @@ def run(args) -> int:
     explorer = build_explorer(args)
     explorer.payload(explorer.default_text)  # fail now, with a clear message, if the opening sentence cannot be read
     server = make_server(explorer, args.host, args.port, api_key=key, allowed_hosts=hosts,
-                         on_ready=lambda url: print(f"explorer at {keyed_url(url + '/', key)}  (Ctrl-C to stop)",
-                                                    flush=True))
+                         on_ready=lambda url: print(f"explorer at {keyed_url(url + '/', key)}  (Ctrl-C to stop)"
+                                                    + (f"\nSAE features at {keyed_url(url + '/features', key)}"
+                                                       if explorer.features_page else ""), flush=True))
     if not is_loopback(args.host) and key is None:  # (--insecure-no-key)
         print(f"warning: listening on {args.host} without an API key: anyone who can reach it may use the model",
               file=sys.stderr)

@@ -128,6 +128,7 @@ class Explorer:
     generator: Callable[[str, list[int], list[str], int, dict], tuple] | None = None
     research: Callable[[str, dict], dict] | None = None
     heads: Callable[[int], "Explorer"] | None = None
+    features_page: str | None = None  # the SAE feature browser (`view --sae`), served at GET /features
     heads_info: dict | None = None
     cache_size: int = 8
     digits: int = 6  # decimals (or significant digits, as as_dict reads it) of the numbers sent
@@ -512,7 +513,7 @@ def explorer_router(explorer: Explorer) -> APIRouter:
     async def sample(request: Request) -> Response:
         return await answer(request, lambda req: (explorer.sample, _text_of(req, explorer), *_sample_of(req),
                                                   _checkpoint_of(req)))
-    for more in (run_routes, research_routes, heads_route):  # the routes of views that live in their own functions
+    for more in (run_routes, research_routes, heads_route, features_route):  # views' routes in their own functions
         more(router, explorer, answer)
 
     @router.post("/api/generate")
@@ -535,6 +536,17 @@ def heads_route(router: APIRouter, explorer: Explorer, answer) -> None:
     @router.post("/api/heads")
     async def heads(request: Request) -> Response:
         return await answer(request, lambda req: (explorer.payload, _text_of(req, explorer), _kv_of(req)))
+
+
+def features_route(router: APIRouter, explorer: Explorer, answer) -> None:
+    """GET /features: the SAE feature browser that `view --sae SAE --sae-data D` built at start-up
+    (viewer/features.py; 404 without one). answer: explorer_router's (unused: the page is ready-made)."""
+
+    @router.api_route("/features", methods=["GET", "HEAD"])
+    async def features() -> Response:
+        if explorer.features_page is None:
+            return _json(404, {"error": "no feature browser: start the explorer with --sae SAE --sae-data DATA"})
+        return _send(200, explorer.features_page.encode("utf-8"), "text/html; charset=utf-8")
 
 
 def run_routes(router: APIRouter, explorer: Explorer, answer) -> None:
