@@ -43,7 +43,7 @@ def finish(args, out: dict, key: str, lines) -> int:
 
     out["checkpoint"] = str(args.checkpoint)
     if args.html:
-        from ..research.page import write_page
+        from ..viewer.research_page import write_page
 
         write_page(args.html, {key: out})
         if not args.json:

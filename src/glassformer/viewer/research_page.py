@@ -8,7 +8,7 @@ import hashlib
 import html
 from pathlib import Path
 
-from ..viewer.render import json_for_html, static_file
+from .render import json_for_html, static_file
 
 PAGE = """<!DOCTYPE html>
 <html lang="en">
