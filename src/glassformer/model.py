@@ -229,7 +229,7 @@ class Block(nn.Module):
     def forward(self, x, rope, q_pos, cache=None, key_mask=None, start=None, idx=None):
         n = self.name
         if self.cfg.norm_placement != "post":
-            # The stream itself is never normalised: each sublayer's branch is (branch), then added.
+            # Pre-norm, sandwich, post-branch: the stream is never normalised; each branch (below) is added to it.
             a = self.branch("attn", x, lambda h: self.attn(h, rope, q_pos, cache, key_mask, start, idx))
             h = tap(n + ".resid_mid", x + self.drop(a))
             if self.ffn is None:
