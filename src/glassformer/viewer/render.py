@@ -31,7 +31,8 @@ from .families import families_part
 STATIC = Path(__file__).parent / "static"
 # The page's scripts in the order they run: glass.js first (its helpers, as window.Glass), then
 # each view that lives in a file of its own and registers with Glass.view.
-VIEW_SCRIPTS = ("glass.js", "tokenizer.js", "generated.js", "training.js", "layout.js", "heads.js", "families.js", "map.js", "tour.js", "research.js")
+VIEW_SCRIPTS = ("glass.js", "tokenizer.js", "generated.js", "training.js", "layout.js", "heads.js", "map.js", "tour.js",
+                "families.js", "research.js")
 STYLES = ("glass.css", "tour.css")  # the page's style sheets, in order
 FEATURE_CAP = 8  # numbers shown per vector (per head); glass.js uses the same cap
 TOP_K = 5  # next-token candidates shown per position
