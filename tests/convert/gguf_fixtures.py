@@ -247,3 +247,24 @@ def llama_f32(path, vocab_only: bool = False):
     return llama_cpp.Llama(str(path), n_ctx=128, n_batch=128, n_threads=2, n_threads_batch=2, vocab_only=vocab_only,
                            logits_all=True, type_k=f32, type_v=f32, flash_attn=False, verbose=False, seed=0)
 
+
+def llama_and_ours(model, path, ids: list[int], steps: int = 0):
+    """llama.cpp's logits at every position of `ids` from the GGUF file at `path` and ours, as float64 arrays
+    (T, V), then `steps` greedy tokens from each (llama.cpp's from its own cache, ours from greedy_cached)."""
+    import numpy as np
+
+    from ..support import greedy_cached
+
+    llm = llama_f32(path)
+    llm.eval(ids)
+    got = np.array(llm.scores[: len(ids)], dtype=np.float64)
+    theirs = []
+    for _ in range(steps):
+        theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([theirs[-1]])
+    llm.close()
+    with torch.no_grad():
+        want = model(torch.tensor([ids]))[0][0].double().numpy()
+        ours = greedy_cached(model, torch.tensor([ids]), steps) if steps else []
+    return got, want, theirs, ours
+

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from ..support import greedy_cached
-from .gguf_fixtures import PROMPT, TEXTS, exported_families, llama_f32, nfc
+from .gguf_fixtures import PROMPT, TEXTS, exported_families, llama_and_ours, llama_f32, nfc
 
 llama_cpp = pytest.importorskip("llama_cpp")
 transformers = pytest.importorskip("transformers")
@@ -54,17 +52,7 @@ def test_every_position_and_20_greedy_tokens(family, exported):
     model, tok, path, _ = exported[family]
     ids = tok.encode(PROMPT * 4)[:60]  # longer than the window: the sliding layers slide
     assert len(ids) > 3 * W
-    llm = llama_f32(path)
-    llm.eval(ids)
-    got = np.array(llm.scores[: len(ids)], dtype=np.float64)
-    tokens = []
-    for _ in range(STEPS):
-        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        llm.eval([tokens[-1]])
-    llm.close()
-    with torch.no_grad():
-        want = model(torch.tensor([ids]))[0][0].double().numpy()
-        greedy = greedy_cached(model, torch.tensor([ids]), STEPS)
+    got, want, tokens, greedy = llama_and_ours(model, path, ids, STEPS)
     err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
     # ggml's f32 GELU reads an fp16 table, so GeGLU graphs get the 1e-3 the gpt2 graph gets (test_llamacpp.py)
     assert scale > 0.1 and err <= (1e-3 if family.startswith("gemma") else 1e-4) * scale, (err, scale)
@@ -82,11 +70,6 @@ def test_same_token_ids(exported):
 def test_f16_every_position(family, exported):
     model, tok, _, path = exported[family]
     ids = tok.encode(PROMPT * 4)[:60]
-    llm = llama_f32(path)
-    llm.eval(ids)
-    got = np.array(llm.scores[: len(ids)], dtype=np.float64)
-    llm.close()
-    with torch.no_grad():
-        want = model(torch.tensor([ids]))[0][0].double().numpy()
+    got, want, _, _ = llama_and_ours(model, path, ids)
     err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
     assert err <= 1e-2 * scale, (err, scale)  # as test_llamacpp.py's f16 (measured: 8e-4 to 1.8e-3)

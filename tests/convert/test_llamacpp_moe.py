@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ..support import greedy_cached
-from .gguf_fixtures import PROMPT, exported_families, llama_f32
+from .gguf_fixtures import exported_families, llama_and_ours, llama_f32
 
 llama_cpp = pytest.importorskip("llama_cpp")
 transformers = pytest.importorskip("transformers")
@@ -57,21 +56,9 @@ def test_written_as_its_graph(family, exported):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_position_and_20_greedy_tokens(family, exported):
-    from glassformer.checkpoint.loading import load as _  # noqa: F401  (the tokenizer is the fixture's)
-
     model, path, _ = exported[family]
     ids = [int(i) for i in torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(0))]
-    llm = llama_f32(path)
-    llm.eval(ids)
-    got = np.array(llm.scores[: len(ids)], dtype=np.float64)
-    tokens = []
-    for _ in range(STEPS):
-        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        llm.eval([tokens[-1]])
-    llm.close()
-    with torch.no_grad():
-        want = model(torch.tensor([ids]))[0][0].double().numpy()
-        greedy = greedy_cached(model, torch.tensor([ids]), STEPS)
+    got, want, tokens, greedy = llama_and_ours(model, path, ids, STEPS)
     err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
     assert scale > 0.1 and err <= 1e-4 * scale, (err, scale)
     assert tokens == greedy
