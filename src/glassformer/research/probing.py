@@ -19,6 +19,7 @@ import torch
 
 from ..errors import UserError
 from ..probes import stream_probes
+from .tokens import encode_texts
 
 # Sites named by the stream's place, whatever the norm placement (probes.STREAM_WIRING); any other
 # site is a probe's leaf name inside block L (attn.out, ffn.down, ffn.act, attn.z, ...).
@@ -224,14 +225,7 @@ def train_probes(model, tokenizer, texts: list[str], labels: list, site: str, la
     names = site_names(model, site, layers)
     if position not in POSITIONS:
         raise UserError(f"--position must be one of {', '.join(POSITIONS)}, got {position!r}")
-    rows = []
-    for n, t in enumerate(texts, 1):
-        ids = tokenizer.encode(t)
-        if not ids:
-            raise UserError(f"text {n} encodes to no tokens: give some text")
-        if len(ids) > cfg.max_seq_len:
-            raise UserError(f"text {n} is {len(ids)} tokens; this model reads at most {cfg.max_seq_len}: shorten it")
-        rows.append(ids)
+    rows = encode_texts(tokenizer, texts, "the data", cfg.max_seq_len)
     classes = [json.loads(c) for c in sorted(set(map(json.dumps, labels)))]  # (1 and true stay two classes)
     index = {json.dumps(c): i for i, c in enumerate(classes)}
     y = torch.tensor([index[json.dumps(v)] for v in labels])  # (n,)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from .tokens import encode_texts
 
 FORMAT = "glassformer-steering"
 REDUCE = ("last", "mean")  # which positions of a text stand for it: its last token (CAA), or all of them
@@ -47,20 +48,6 @@ class SteeringVector:
 
 
 # ----------------------------------------------------------------------------- reading the stream
-
-
-def _texts_ids(tokenizer, texts: list[str], what: str, max_len: int) -> list[list[int]]:
-    if not texts:
-        raise UserError(f"{what} holds no text (one text per line)")
-    rows = []
-    for n, t in enumerate(texts, 1):
-        ids = tokenizer.encode(t)
-        if not ids:
-            raise UserError(f"{what}, text {n} encodes to no tokens")
-        if len(ids) > max_len:
-            raise UserError(f"{what}, text {n} is {len(ids)} tokens; this model reads at most {max_len}: shorten it")
-        rows.append(ids)
-    return rows
 
 
 def check_layer(layer: int, n_layers: int, flag: str = "--layer") -> None:
@@ -108,8 +95,8 @@ def contrastive(model, tokenizer, positive: list[str], negative: list[str], laye
     """mean(stream | positive) − mean(stream | negative) entering block `layer`."""
     S = model.config.max_seq_len
     check_layer(layer, model.config.n_layers)
-    pos = stream_entering(model, _texts_ids(tokenizer, positive, "--positive", S), layer, reduce)  # (P, D)
-    neg = stream_entering(model, _texts_ids(tokenizer, negative, "--negative", S), layer, reduce)  # (N, D)
+    pos = stream_entering(model, encode_texts(tokenizer, positive, "--positive", S), layer, reduce)  # (P, D)
+    neg = stream_entering(model, encode_texts(tokenizer, negative, "--negative", S), layer, reduce)  # (N, D)
     direction = (pos.double().mean(0) - neg.double().mean(0)).float()  # (D,)
     # The stream's typical length there, so a scale can be read against it (|v|/|x|).
     stream_norm = float(torch.cat([pos, neg]).norm(dim=-1).mean())

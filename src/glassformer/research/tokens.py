@@ -56,6 +56,21 @@ def encode(tokenizer, text: str, flag: str, max_len: int) -> list[int]:
     return ids
 
 
+def encode_texts(tokenizer, texts: list[str], what: str, max_len: int) -> list[list[int]]:
+    """Each text's ids; one line naming `what` and the text's number for an empty or too long one."""
+    if not texts:
+        raise UserError(f"{what} holds no text (one text per line)")
+    rows = []
+    for n, t in enumerate(texts, 1):
+        ids = tokenizer.encode(t)
+        if not ids:
+            raise UserError(f"{what}, text {n} encodes to no tokens: give some text")
+        if len(ids) > max_len:
+            raise UserError(f"{what}, text {n} is {len(ids)} tokens; this model reads at most {max_len}: shorten it")
+        rows.append(ids)
+    return rows
+
+
 def same_length(tokenizer, clean: list[int], corrupt: list[int]) -> None:
     """Refuse two texts of different token lengths (a patch moves activations position by position),
     showing both tokenizations."""
