@@ -43,6 +43,8 @@ HF_CASES = {
     "qwen2-tied": ("Qwen2Config", dict(LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen2-window": ("Qwen2Config", dict(LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2,
                                          use_sliding_window=True, sliding_window=8, max_window_layers=0)),
+    "qwen2-mixed-window": ("Qwen2Config", dict(LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2,
+                                               use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     "gpt2": ("GPT2Config", dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=96, **NO_EOS)),
 }
 _ARCH = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
@@ -320,11 +322,6 @@ def _rope_yarn(c):
     c.pop("rope_scaling", None)
 
 
-def _mixed_window(c):
-    c.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    c["layer_types"] = ["full_attention", "sliding_attention"]
-
-
 def _broken_index(folder):
     sd = load_file(str(folder / "model.safetensors"))
     (folder / "model.safetensors").unlink()
@@ -365,12 +362,18 @@ def test_bad_input_gives_one_clear_error(case, converted, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_qwen2_mixed_window_layers_refused(converted, tmp_path, capsys):
-    _, src, _ = converted("qwen2-tied")
-    shutil.copytree(src, tmp_path / "hf")
-    _edit(tmp_path / "hf", _mixed_window)
-    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")]) == 2
-    assert "on some layers only" in capsys.readouterr().err
+def test_qwen2_sliding_on_some_layers_converts_both_ways(converted, tmp_path):
+    """max_window_layers between 0 and the layers: the first layers full, the rest sliding (layer_types),
+    with transformers' logits on ids longer than the window, and written back the same way."""
+    hf, _, dst = converted("qwen2-mixed-window")
+    ours, _ = load(dst)
+    assert ours.config.layer_types == ["full_attention", "sliding_attention"] and ours.config.sliding_window == 8
+    ids = torch.randint(0, V, (1, 48))
+    assert_close_logits(hf_logits(hf, ids), our_logits(ours, ids))
+    assert main(["convert", "--to-hf", str(dst), "--out", str(tmp_path / "back")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
+    assert back.config.layer_types == ["full_attention", "sliding_attention"]
+    assert_close_logits(hf_logits(hf, ids), hf_logits(back, ids))
 
 
 def test_cli_argument_errors(converted, tmp_path, capsys):

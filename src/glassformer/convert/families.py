@@ -145,34 +145,23 @@ def _mistral_from_hf(hf: dict) -> ModelConfig:
     return _llama_like_config(hf, "mistral", MISTRAL.defaults, sliding_window=hf.get("sliding_window"))
 
 
-def qwen2_window(hf: dict) -> int | None:
-    """The one sliding window that every layer of a Qwen2 config uses, or None.
-
-    Qwen2 slides its window only when use_sliding_window is true, and then only on layers
-    i >= max_window_layers (transformers writes this out as `layer_types`). glassformer
-    applies one window to every layer, so a config that mixes the two is refused.
-    """
+def qwen2_layer_types(hf: dict) -> list[str]:
+    """Each layer's kind in a Qwen2 config: `layer_types` where transformers wrote it out, else
+    sliding on the layers i >= max_window_layers when use_sliding_window is true (Qwen2's rule)."""
     n = need(hf, "num_hidden_layers", "qwen2")
-    types = hf.get("layer_types")
-    if types is None:
-        if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
-            types = ["full_attention"] * n
-        else:
-            first = hf.get("max_window_layers", 28)
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    kinds = set(types)
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"}:
-        return need(hf, "sliding_window", "qwen2")
-    raise UserError(
-        "config.json: this qwen2 model slides its attention window on some layers only "
-        f"({sum(t == 'sliding_attention' for t in types)} of {n}); glassformer uses one window for every layer"
-    )
+    if hf.get("layer_types") is not None:
+        return hf["layer_types"]
+    if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+        return ["full_attention"] * n
+    first = hf.get("max_window_layers", 28)
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
 
 
 def _qwen2_from_hf(hf: dict) -> ModelConfig:
-    return _llama_like_config(hf, "qwen2", QWEN2.defaults, qkv_bias=True, sliding_window=qwen2_window(hf))
+    n = need(hf, "num_hidden_layers", "qwen2")
+    window, types = layer_windows(qwen2_layer_types(hf), hf.get("sliding_window") if hf.get("use_sliding_window")
+                                  else None, n, "qwen2")
+    return _llama_like_config(hf, "qwen2", QWEN2.defaults, qkv_bias=True, sliding_window=window, layer_types=types)
 
 
 # What any new family refuses by name wherever the field appears with another value: each changes the
@@ -385,13 +374,14 @@ def _mistral_to_hf(cfg: ModelConfig) -> dict:
 
 
 def _qwen2_to_hf(cfg: ModelConfig) -> dict:
-    w = cfg.sliding_window
+    types = layer_types_out(cfg)
+    first = types.index("sliding_attention") if "sliding_attention" in types else cfg.n_layers
     return {
         **_llama_like_to_hf(cfg, "qwen2", "Qwen2ForCausalLM"),
-        "use_sliding_window": w is not None,
-        "sliding_window": w,
-        "max_window_layers": 0 if w is not None else cfg.n_layers,  # every layer slides, or none
-        "layer_types": ["sliding_attention" if w is not None else "full_attention"] * cfg.n_layers,
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
+        "max_window_layers": first,  # transformers < 5's rule (layers from it on slide); >= 5 reads layer_types
+        "layer_types": types,
     }
 
 
@@ -497,7 +487,8 @@ LLAMA = _family("llama", "LlamaForCausalLM", _llama_layer, _llama_from_hf, _llam
 MISTRAL = _family("mistral", "MistralForCausalLM", _llama_layer, _mistral_from_hf, _mistral_to_hf,
                   {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6}, _plain(sliding_window=ANY))
 QWEN2 = _family("qwen2", "Qwen2ForCausalLM", _llama_layer, _qwen2_from_hf, _qwen2_to_hf,
-                {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6}, _plain(qkv_bias=ANY, sliding_window=ANY))
+                {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+                _plain(qkv_bias=ANY, sliding_window=ANY, layer_types=ANY))
 QWEN3 = _family("qwen3", "Qwen3ForCausalLM", _llama_layer, _qwen3_from_hf, _qwen3_to_hf,
                 {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
                 _plain(qk_norm="head", attn_bias=ANY, sliding_window=ANY, layer_types=ANY, rope_scaling=_ANY_ROPE))
