@@ -76,6 +76,23 @@ def greedy_by_full_forward(model, prompt: list[int], steps: int, keep: int | Non
         text.append(out[-1])
     return out
 
+class NumberTokenizer:
+    """Text '5 9 2' <-> ids: the word is the id (pieces 't5', ...), for pages and explorers that need ids,
+    not a trained vocabulary."""
+
+    def __init__(self, vocab_size: int = 512):
+        self.vocab_size = vocab_size
+
+    def encode(self, text):
+        return [int(w) for w in text.split()]
+
+    def id_to_piece(self, i):
+        return f"t{i}"
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
 def tiny_checkpoint(folder: Path, text: str, vocab_size: int = 300):
     """A checkpoint folder of the tiny preset (large random weights) with a tokenizer trained on
     `text`: (model, tokenizer). Shared by the command-line tests of generate and quantize."""

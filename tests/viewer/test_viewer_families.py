@@ -20,22 +20,7 @@ from glassformer.viewer.cost_calc import figure
 from glassformer.viewer.families import families_part
 
 from ..explaining.test_explain_families import FAMILIES
-from ..support import reinit, tiny_model
-
-
-class Numbers:
-    """Text '5 9 2' <-> ids (a word-level vocabulary of the tiny models' 512)."""
-
-    vocab_size = 512
-
-    def encode(self, text):
-        return [int(w) for w in text.split()]
-
-    def id_to_piece(self, i):
-        return f"t{i}"
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
+from ..support import NumberTokenizer, reinit, tiny_model
 
 
 IDS = [5, 9, 2, 7, 11, 3, 8]
@@ -62,7 +47,7 @@ def test_cost_formulas_shown_equal_the_estimate(name):
 
 def test_the_page_data_of_a_mixture_carries_each_tokens_route():
     model = family_model("qwen3_moe")  # layer 1 is the mixture, layer 0 stays dense
-    tr, args = source.page_args(model, Numbers(), TEXT, model_name="moe", mode="server")
+    tr, args = source.page_args(model, NumberTokenizer(), TEXT, model_name="moe", mode="server")
     payload = render.build_payload(tr, mode="server", **args)
     fam = payload["families"]
     moe = fam["moe"]
@@ -109,7 +94,7 @@ def test_a_saved_pages_calculations_of_the_new_numbers(name):
     """A saved page stores the calculations of the families' numbers it draws, and each recomputes
     to the traced number."""
     model = family_model(name)
-    tr, args = source.page_args(model, Numbers(), TEXT, model_name=name, mode="server")
+    tr, args = source.page_args(model, NumberTokenizer(), TEXT, model_name=name, mode="server")
     payload = render.build_payload(tr, mode="static", explain=lambda p, i: explain(tr, p, i, model=model),
                                    explain_limit=300, **args)
     new = [k for k in payload["explain"] if re.search(r"(post_norm|sink_weight|router_probs|expert_weights|q_norm)\|", k)]

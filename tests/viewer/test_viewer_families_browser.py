@@ -9,15 +9,16 @@ import pytest
 from glassformer.explaining.explain import explain
 from glassformer.viewer import render, source
 
+from ..support import NumberTokenizer
 from .test_viewer_browser import browser, open_page  # noqa: F401 (a fixture)
-from .test_viewer_families import IDS, TEXT, Numbers, family_model
+from .test_viewer_families import IDS, TEXT, family_model
 
 pytestmark = pytest.mark.browser
 
 
 def test_the_routes_and_sinks_drawn_and_explained(browser, tmp_path):  # noqa: F811
     model = family_model("gpt_oss")
-    tr, args = source.page_args(model, Numbers(), TEXT, model_name="oss", mode="server")
+    tr, args = source.page_args(model, NumberTokenizer(), TEXT, model_name="oss", mode="server")
     path = render.write_html(tmp_path / "oss.html", tr, explain=lambda p, i: explain(tr, p, i, model=model),
                              **{k: v for k, v in args.items() if k != "tokenizer"})
     page = open_page(browser, path.as_uri())

@@ -16,7 +16,7 @@ from glassformer.viewer import heads, source
 from glassformer.viewer.server import make_server
 from glassformer.worked import model as worked
 
-from ..support import reinit, tiny_model
+from ..support import NumberTokenizer, reinit, tiny_model
 from .test_viewer_browser import browser  # noqa: F401  (a fixture: Debian's Chromium)
 from .test_viewer_server import post_json
 
@@ -65,25 +65,14 @@ def test_every_averaged_weight_shown_is_the_mean_of_its_group(ex):
 
 def test_a_checkpoints_heads_average_into_each_divisor():
     model = reinit(tiny_model(), std=0.3).eval()  # 4 query heads, 2 KV heads
-
-    class Tok:  # ids are the words' numbers
-        vocab_size = model.config.vocab_size
-
-        def encode(self, text):
-            return [int(w) for w in text.split()]
-
-        def id_to_piece(self, i):
-            return f"w{i}"
-
-        def decode(self, ids):
-            return " ".join(map(str, ids))
+    tok = NumberTokenizer(model.config.vocab_size)
 
     text = "5 9 2 7"
-    ex = source.switchable(source.explorer(model, Tok(), text, model_name="tiny"), model, Tok(), text, model_name="tiny")
+    ex = source.switchable(source.explorer(model, tok, text, model_name="tiny"), model, tok, text, model_name="tiny")
     assert ex.payload(text)["heads"]["options"] == [2, 1] and ex.payload(text)["heads"]["kv_heads"] == 2
     assert ex.at(heads.kv_name(2)) is ex
     one = ex.at(heads.kv_name(1)).payload(text)
-    ref = source.explorer(convert_kv_heads(model, 1), Tok(), text, model_name="ref").payload(text)
+    ref = source.explorer(convert_kv_heads(model, 1), tok, text, model_name="ref").payload(text)
     assert _weights(one) == _weights(ref) and one["trace"]["config"]["n_kv_heads"] == 1
 
 

@@ -18,26 +18,16 @@ from glassformer.tracing import tiles
 from glassformer.viewer import render, source
 from glassformer.viewer.server import make_server
 
-from ..support import tiny_model
+from ..support import NumberTokenizer, tiny_model
 
 IDS = [5, 9, 2, 7, 11, 3, 8, 1, 4, 6, 10, 12]  # 12 tokens: the page offers tiles of 1, 2, 4 and 8
 TEXT = " ".join(map(str, IDS))
 
 
-class Numbers:
-    """Text '5 9 2' <-> ids."""
-
-    def encode(self, text):
-        return [int(w) for w in text.split()]
-
-    def id_to_piece(self, i):
-        return f"t{i}"
-
-
 @pytest.fixture(scope="module", params=[None, 3], ids=["causal", "window3"])
 def live(request):
     model = tiny_model(sliding_window=request.param)
-    ex = source.explorer(model, Numbers(), TEXT, model_name="tiny")
+    ex = source.explorer(model, NumberTokenizer(), TEXT, model_name="tiny")
     return model, ex, ex.payload(TEXT)
 
 
@@ -58,7 +48,7 @@ def test_one_answer_does_a_bounded_amount_of_work(monkeypatch):
     every tile size, and the RMS calculations of every token, were 7 and 32 times what is
     drawn at first for the `small` preset at 32 tokens.)"""
     model = tiny_model()
-    ex = source.explorer(model, Numbers(), "1 2", model_name="tiny")
+    ex = source.explorer(model, NumberTokenizer(), "1 2", model_name="tiny")
     per_length = []
     for n in (6, 12):
         counts: Counter = Counter()
