@@ -142,12 +142,9 @@ def _train(args) -> int:
 
 def _features(args) -> int:
     import json
-    from pathlib import Path
-
-    import numpy as np
 
     from ..errors import UserError
-    from ..research.sae import data_ids, feature_report, load_sae
+    from ..research.sae import browse_ids, feature_report, load_sae
 
     for flag, v in (("--tokens", args.tokens), ("--context", args.context), ("--top", args.top),
                     ("--max-features", args.max_features)):
@@ -165,9 +162,7 @@ def _features(args) -> int:
     if args.context > model.config.max_seq_len:
         raise UserError(f"--context {args.context} is longer than the model's {model.config.max_seq_len} tokens")
     sae, meta, site = load_sae(args.sae, model, device=args.device)
-    train_ids, eval_ids = data_ids(args.data, model, tok)
-    # a prepared folder's val split, or the whole of a text file (data_ids holds its last tenth out for training)
-    ids = eval_ids if Path(args.data).is_dir() else np.concatenate([train_ids, eval_ids])
+    ids = browse_ids(args.data, model, tok)
     rep = feature_report(model, sae, site, ids, tok, n_tokens=args.tokens, context=args.context, top=args.top,
                          window=args.window, features=args.feature, max_features=args.max_features)
     rep["sae"], rep["evaluation"] = str(args.sae), meta.get("evaluation")

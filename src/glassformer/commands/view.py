@@ -73,19 +73,14 @@ def build_explorer(args):
 
 def features_page(sae_folder, data, model, tokenizer) -> str:
     """The feature browser of `sae features --html`, for this model's SAE, over `data` (its defaults)."""
-    from pathlib import Path
-
-    import numpy as np
-
-    from ..research.sae import data_ids, feature_report, load_sae
+    from ..research.sae import browse_ids, feature_report, load_sae
     from ..viewer.features import page
 
     if data is None:
         raise UserError("--sae needs --sae-data DATA: the text whose top-activating contexts the browser shows")
     sae, meta, site = load_sae(sae_folder, model)  # refuses an SAE of another model, site or width
-    train_ids, eval_ids = data_ids(data, model, tokenizer)
-    ids = eval_ids if Path(data).is_dir() else np.concatenate([train_ids, eval_ids])
-    report = feature_report(model, sae, site, ids, tokenizer, context=min(128, model.config.max_seq_len))
+    report = feature_report(model, sae, site, browse_ids(data, model, tokenizer), tokenizer,
+                            context=min(128, model.config.max_seq_len))
     report["sae"], report["evaluation"] = str(sae_folder), meta.get("evaluation")
     return page(report)
 

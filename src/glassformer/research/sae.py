@@ -611,6 +611,13 @@ def logit_effects(model, sae: TopKSAE, features: list[int], n: int = 8, tokenize
 
 
 @torch.no_grad()
+def browse_ids(path: str | Path, model, tokenizer) -> np.ndarray:
+    """The ids the feature browser reads: a prepared folder's val split, or the whole of a text file
+    (data_ids holds its last tenth out for training; browsing need not)."""
+    train_ids, eval_ids = data_ids(path, model, tokenizer)
+    return eval_ids if Path(path).is_dir() else np.concatenate([train_ids, eval_ids])
+
+
 def feature_report(model, sae: TopKSAE, site: Site, ids: np.ndarray, tokenizer=None, *, n_tokens: int = 32768,
                    context: int = 128, top: int = 8, window: int = 8, features: list[int] | None = None,
                    max_features: int = 256) -> dict:
