@@ -375,8 +375,8 @@ class Transformer(nn.Module):
         YaRN's attention factor multiplies cos and sin (rope_scaling.py)."""
         local = kind == "local"
         cos, sin = rope_angles(q_pos, self.rope_local_inv_freq if local else self.rope_inv_freq)  # (B, T, H/2) each
-        f = attention_factor(None if local else self.config.rope_scaling)  # 1 unless YaRN
-        return rope_tables(cos * f if f != 1 else cos, sin * f if f != 1 else sin, self.config.rope_pairs)
+        f = attention_factor(None if local else self.config.rope_scaling)  # 1 unless YaRN (times 1 is exact)
+        return rope_tables(cos * f, sin * f, self.config.rope_pairs)
 
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
         """The head: final-norm output (..., D) -> logits (..., V), soft-capped when logit_softcap is set
