@@ -31,7 +31,8 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.dim, E, bias=cfg.ffn_bias)
         self.experts = nn.ModuleList(expert(cfg, F) for _ in range(E))
         self.shared = expert(cfg, cfg.n_shared_experts * F) if cfg.n_shared_experts else None
-        self.routed: tuple[torch.Tensor, torch.Tensor] | None = None  # the last forward's probs and choices
+        self.aux_loss: torch.Tensor | None = None  # the last forward's load-balancing loss (training reads it)
+        self.load: torch.Tensor | None = None  # (E,) the last forward's share of routed slots per expert
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, n = self.cfg, self.name
@@ -56,18 +57,8 @@ class MoE(nn.Module):
         y = (weights[..., None] * outs).sum(2)  # (B, T, D)
         if self.shared is not None:
             y = y + tap(n + ".shared", self.shared(x))
-        self.routed = (probs, slots)  # kept, not reduced: only training reads aux_loss and load
+        self.aux_loss, self.load = balance(probs, slots, cfg.n_experts)
         return tap(n + ".down", y)  # (B, T, D): the feed-forward's output, under a dense one's name
-
-    @property
-    def aux_loss(self) -> torch.Tensor | None:
-        """The last forward's load-balancing loss (balance), for training to add; None before any forward."""
-        return None if self.routed is None else balance(*self.routed, self.cfg.n_experts)[0]
-
-    @property
-    def load(self) -> torch.Tensor | None:
-        """(E,) the last forward's share of routed slots per expert."""
-        return None if self.routed is None else balance(*self.routed, self.cfg.n_experts)[1]
 
 
 def balance(probs: torch.Tensor, slots: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
